@@ -1,0 +1,32 @@
+# oomdoc developer commands. `make demo` and `make test` work on a fresh machine.
+PYTHON ?= python3
+PIP ?= $(PYTHON) -m pip
+# torch is installed only when missing, so an existing (CUDA or CPU) build is kept.
+TORCH ?= torch>=2.4
+
+.PHONY: install demo test test-gpu bench clean
+
+install:
+	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install "$(TORCH)"
+	$(PIP) install -q -e ".[dev]"
+
+# Runs oomdoc on an example that runs out of memory: on a GPU, the GPT example
+# on a card capped to 16 GiB; without one, a small GPT on a 192 MiB simulated device.
+demo: install
+	@if $(PYTHON) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
+		$(PYTHON) -m oomdoc run --device-memory 16GiB examples/gpt_train.py --batch-size 32 --steps 4 || [ $$? -eq 1 ]; \
+	else \
+		$(PYTHON) -m oomdoc run --device cpu --device-memory 192MiB examples/gpt_train.py --preset tiny --batch-size 64 --steps 4 || [ $$? -eq 1 ]; \
+	fi
+
+test: install
+	$(PYTHON) -m pytest -q
+
+test-gpu: install
+	$(PYTHON) -m pytest -q -m gpu tests/gpu
+
+bench: install
+	$(PYTHON) benchmarks/instrumentation_overhead.py
+
+clean:
+	rm -rf .oomdoc build *.egg-info .pytest_cache

@@ -1,0 +1,236 @@
+"""The child process: runs the user's script as `__main__` under capture.
+
+Started by the parent as `python -m oomdoc.capture.child`; the configuration
+comes in a JSON file named by $OOMDOC_CHILD_CONFIG, so that nothing is added
+to the script's own argv. The capture is written, whatever happens, to the
+result file the configuration names.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import signal
+import sys
+import traceback
+
+import psutil
+import torch
+
+from oomdoc.capture.backends import CudaBackend, OutOfMemoryError, SimulatedBackend
+from oomdoc.capture.tracker import StopRun, Tracker
+from oomdoc.snapshot import dumps, write_atomic
+
+CONFIG_ENV = "OOMDOC_CHILD_CONFIG"
+
+
+class Terminated(BaseException):
+    """SIGTERM, turned into an exception so the capture is still written."""
+
+
+def _on_sigterm(signum, frame):
+    raise Terminated()
+
+
+def make_backend(config: dict):
+    if config["device"] == "cuda":
+        return CudaBackend(config.get("capacity_bytes"))
+    capacity = config.get("capacity_bytes") or psutil.virtual_memory().total
+    return SimulatedBackend(capacity)
+
+
+def _host_memory() -> dict:
+    try:
+        memory = psutil.virtual_memory()
+        return {
+            "total_bytes": int(memory.total),
+            "available_bytes": int(memory.available),
+            "process_rss_bytes": int(psutil.Process().memory_info().rss),
+        }
+    except Exception:
+        return {}
+
+
+_OOMDOC_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _without_oomdoc_frames(summary: traceback.TracebackException) -> None:
+    """Drop the frames of oomdoc's own hooks, here and in chained exceptions."""
+    seen = set()
+    while summary is not None and id(summary) not in seen:
+        seen.add(id(summary))
+        summary.stack = traceback.StackSummary.from_list(
+            [frame for frame in summary.stack if not os.path.abspath(frame.filename).startswith(_OOMDOC_DIR + os.sep)]
+        )
+        for chained in (summary.__cause__, summary.__context__):
+            if chained is not None:
+                _without_oomdoc_frames(chained)
+        summary = None
+
+
+def _print_user_traceback(exc: BaseException, target_file: str | None) -> None:
+    """Print the traceback as plain `python script.py` would: from the
+    script's first frame on, without oomdoc's and runpy's frames."""
+    tb = exc.__traceback__
+    if target_file:
+        real_target = os.path.realpath(target_file)
+        probe = tb
+        while probe is not None:
+            if os.path.realpath(probe.tb_frame.f_code.co_filename) == real_target:
+                tb = probe
+                break
+            probe = probe.tb_next
+    summary = traceback.TracebackException(type(exc), exc, tb)
+    _without_oomdoc_frames(summary)
+    sys.stderr.write("".join(summary.format()))
+    sys.stderr.flush()
+
+
+def _exit_code_of(exc: SystemExit) -> int:
+    code = exc.code
+    if code is None:
+        return 0
+    if isinstance(code, bool):
+        return int(code)
+    if isinstance(code, int):
+        return code & 0xFF
+    return 1
+
+
+def run(config: dict) -> int:
+    backend = make_backend(config)
+    tracker = Tracker(backend, max_steps=config.get("max_steps"))
+    tracker.install()
+    backend.install(tracker)
+    if config.get("fix"):
+        from oomdoc.replay.apply import apply_fix
+
+        apply_fix(config["fix"], tracker)
+
+    target = config["target"]
+    script_args = list(config.get("args", []))
+    signal.signal(signal.SIGTERM, _on_sigterm)
+
+    outcome, exit_code, error, system_exit = "ok", 0, None, None
+    target_file = None
+    try:
+        if config.get("is_module"):
+            spec = __import__("importlib.util").util.find_spec(target)
+            target_file = spec.origin if spec is not None else None
+            sys.argv = [target_file or target, *script_args]
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            target_file = os.path.abspath(target)
+            sys.argv = [target, *script_args]
+            sys.path[0] = os.path.dirname(target_file)
+            runpy.run_path(target, run_name="__main__")
+    except StopRun:
+        outcome, exit_code = "ok", 0
+    except SystemExit as exc:
+        exit_code = _exit_code_of(exc)
+        outcome = "ok" if exit_code == 0 else "error"
+        system_exit = exc
+    except (KeyboardInterrupt, Terminated) as exc:
+        outcome = "interrupted"
+        exit_code = 130 if isinstance(exc, KeyboardInterrupt) else 143
+        _print_user_traceback(exc, target_file)
+    except OutOfMemoryError as exc:
+        outcome, exit_code = "oom", 1
+        error = {"type": type(exc).__name__, "message": str(exc)}
+        _print_user_traceback(exc, target_file)
+    except BaseException as exc:
+        outcome, exit_code = "error", 1
+        error = {"type": type(exc).__name__, "message": str(exc)[:2000]}
+        _print_user_traceback(exc, target_file)
+    finally:
+        # No more signals while the capture is written.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if isinstance(backend, SimulatedBackend):
+            backend.enabled = False  # oomdoc's own work from here on does not count
+
+    write_capture(config, backend, tracker, outcome, exit_code, error)
+    tracker.uninstall()
+    backend.uninstall()
+    if system_exit is not None:
+        sys.stdout.flush()
+        raise system_exit
+    return exit_code
+
+
+def write_capture(config, backend, tracker, outcome, exit_code, error) -> None:
+    tracker.finish()
+    oom = tracker.oom if outcome == "oom" else None
+    if outcome == "oom" and oom is None:
+        # The allocator raised without calling the observer (e.g. an OOM
+        # raised by a library): keep what the exception says.
+        oom = {
+            "step": tracker.step_index, "phase": tracker.phase,
+            "requested_bytes": 0, "allocated_bytes": backend.allocated_bytes(),
+            "reserved_bytes": backend.reserved_bytes(), "free_bytes": 0,
+            "capacity_bytes": backend.capacity_bytes(), "message": "", "location": None,
+            "breakdown": None, "top_allocations": [], "allocator": backend.allocator_stats(),
+        }
+    if oom is not None:
+        if error and not oom.get("message"):
+            oom["message"] = error["message"]
+        breakdown, top, breakdown_at = oom.pop("breakdown"), oom.pop("top_allocations"), "oom"
+        allocator = oom.pop("allocator", {})
+        if breakdown is None:
+            breakdown, top = tracker.breakdown_and_sites()
+    elif tracker.peak_sample is not None:
+        breakdown, top, breakdown_at = tracker.peak_sample["breakdown"], tracker.peak_sample["top_allocations"], "peak"
+        allocator = backend.allocator_stats()
+    else:
+        breakdown, top = tracker.breakdown_and_sites()
+        breakdown_at, allocator = "end", backend.allocator_stats()
+
+    extra = {}
+    if outcome == "oom":
+        try:
+            extra = backend.on_oom_extra(config.get("artifact_dir"))
+        except Exception as exc:
+            print(f"oomdoc: could not save PyTorch's memory snapshot: {exc}", file=sys.stderr)
+
+    steps = tracker.steps
+    peak_step = max(steps, key=lambda s: s["peak_allocated_bytes"], default=None)
+    capture = {
+        "torch_version": torch.__version__,
+        "device": backend.device_info(),
+        "host": _host_memory(),
+        "outcome": outcome,
+        "exit_code": int(exit_code),
+        "error": error if outcome == "error" else None,
+        "step_unit": tracker.unit,
+        "oom": oom,
+        "breakdown": breakdown,
+        "breakdown_at": breakdown_at,
+        "peak": {
+            "allocated_bytes": int(max([s["peak_allocated_bytes"] for s in steps] + [oom["allocated_bytes"] if oom else 0])),
+            "reserved_bytes": int(max([s["peak_reserved_bytes"] for s in steps] + [oom["reserved_bytes"] if oom else 0])),
+            "step": peak_step["index"] if peak_step else None,
+            "phase": peak_step["peak_phase"] if peak_step else None,
+        },
+        "steps": steps,
+        "top_allocations": top,
+        "allocator": allocator,
+        "optimizers": sorted(tracker.optimizer_classes),
+        "models": tracker.models,
+        "artifacts": extra,
+    }
+    write_atomic(config["result_path"], dumps(capture), overwrite=True)
+
+
+def main() -> None:
+    config_path = os.environ.pop(CONFIG_ENV, None)
+    if not config_path:
+        print("oomdoc: the capture child needs $OOMDOC_CHILD_CONFIG", file=sys.stderr)
+        sys.exit(2)
+    with open(config_path, encoding="utf-8") as handle:
+        config = json.load(handle)
+    sys.exit(run(config))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,543 @@
+"""Step and phase detection, and what is recorded per step and at an OOM.
+
+A training step ends at `optimizer.step()` (global optimizer hooks see every
+torch.optim optimizer and subclass). Without an optimizer the unit is the
+outermost `nn.Module` call. A step is closed lazily, when the next step's
+first forward starts (or the script ends), so several optimizers stepping in
+one iteration form one step and `--max-steps` stops between steps.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import weakref
+
+import torch
+import torch.nn as nn
+
+from oomdoc import frames
+from oomdoc.capture.backends import Backend, storage_key
+from oomdoc.snapshot import CATEGORIES
+
+
+class StopRun(BaseException):
+    """Raised into the script to stop it cleanly after `max_steps` steps.
+
+    A BaseException so that a script's `except Exception` does not swallow it.
+    """
+
+
+_GRAPH_STAMP = "oomdoc_step"
+_GRAPH_WALK_LIMIT = 4000
+_LEAK_FRAMES = 3
+_CONTAINER_ITEMS = 8
+
+
+class Tracker:
+    def __init__(self, backend: Backend, max_steps: int | None = None):
+        self.backend = backend
+        self.max_steps = max_steps
+        self.step_index = 0
+        self.phase = "setup"
+        self.unit = "module"  # becomes "optimizer" at the first optimizer step
+        self.steps: list[dict] = []
+        self.oom: dict | None = None
+        self.modules: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+        self.optimizers: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+        self.optimizer_classes: set[str] = set()
+        self.models: list[dict] = []
+        self._module_depth = 0
+        self._backward_depth = 0
+        self._pending_close = False
+        self._handles: list = []
+        self._originals: list = []
+        self._step_started = time.perf_counter()
+        self.peak_sample: dict | None = None
+        self._new_step()
+
+    # ------------------------------------------------------------ steps
+    def _new_step(self) -> None:
+        self._current = {
+            "index": self.step_index,
+            "peak_allocated_bytes": 0,
+            "peak_reserved_bytes": 0,
+            "peak_phase": self.phase,
+            "end_allocated_bytes": None,
+            "forward_calls": 0,
+            "forward_calls_with_grad": 0,
+            "backward_calls": 0,
+            "optimizer_steps": 0,
+        }
+        self._step_started = time.perf_counter()
+
+    def _fold_peak(self) -> None:
+        """Attribute the peak since the last phase change to the phase that is ending."""
+        allocated, reserved = self.backend.read_and_reset_peak()
+        current = self._current
+        if allocated > current["peak_allocated_bytes"]:
+            current["peak_allocated_bytes"] = allocated
+            current["peak_phase"] = self.phase
+        current["peak_reserved_bytes"] = max(current["peak_reserved_bytes"], reserved)
+
+    def _set_phase(self, phase: str) -> None:
+        if phase != self.phase:
+            self._sample_peak()
+            self._fold_peak()
+            self.phase = phase
+
+    def _sample_peak(self) -> None:
+        """Keep the breakdown at the fullest moment seen at a phase boundary.
+
+        Memory peaks at the end of the forward pass or inside the optimizer
+        step; sampling at the boundaries costs nothing in between, and the
+        breakdown is only recomputed when a new high is reached.
+        """
+        if self.phase not in ("forward", "backward", "optimizer"):
+            return
+        allocated = self.backend.allocated_bytes()
+        if self.peak_sample is not None and allocated <= self.peak_sample["allocated_bytes"]:
+            return
+        breakdown, sites = self.breakdown_and_sites()
+        self.peak_sample = {
+            "allocated_bytes": int(allocated),
+            "step": self.step_index,
+            "phase": self.phase,
+            "breakdown": breakdown,
+            "top_allocations": sites,
+        }
+
+    def _close_step(self) -> None:
+        self._fold_peak()
+        current = self._current
+        if current["end_allocated_bytes"] is None:
+            current["end_allocated_bytes"] = self.backend.allocated_bytes()
+        current["duration_s"] = round(time.perf_counter() - self._step_started, 6)
+        current["retained_graphs"] = self._find_retained_graphs()
+        if self.backend.per_storage:
+            retained = sum(
+                nbytes for _key, nbytes, record in self.backend.live_storages()
+                if record is not None and record.step < current["index"] and record.phase in ("forward", "backward")
+            )
+            current["retained_activation_bytes"] = int(retained)
+        self.steps.append(current)
+        self.step_index += 1
+        self._pending_close = False
+        self._new_step()
+
+    def finish(self) -> None:
+        """Close the last step when the script ends (normally or not)."""
+        self._sample_peak()
+        current = self._current
+        if current["forward_calls"] or current["optimizer_steps"] or current["backward_calls"]:
+            self._close_step()
+        else:
+            self._fold_peak()
+
+    # ------------------------------------------------------------ hooks
+    def install(self) -> None:
+        module_hooks = nn.modules.module
+        self._handles.append(module_hooks.register_module_forward_pre_hook(self._on_forward_pre))
+        try:
+            handle = module_hooks.register_module_forward_hook(self._on_forward_post, always_call=True)
+        except TypeError:  # torch without always_call
+            handle = module_hooks.register_module_forward_hook(self._on_forward_post)
+        self._handles.append(handle)
+        import torch.optim.optimizer as optim
+        self._handles.append(optim.register_optimizer_step_pre_hook(self._on_optimizer_pre))
+        self._handles.append(optim.register_optimizer_step_post_hook(self._on_optimizer_post))
+        self._patch(torch.autograd, "backward", self._wrap_backward(torch.autograd.backward))
+        self._patch(torch.autograd, "grad", self._wrap_backward(torch.autograd.grad))
+        original_init = torch.optim.Optimizer.__init__
+        tracker = self
+
+        def optimizer_init(optimizer, *args, **kwargs):
+            original_init(optimizer, *args, **kwargs)
+            tracker._add_optimizer(optimizer)
+
+        self._patch(torch.optim.Optimizer, "__init__", optimizer_init)
+
+    def _patch(self, owner, name, replacement) -> None:
+        self._originals.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, replacement)
+
+    def uninstall(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        for owner, name, original in reversed(self._originals):
+            setattr(owner, name, original)
+        self._originals.clear()
+
+    def _wrap_backward(self, original):
+        tracker = self
+
+        def wrapped(*args, **kwargs):
+            tracker._on_backward_start(args[0] if args else kwargs.get("tensors", kwargs.get("outputs")))
+            tracker._backward_depth += 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                tracker._backward_depth -= 1
+
+        wrapped.__wrapped__ = original
+        wrapped.__name__ = getattr(original, "__name__", "backward")
+        wrapped.__doc__ = getattr(original, "__doc__", None)
+        return wrapped
+
+    def _on_forward_pre(self, module, inputs):
+        if self._module_depth == 0 and self._backward_depth == 0:
+            self._outermost_forward_start(module)
+        self._module_depth += 1
+
+    def _on_forward_post(self, module, inputs, output):
+        self._module_depth = max(0, self._module_depth - 1)
+        if self._module_depth == 0 and self._backward_depth == 0:
+            _stamp_graph(output, self.step_index)
+            self._sample_peak()
+            if self.unit == "module":
+                self._current["end_allocated_bytes"] = self.backend.allocated_bytes()
+
+    def _outermost_forward_start(self, module) -> None:
+        if self._pending_close or (self.unit == "module" and self._current["forward_calls"]):
+            self._close_step()
+            if self.max_steps is not None and len(self.steps) >= self.max_steps:
+                raise StopRun()
+        self._add_model(module)
+        self._set_phase("forward")
+        if not self.backend.per_storage and self._current["forward_calls"] == 0:
+            self._remember_forward_baseline()
+        current = self._current
+        current["forward_calls"] += 1
+        if torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
+            if any(parameter.requires_grad for parameter in module.parameters()):
+                current["forward_calls_with_grad"] += 1
+
+    def _on_backward_start(self, roots) -> None:
+        if self._backward_depth == 0:
+            _stamp_graph(roots, self.step_index)
+            self._set_phase("backward")
+            self._current["backward_calls"] += 1
+
+    def _add_optimizer(self, optimizer) -> None:
+        if optimizer not in self.optimizers:
+            self.optimizers.add(optimizer)
+            self.optimizer_classes.add(type(optimizer).__name__)
+
+    def _add_model(self, module) -> None:
+        """Remember a model the first time it is called: its size and the
+        repeated blocks that activation checkpointing could wrap."""
+        if module in self.modules:
+            return
+        self.modules.add(module)
+        parameter_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
+        self.models.append({
+            "class": type(module).__name__,
+            "parameters_bytes": int(parameter_bytes),
+            "repeated_blocks": repeated_blocks(module),
+        })
+
+    def _on_optimizer_pre(self, optimizer, args, kwargs):
+        self._add_optimizer(optimizer)
+        if self.unit != "optimizer":
+            self._switch_to_optimizer_unit()
+        self._set_phase("optimizer")
+
+    def _on_optimizer_post(self, optimizer, args, kwargs):
+        self._sample_peak()
+        self._fold_peak()
+        self._current["optimizer_steps"] += 1
+        self._current["end_allocated_bytes"] = self.backend.allocated_bytes()
+        self._pending_close = True
+        self.phase = "idle"
+
+    def _switch_to_optimizer_unit(self) -> None:
+        """Steps closed per module call before the first optimizer step were
+        really micro-batches of the first optimizer step: merge them."""
+        self.unit = "optimizer"
+        if not self.steps:
+            return
+        merged = self._current
+        for earlier in self.steps:
+            if earlier["peak_allocated_bytes"] > merged["peak_allocated_bytes"]:
+                merged["peak_allocated_bytes"] = earlier["peak_allocated_bytes"]
+                merged["peak_phase"] = earlier["peak_phase"]
+            merged["peak_reserved_bytes"] = max(merged["peak_reserved_bytes"], earlier["peak_reserved_bytes"])
+            for key in ("forward_calls", "forward_calls_with_grad", "backward_calls"):
+                merged[key] += earlier[key]
+        merged["index"] = 0
+        self.steps.clear()
+        self.step_index = 0
+
+    # ------------------------------------------------------------ leaks
+    def _find_retained_graphs(self) -> list[dict]:
+        """Variables in the user's frames whose autograd graph reaches back into
+        an earlier step (e.g. `total += loss`): graphs that outlive their step."""
+        found = []
+        if self.step_index == 0:
+            return found
+        try:
+            user_frames = frames.user_frames(_LEAK_FRAMES, sys._getframe(1))
+        except Exception:
+            return found
+        seen = set()
+        for frame in user_frames:
+            for name, value in list(frame.f_locals.items()):
+                for tensor in _candidate_tensors(value):
+                    if id(tensor) in seen:
+                        continue
+                    seen.add(id(tensor))
+                    oldest = _oldest_stamp(tensor.grad_fn, self.step_index)
+                    if oldest is not None:
+                        found.append({
+                            "variable": name,
+                            "file": frame.f_code.co_filename,
+                            "line": frame.f_lineno,
+                            "function": frame.f_code.co_name,
+                            "from_step": oldest,
+                        })
+                        break
+        return found
+
+    # ------------------------------------------------------------ OOM
+    def on_oom(self, requested_bytes: int, message: str | None) -> None:
+        """Record the state at the moment of the OOM, before the stack unwinds."""
+        allocated = self.backend.allocated_bytes()
+        reserved = self.backend.reserved_bytes()
+        capacity = self.backend.capacity_bytes()
+        self._fold_peak()
+        breakdown, sites = self.breakdown_and_sites()
+        self.oom = {
+            "step": self.step_index,
+            "phase": self.phase,
+            "requested_bytes": int(requested_bytes),
+            "allocated_bytes": int(allocated),
+            "reserved_bytes": int(reserved),
+            "free_bytes": int(max(0, capacity - reserved)),
+            "capacity_bytes": int(capacity),
+            "message": message or "",
+            "location": frames.current_user_location(sys._getframe(1)),
+            "breakdown": breakdown,
+            "top_allocations": sites,
+            "allocator": self.backend.allocator_stats(),
+        }
+
+    # ------------------------------------------------------------ breakdown
+    def _known_tensors(self):
+        """Storage keys of parameters, gradients and optimizer state on the device."""
+        parameters, gradients, state = {}, {}, {}
+        backend = self.backend
+
+        def add(table, tensor):
+            if isinstance(tensor, torch.Tensor) and backend.owns(tensor):
+                key = storage_key(tensor)
+                if key is not None and key not in table:
+                    try:
+                        table[key] = backend.storage_bytes(tensor.untyped_storage().nbytes())
+                    except Exception:
+                        pass
+
+        all_parameters = []
+        for module in list(self.modules):
+            all_parameters.extend(module.parameters())
+        for optimizer in list(self.optimizers):
+            for group in optimizer.param_groups:
+                all_parameters.extend(group["params"])
+        for parameter in all_parameters:
+            add(parameters, parameter)
+            if parameter.grad is not None:
+                add(gradients, parameter.grad)
+        for optimizer in list(self.optimizers):
+            for per_parameter in list(optimizer.state.values()):
+                if isinstance(per_parameter, dict):
+                    for value in per_parameter.values():
+                        add(state, value)
+        # A storage is counted once, in the first category that claims it.
+        gradients = {k: v for k, v in gradients.items() if k not in parameters}
+        state = {k: v for k, v in state.items() if k not in parameters and k not in gradients}
+        return parameters, gradients, state
+
+    def breakdown_and_sites(self, limit: int = 20) -> tuple[dict, list[dict]]:
+        """Live memory split into the five categories, and the largest
+        allocation sites (aggregated by user location, shape and dtype)."""
+        parameters, gradients, state = self._known_tensors()
+        breakdown = {category: 0 for category in CATEGORIES}
+        breakdown["parameters"] = sum(parameters.values())
+        breakdown["gradients"] = sum(gradients.values())
+        breakdown["optimizer_state"] = sum(state.values())
+
+        def category_of(key, record) -> str:
+            if key in parameters:
+                return "parameters"
+            if key in gradients:
+                return "gradients"
+            if key in state:
+                return "optimizer_state"
+            if record is not None and record.phase in ("forward", "backward", "optimizer"):
+                return "activations"
+            return "other"
+
+        per_storage = list(self.backend.live_storages())
+        if self.backend.per_storage:
+            # The simulated device sees every storage with the phase it was made in.
+            breakdown = {category: 0 for category in CATEGORIES}
+            for key, nbytes, record in per_storage:
+                breakdown[category_of(key, record)] += nbytes
+        else:
+            allocated = self.backend.allocated_bytes()
+            known = breakdown["parameters"] + breakdown["gradients"] + breakdown["optimizer_state"]
+            baseline = self._forward_baseline
+            if baseline is not None:
+                grown = allocated - baseline["allocated"]
+                grown -= max(0, breakdown["gradients"] - baseline["gradients"])
+                grown -= max(0, breakdown["optimizer_state"] - baseline["optimizer_state"])
+                breakdown["activations"] = max(0, min(grown, allocated - known))
+            breakdown["other"] = max(0, allocated - known - breakdown["activations"])
+
+        records = {key: record for key, _nbytes, record in per_storage}
+        sites = self.backend.allocation_sites() or []
+        addresses = {}
+        if sites and "address" in sites[0]:
+            addresses = self._address_categories(parameters, gradients, state)
+        grouped: dict[tuple, dict] = {}
+        for site in sites:
+            if "key" in site:
+                category = category_of(site["key"], records.get(site["key"]))
+            else:
+                category = addresses.get(site.get("address"), "activations" if self.phase != "setup" else "other")
+            location = site.get("location")
+            loc_key = (location or {}).get("file"), (location or {}).get("line")
+            group_key = (category, loc_key, tuple(site.get("shape") or ()), site.get("dtype"))
+            entry = grouped.get(group_key)
+            if entry is None:
+                entry = grouped[group_key] = {
+                    "bytes": 0, "count": 0, "category": category, "location": location,
+                    "shape": site.get("shape"), "dtype": site.get("dtype"),
+                }
+            entry["bytes"] += int(site["bytes"])
+            entry["count"] += 1
+        top = sorted(grouped.values(), key=lambda entry: entry["bytes"], reverse=True)[:limit]
+        return {k: int(v) for k, v in breakdown.items()}, top
+
+    _forward_baseline: dict | None = None
+
+    def _remember_forward_baseline(self) -> None:
+        """Without per-storage tags (CUDA), activations are what was allocated
+        since the step's first forward began, less new gradients and state."""
+        _parameters, gradients, state = self._known_tensors()
+        self._forward_baseline = {
+            "allocated": self.backend.allocated_bytes(),
+            "gradients": sum(gradients.values()),
+            "optimizer_state": sum(state.values()),
+        }
+
+    def _address_categories(self, parameters, gradients, state) -> dict:
+        """CUDA: map block addresses to categories through tensors' data pointers."""
+        table = {}
+        for category, keys in (("parameters", parameters), ("gradients", gradients), ("optimizer_state", state)):
+            for tensor in self._tensors_for(category):
+                try:
+                    table[tensor.untyped_storage().data_ptr()] = category
+                except Exception:
+                    pass
+        return table
+
+    def _tensors_for(self, category: str):
+        for module in list(self.modules):
+            for parameter in module.parameters():
+                if category == "parameters":
+                    yield parameter
+                elif category == "gradients" and parameter.grad is not None:
+                    yield parameter.grad
+        if category == "optimizer_state":
+            for optimizer in list(self.optimizers):
+                for per_parameter in list(optimizer.state.values()):
+                    if isinstance(per_parameter, dict):
+                        for value in per_parameter.values():
+                            if isinstance(value, torch.Tensor):
+                                yield value
+
+
+def repeated_blocks(model: nn.Module, min_count: int = 2) -> list[dict]:
+    """Containers (nn.ModuleList / nn.Sequential) holding several children of
+    one class: the blocks activation checkpointing wraps."""
+    found = []
+    for name, container in model.named_modules():
+        if not isinstance(container, (nn.ModuleList, nn.Sequential)):
+            continue
+        counts: dict[str, int] = {}
+        for child in container.children():
+            if any(True for _ in child.parameters()):
+                counts[type(child).__name__] = counts.get(type(child).__name__, 0) + 1
+        for class_name, count in counts.items():
+            if count >= min_count:
+                found.append({"path": name or "(root)", "class": class_name, "count": count})
+    return found
+
+
+def _stamp_graph(output, step_index: int) -> None:
+    """Mark the graph roots made in this step so a later step can tell that a
+    variable still holds them."""
+    stack = [output]
+    budget = 64
+    while stack and budget:
+        budget -= 1
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            grad_fn = item.grad_fn
+            if grad_fn is not None:
+                try:
+                    grad_fn.metadata.setdefault(_GRAPH_STAMP, step_index)
+                except Exception:
+                    pass
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item[:16])
+        elif isinstance(item, dict):
+            stack.extend(list(item.values())[:16])
+        elif hasattr(item, "__dataclass_fields__") or hasattr(item, "to_tuple"):
+            try:
+                stack.extend(list(vars(item).values())[:16])
+            except TypeError:
+                pass
+
+
+def _candidate_tensors(value):
+    if isinstance(value, torch.Tensor):
+        if value.grad_fn is not None:
+            yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value[-_CONTAINER_ITEMS:]:
+            if isinstance(item, torch.Tensor) and item.grad_fn is not None:
+                yield item
+    elif isinstance(value, dict):
+        for item in list(value.values())[-_CONTAINER_ITEMS:]:
+            if isinstance(item, torch.Tensor) and item.grad_fn is not None:
+                yield item
+
+
+def _oldest_stamp(grad_fn, current_step: int) -> int | None:
+    """The earliest step stamp reachable from `grad_fn` that is older than the
+    current step, or None."""
+    if grad_fn is None:
+        return None
+    oldest = None
+    stack = [grad_fn]
+    seen: dict[int, object] = {}  # holds the wrappers so ids are not reused
+    budget = _GRAPH_WALK_LIMIT
+    while stack and budget:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen[id(node)] = node
+        budget -= 1
+        try:
+            stamp = node.metadata.get(_GRAPH_STAMP)
+        except Exception:
+            stamp = None
+        if stamp is not None and stamp < current_step:
+            oldest = stamp if oldest is None else min(oldest, stamp)
+        try:
+            stack.extend(next_node for next_node, _ in node.next_functions)
+        except Exception:
+            pass
+    return oldest

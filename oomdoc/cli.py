@@ -1,0 +1,100 @@
+"""The `oomdoc` command line. Thin: parse, call, print.
+
+Usage errors are one line on stderr and exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import List, Optional
+
+import click
+import typer
+
+from oomdoc.errors import UsageError
+from oomdoc.sizes import parse_size
+from oomdoc.snapshot import SnapshotError
+
+app = typer.Typer(
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    no_args_is_help=True,
+    help="oomdoc: the out-of-memory doctor for PyTorch.",
+)
+
+@app.callback()
+def _root() -> None:
+    """oomdoc: the out-of-memory doctor for PyTorch."""
+
+
+# Everything after SCRIPT belongs to the script, even --help or --output.
+PASS_THROUGH = {"allow_interspersed_args": False, "ignore_unknown_options": True}
+
+
+def size_option(value: Optional[str], flag: str) -> Optional[int]:
+    if value is None:
+        return None
+    try:
+        return parse_size(value)
+    except ValueError as exc:
+        raise UsageError(f"{flag}: {exc}") from None
+
+
+def check_script_token(target: str) -> None:
+    if target.startswith("-") and target != "-":
+        raise UsageError(f"no such option: {target} (options go before SCRIPT; see oomdoc run --help)")
+
+
+@app.command(context_settings=PASS_THROUGH)
+def run(
+    target: str = typer.Argument(..., metavar="SCRIPT", help="The training script (or, with -m, a module)."),
+    args: Optional[List[str]] = typer.Argument(None, metavar="[ARGS]...", help="Passed to the script untouched."),
+    module: bool = typer.Option(False, "-m", help="Run SCRIPT as a module, as `python -m` does."),
+    device: str = typer.Option("auto", "--device", help="auto (CUDA when available), cuda, or cpu (the simulated device)."),
+    device_memory: Optional[str] = typer.Option(
+        None, "--device-memory", metavar="SIZE",
+        help="Cap the device: 512MiB, 16GiB, 1.5GB or bytes. On CUDA a per-process memory fraction; on CPU the simulated device's capacity.",
+    ),
+    output: Optional[str] = typer.Option(None, "-o", "--output", metavar="PATH", help="Where to write the snapshot (default .oomdoc/<script>-<UTC time>.json)."),
+    max_steps: Optional[int] = typer.Option(None, "--max-steps", min=1, help="Stop the script cleanly (exit 0) after N training steps."),
+    no_replay: bool = typer.Option(False, "--no-replay", help="Do not replay the failing step with fixes."),
+    fixes: Optional[str] = typer.Option(None, "--fixes", metavar="a,b", help="Only try these fixes (comma-separated)."),
+    replay_timeout: Optional[float] = typer.Option(None, "--replay-timeout", metavar="SECONDS", help="Kill a replay that runs longer than this."),
+    batch_arg: Optional[str] = typer.Option(None, "--batch-arg", metavar="FLAG", help="The script's batch-size flag, if not --batch-size/--batch_size/--bs/--per_device_train_batch_size."),
+) -> int:
+    """Run SCRIPT under oomdoc: catch and explain an OOM, and measure fixes."""
+    from oomdoc.session import RunOptions, run_session
+
+    check_script_token(target)
+    options = RunOptions(
+        target=target,
+        args=list(args or []),
+        is_module=module,
+        device=device,
+        capacity_bytes=size_option(device_memory, "--device-memory"),
+        output=output,
+        max_steps=max_steps,
+        replay=not no_replay,
+        fixes=[f.strip() for f in fixes.split(",") if f.strip()] if fixes else None,
+        replay_timeout_s=replay_timeout,
+        batch_arg=batch_arg,
+    )
+    return run_session(options)
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    command = typer.main.get_command(app)
+    try:
+        status = command.main(args=argv, prog_name="oomdoc", standalone_mode=False)
+    except click.exceptions.UsageError as exc:
+        message = exc.format_message().splitlines()[0] if exc.format_message() else str(exc)
+        print(f"oomdoc: error: {message}", file=sys.stderr)
+        sys.exit(2)
+    except (UsageError, SnapshotError) as exc:
+        print(f"oomdoc: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    except click.exceptions.Abort:
+        sys.exit(130)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    sys.exit(status if isinstance(status, int) else 0)

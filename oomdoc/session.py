@@ -1,0 +1,148 @@
+"""`oomdoc run`: run the script once under capture, then (on an OOM) hand the
+failure to the replays, write the snapshot and print the report."""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import oomdoc
+from oomdoc import report
+from oomdoc.errors import UsageError
+from oomdoc.runner import ChildRequest, run_child
+from oomdoc.snapshot import SCHEMA_VERSION, default_snapshot_path, utc_now, write_snapshot
+
+
+@dataclass
+class RunOptions:
+    target: str
+    args: list[str]
+    is_module: bool = False
+    device: str = "auto"
+    capacity_bytes: int | None = None
+    output: str | None = None
+    max_steps: int | None = None
+    replay: bool = True
+    fixes: list[str] | None = None
+    replay_timeout_s: float | None = None
+    batch_arg: str | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def resolve_device(requested: str) -> str:
+    """`auto` means CUDA when this machine has it, else the simulated device."""
+    if requested not in ("auto", "cuda", "cpu"):
+        raise UsageError(f"--device must be auto, cuda or cpu, not {requested!r}")
+    if requested == "cpu":
+        return "cpu"
+    import torch
+
+    available = torch.cuda.is_available()
+    if requested == "cuda" and not available:
+        raise UsageError("--device cuda: CUDA is not available on this machine (use --device cpu for the simulated device)")
+    return "cuda" if available else "cpu"
+
+
+def check_target(options: RunOptions) -> None:
+    if options.is_module:
+        import importlib.util
+
+        try:
+            spec = importlib.util.find_spec(options.target)
+        except (ImportError, ValueError):
+            spec = None
+        if spec is None:
+            raise UsageError(f"no module named {options.target!r}")
+        return
+    path = Path(options.target)
+    if not path.exists():
+        raise UsageError(f"can't open file {options.target!r}: no such file")
+    if path.is_dir():
+        raise UsageError(f"{options.target!r} is a directory, not a Python script")
+
+
+def output_path(options: RunOptions) -> Path:
+    if options.output:
+        path = Path(options.output)
+        if path.exists():
+            raise UsageError(f"-o/--output: {path} already exists (oomdoc never overwrites a snapshot)")
+        if path.is_dir():
+            raise UsageError(f"-o/--output: {path} is a directory")
+        return path
+    return default_snapshot_path(options.target)
+
+
+def build_snapshot(options: RunOptions, device: str, capture: dict | None, exit_code: int) -> dict:
+    """The snapshot document: the child's capture plus what only the parent knows."""
+    import torch
+
+    command = ["-m", options.target, *options.args] if options.is_module else [options.target, *options.args]
+    document = {
+        "schema_version": SCHEMA_VERSION,
+        "oomdoc_version": oomdoc.__version__,
+        "created_at": utc_now(),
+        "command": command,
+        "cwd": os.getcwd(),
+        "python": sys.version.split()[0],
+        "torch_version": torch.__version__,
+        "options": {
+            "device": device,
+            "capacity_bytes": options.capacity_bytes,
+            "max_steps": options.max_steps,
+        },
+    }
+    if capture is None:
+        # The child died before it could write anything (killed, crashed).
+        document.update({
+            "device": {"kind": "cuda" if device == "cuda" else "simulated", "name": "unknown",
+                       "capacity_bytes": int(options.capacity_bytes or 0)},
+            "outcome": "interrupted" if exit_code in (130, 137, 143) else "error",
+            "exit_code": int(exit_code),
+            "oom": None,
+            "breakdown": {c: 0 for c in ("parameters", "gradients", "optimizer_state", "activations", "other")},
+            "breakdown_at": "none",
+            "steps": [],
+            "top_allocations": [],
+            "notes": ["The script's process ended without writing its capture (it was killed or crashed)."],
+        })
+    else:
+        document.update(capture)
+        document["exit_code"] = int(exit_code)
+    document.setdefault("fixes", [])
+    document.setdefault("max_batch_size", None)
+    return document
+
+
+def run_session(options: RunOptions, stderr=None) -> int:
+    stderr = stderr or sys.stderr
+    check_target(options)
+    device = resolve_device(options.device)
+    path = output_path(options)
+    artifact_dir = path.parent / (path.stem + ".files")
+    request = ChildRequest(
+        target=options.target,
+        args=list(options.args),
+        device=device,
+        capacity_bytes=options.capacity_bytes,
+        is_module=options.is_module,
+        max_steps=options.max_steps,
+        artifact_dir=str(artifact_dir),
+    )
+    artifact_dir.mkdir(parents=True, exist_ok=True)
+    result = run_child(request)
+    document = build_snapshot(options, device, result.capture, result.exit_code)
+
+    if document["outcome"] == "oom" and options.replay and result.capture is not None:
+        from oomdoc.replay.orchestrate import replay_fixes
+
+        replay_fixes(document, options, request, stderr=stderr)
+
+    try:
+        artifact_dir.rmdir()  # only when nothing was saved there
+    except OSError:
+        pass
+    write_snapshot(document, path)
+    print(report.render_text(document, snapshot_path=str(path)), file=stderr, end="")
+    return result.exit_code
