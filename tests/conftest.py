@@ -1,0 +1,47 @@
+"""Shared test helpers: drive the real CLI in a subprocess.
+
+Every end-to-end test runs `python -m oomdoc ...` exactly as a user would,
+with this checkout first on PYTHONPATH so the code under test is what runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = REPO_ROOT / "tests" / "scripts"
+EXAMPLES = REPO_ROOT / "examples"
+
+
+def oomdoc_env(extra: dict | None = None) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    env["PYTHONUNBUFFERED"] = "1"
+    env.pop("OOMDOC_REPLAY", None)
+    env.pop("GITHUB_STEP_SUMMARY", None)
+    if extra:
+        env.update(extra)
+    return env
+
+
+def run_oomdoc(args, *, cwd=None, env=None, timeout=300, input=None) -> subprocess.CompletedProcess:
+    """Run the oomdoc CLI; returns the CompletedProcess with text output."""
+    return subprocess.run(
+        [sys.executable, "-m", "oomdoc", *[str(a) for a in args]],
+        cwd=cwd, env=oomdoc_env(env), capture_output=True, text=True, timeout=timeout, input=input,
+    )
+
+
+def load_json(path) -> dict:
+    return json.loads(Path(path).read_text())
+
+
+@pytest.fixture
+def oomdoc_cli():
+    return run_oomdoc
