@@ -68,6 +68,9 @@ class Tracker:
             "forward_calls_with_grad": 0,
             "backward_calls": 0,
             "optimizer_steps": 0,
+            # Peak allocated bytes per phase: replays model each phase against
+            # the batch size separately (the optimizer peak does not grow with it).
+            "phase_peaks": {},
         }
         self._step_started = time.perf_counter()
 
@@ -75,6 +78,8 @@ class Tracker:
         """Attribute the peak since the last phase change to the phase that is ending."""
         allocated, reserved = self.backend.read_and_reset_peak()
         current = self._current
+        phase_peaks = current["phase_peaks"]
+        phase_peaks[self.phase] = max(phase_peaks.get(self.phase, 0), int(allocated))
         if allocated > current["peak_allocated_bytes"]:
             current["peak_allocated_bytes"] = allocated
             current["peak_phase"] = self.phase
