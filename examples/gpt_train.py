@@ -18,6 +18,7 @@ The data are random tokens from a DataLoader, so the script needs no files.
 import argparse
 import math
 import os
+import time
 
 import torch
 import torch.nn as nn
@@ -111,6 +112,7 @@ def main():
     loader = DataLoader(data, batch_size=args.batch_size, shuffle=False)
 
     model.train()
+    last = time.perf_counter()
     for step, (tokens, targets) in enumerate(loader):
         tokens, targets = tokens.to(device), targets.to(device)
         logits = model(tokens)
@@ -118,7 +120,10 @@ def main():
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        print(f"step {step}: loss {loss.item():.4f}", flush=True)
+        loss_value = loss.item()  # waits for the GPU, so the step time below is real
+        now = time.perf_counter()
+        print(f"step {step}: loss {loss_value:.4f} ({1000 * (now - last):.1f} ms)", flush=True)
+        last = now
 
     # Replays set OOMDOC_REPLAY=1: skip side effects such as checkpoints.
     if args.checkpoint_dir and not os.environ.get("OOMDOC_REPLAY"):

@@ -1,0 +1,86 @@
+"""oomdoc run on a real CUDA device (run on a GPU machine: `make test-gpu`).
+
+The GPT example with the reference preset OOMs at batch 32 on a card capped
+to 16 GiB and fits at batch 4.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+
+from conftest import EXAMPLES, load_json, run_oomdoc
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+GPT = EXAMPLES / "gpt_train.py"
+GIB = 1024**3
+
+
+def test_gpt_oom_is_caught_on_a_capped_card(tmp_path):
+    snapshot_path = tmp_path / "gpt.json"
+    result = run_oomdoc(["run", "--device-memory", "16GiB", "--no-replay", "-o", snapshot_path,
+                         GPT, "--batch-size", "32", "--steps", "3"], timeout=600)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "torch.OutOfMemoryError" in result.stderr
+    assert "oomdoc: OOM in step 0 during" in result.stderr
+    document = load_json(snapshot_path)
+    assert document["device"]["kind"] == "cuda"
+    assert abs(document["device"]["capacity_bytes"] - 16 * GIB) < 1024**2
+    assert document["outcome"] == "oom" and document["exit_code"] == 1
+    oom = document["oom"]
+    assert oom["step"] == 0 and oom["phase"] in ("forward", "backward")
+    assert oom["requested_bytes"] > 0
+    assert oom["allocated_bytes"] + oom["requested_bytes"] > 14 * GIB
+    assert oom["reserved_bytes"] >= oom["allocated_bytes"]
+    assert "out of memory" in oom["message"].lower()
+    assert oom["location"]["file"].endswith("gpt_train.py")
+    breakdown = document["breakdown"]
+    total = sum(breakdown.values())
+    assert abs(total - oom["allocated_bytes"]) <= 0.05 * oom["allocated_bytes"]
+    # 217M fp32 parameters and the activations of 32 sequences of 512 tokens.
+    assert 0.8e9 < breakdown["parameters"] < 0.95e9
+    assert breakdown["activations"] > breakdown["parameters"]
+    assert document["top_allocations"], "allocation history gave no sites"
+    assert any((site.get("location") or {}).get("file", "").endswith("gpt_train.py")
+               for site in document["top_allocations"])
+    assert document["device"].get("name", "").startswith("NVIDIA")
+    torch_snapshot = document["artifacts"]["torch_snapshot_file"]
+    with open(torch_snapshot, "rb") as handle:
+        raw = pickle.load(handle)  # our own file, written by this very run
+    assert raw["segments"]
+
+
+def test_gpt_that_fits_reports_steps_and_phases(tmp_path):
+    snapshot_path = tmp_path / "gpt.json"
+    result = run_oomdoc(["run", "--device-memory", "16GiB", "-o", snapshot_path,
+                         GPT, "--batch-size", "4", "--steps", "3"], timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    document = load_json(snapshot_path)
+    assert document["outcome"] == "ok"
+    assert document["step_unit"] == "optimizer"
+    assert [s["index"] for s in document["steps"]] == [0, 1, 2]
+    for step in document["steps"]:
+        assert step["peak_phase"] in ("forward", "backward", "optimizer")
+        assert step["peak_reserved_bytes"] >= step["peak_allocated_bytes"] > 0
+    # At the end of each step (after optimizer.step, before zero_grad) the card
+    # holds parameters, gradients and AdamW's two moments: four copies.
+    parameter_bytes = document["models"][0]["parameters_bytes"]
+    assert document["steps"][0]["end_allocated_bytes"] >= 3.9 * parameter_bytes
+    assert document["breakdown"]["optimizer_state"] > 1.6e9
+    assert "The run fit" in result.stderr
+
+
+def test_max_steps_stops_cleanly_on_cuda(tmp_path):
+    snapshot_path = tmp_path / "gpt.json"
+    result = run_oomdoc(["run", "--max-steps", "2", "-o", snapshot_path,
+                         GPT, "--batch-size", "2", "--steps", "10"], timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    document = load_json(snapshot_path)
+    assert len(document["steps"]) == 2
+    assert "step 2:" not in result.stdout
