@@ -8,7 +8,6 @@ from __future__ import annotations
 import sys
 from typing import List, Optional
 
-import click
 import typer
 
 from oomdoc.errors import UsageError
@@ -82,18 +81,37 @@ def run(
     return run_session(options)
 
 
+def _click_exception_types() -> tuple[tuple[type, ...], tuple[type, ...]]:
+    """Usage-error and abort classes of click, and of the copy of click that
+    newer typer releases vendor as `typer._click`."""
+    usage_errors: list[type] = []
+    aborts: list[type] = []
+    for module_name in ("click.exceptions", "typer._click.exceptions"):
+        try:
+            module = __import__(module_name, fromlist=["UsageError"])
+        except ImportError:
+            continue
+        usage_errors.append(module.UsageError)
+        abort = getattr(module, "Abort", None) or getattr(__import__("typer"), "Abort", None)
+        if abort is not None:
+            aborts.append(abort)
+    return tuple(usage_errors), tuple(aborts)
+
+
 def main(argv: Optional[List[str]] = None) -> None:
+    click_usage_errors, click_aborts = _click_exception_types()
     command = typer.main.get_command(app)
     try:
         status = command.main(args=argv, prog_name="oomdoc", standalone_mode=False)
-    except click.exceptions.UsageError as exc:
-        message = exc.format_message().splitlines()[0] if exc.format_message() else str(exc)
-        print(f"oomdoc: error: {message}", file=sys.stderr)
+    except click_usage_errors as exc:
+        lines = (exc.format_message() or str(exc)).splitlines()
+        if lines:  # empty when click already printed the help (bare `oomdoc`)
+            print(f"oomdoc: error: {lines[0]}", file=sys.stderr)
         sys.exit(2)
     except (UsageError, SnapshotError) as exc:
         print(f"oomdoc: error: {exc}", file=sys.stderr)
         sys.exit(2)
-    except click.exceptions.Abort:
+    except click_aborts:
         sys.exit(130)
     except KeyboardInterrupt:
         sys.exit(130)

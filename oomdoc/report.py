@@ -80,11 +80,16 @@ def site_rows(document: dict, limit: int = 5) -> list[list[str]]:
         shape = site.get("shape")
         shape_text = "x".join(str(d) for d in shape) if shape else ""
         count = site.get("count") or 1
+        described = " ".join(p for p in (shape_text, site.get("dtype") or "") if p)
+        if described:
+            tensors = f"{count} x {described}" if count > 1 else described
+        else:  # the CUDA allocator knows blocks, not shapes
+            tensors = f"{count} block{'s' if count > 1 else ''}"
         rows.append([
             format_bytes(site.get("bytes")),
             site.get("category", "?"),
             format_location(site.get("location"), relative_to),
-            (f"{count} x " if count > 1 else "") + " ".join(p for p in (shape_text, site.get("dtype") or "") if p),
+            tensors,
         ])
     return rows
 

@@ -117,8 +117,8 @@ def build_snapshot(options: RunOptions, device: str, capture: dict | None, exit_
 
 def run_session(options: RunOptions, stderr=None) -> int:
     stderr = stderr or sys.stderr
-    check_target(options)
     device = resolve_device(options.device)
+    check_target(options)
     path = output_path(options)
     artifact_dir = path.parent / (path.stem + ".files")
     request = ChildRequest(
