@@ -118,7 +118,8 @@ class Tracker:
         if current["end_allocated_bytes"] is None:
             current["end_allocated_bytes"] = self.backend.allocated_bytes()
         current["duration_s"] = round(time.perf_counter() - self._step_started, 6)
-        current["retained_graphs"] = self._find_retained_graphs()
+        if "retained_graphs" not in current:  # steps without an optimizer
+            current["retained_graphs"] = self._find_retained_graphs()
         if self.backend.per_storage:
             retained = sum(
                 nbytes for _key, nbytes, record in self.backend.live_storages()
@@ -249,10 +250,19 @@ class Tracker:
         self._set_phase("optimizer")
 
     def _on_optimizer_post(self, optimizer, args, kwargs):
+        # The bookkeeping of a finished step happens here rather than when the
+        # next step begins: on CUDA the optimizer's kernels are still queued, so
+        # this host work overlaps them instead of delaying the next forward.
         self._sample_peak()
         self._fold_peak()
-        self._current["optimizer_steps"] += 1
-        self._current["end_allocated_bytes"] = self.backend.allocated_bytes()
+        current = self._current
+        current["optimizer_steps"] += 1
+        current["end_allocated_bytes"] = self.backend.allocated_bytes()
+        retained = current.setdefault("retained_graphs", [])
+        known = {(entry["variable"], entry["file"]) for entry in retained}
+        retained.extend(entry for entry in self._find_retained_graphs() if (entry["variable"], entry["file"]) not in known)
+        if not self.backend.per_storage:
+            self._state_bytes = sum(self._known_tensors()[2].values())
         self._pending_close = True
         self.phase = "idle"
 
@@ -285,14 +295,15 @@ class Tracker:
             user_frames = frames.user_frames(_LEAK_FRAMES, sys._getframe(1))
         except Exception:
             return found
-        seen = set()
+        seen_tensors = set()
+        visited_nodes: dict[int, object] = {}  # shared: a graph is walked once
         for frame in user_frames:
             for name, value in list(frame.f_locals.items()):
                 for tensor in _candidate_tensors(value):
-                    if id(tensor) in seen:
+                    if id(tensor) in seen_tensors:
                         continue
-                    seen.add(id(tensor))
-                    oldest = _oldest_stamp(tensor.grad_fn, self.step_index)
+                    seen_tensors.add(id(tensor))
+                    oldest = _oldest_stamp(tensor.grad_fn, self.step_index, visited_nodes)
                     if oldest is not None:
                         found.append({
                             "variable": name,
@@ -426,14 +437,29 @@ class Tracker:
 
     _forward_baseline: dict | None = None
 
+    _state_bytes = 0
+
     def _remember_forward_baseline(self) -> None:
         """Without per-storage tags (CUDA), activations are what was allocated
-        since the step's first forward began, less new gradients and state."""
-        _parameters, gradients, state = self._known_tensors()
+        since the step's first forward began, less new gradients and state.
+
+        This runs when the GPU may be idle (the step before ended with a
+        sync), so it only sums gradients; the optimizer state, which changes
+        only inside optimizer.step(), was measured after the last step."""
+        gradient_bytes = 0
+        seen = set()
+        for module in list(self.modules):
+            for parameter in module.parameters():
+                grad = parameter.grad
+                if grad is not None and self.backend.owns(grad):
+                    key = storage_key(grad)
+                    if key not in seen:
+                        seen.add(key)
+                        gradient_bytes += self.backend.storage_bytes(grad.untyped_storage().nbytes())
         self._forward_baseline = {
             "allocated": self.backend.allocated_bytes(),
-            "gradients": sum(gradients.values()),
-            "optimizer_state": sum(state.values()),
+            "gradients": gradient_bytes,
+            "optimizer_state": self._state_bytes,
         }
 
     def _address_categories(self, parameters, gradients, state) -> dict:
@@ -520,27 +546,36 @@ def _candidate_tensors(value):
                 yield item
 
 
-def _oldest_stamp(grad_fn, current_step: int) -> int | None:
-    """The earliest step stamp reachable from `grad_fn` that is older than the
-    current step, or None."""
+def _oldest_stamp(grad_fn, current_step: int, visited: dict[int, object]) -> int | None:
+    """The earliest step stamp older than the current step reachable from
+    `grad_fn`, or None.
+
+    The walk does not go below a stamped root other than the start: below a
+    root of this step lies this step's model graph (nothing to find in the
+    usual training loop, and costly to walk), below an older root lies the
+    older step already found. `visited` holds the node wrappers so their ids
+    are not reused while the walk runs.
+    """
     if grad_fn is None:
         return None
     oldest = None
     stack = [grad_fn]
-    seen: dict[int, object] = {}  # holds the wrappers so ids are not reused
     budget = _GRAPH_WALK_LIMIT
     while stack and budget:
         node = stack.pop()
-        if node is None or id(node) in seen:
+        if node is None or id(node) in visited:
             continue
-        seen[id(node)] = node
+        visited[id(node)] = node
         budget -= 1
         try:
-            stamp = node.metadata.get(_GRAPH_STAMP)
+            stamp = node.metadata.get(_GRAPH_STAMP) if node.metadata else None
         except Exception:
             stamp = None
         if stamp is not None and stamp < current_step:
             oldest = stamp if oldest is None else min(oldest, stamp)
+            continue
+        if stamp is not None and node is not grad_fn:
+            continue
         try:
             stack.extend(next_node for next_node, _ in node.next_functions)
         except Exception:
