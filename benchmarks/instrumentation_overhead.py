@@ -52,24 +52,31 @@ def main() -> None:
     script = [str(ROOT / "examples" / "gpt_train.py"), "--preset", args.preset,
               "--batch-size", str(args.batch_size), "--steps", str(args.steps)]
     plain_env_prefix = [] if args.device == "cuda" else ["env", "CUDA_VISIBLE_DEVICES="]
-    plain_times, oomdoc_times = [], []
+    variants = {
+        "python (plain)": (plain_env_prefix, None),
+        "oomdoc run": ([], {}),
+        "oomdoc run, no allocation history": (["env", "OOMDOC_ALLOCATION_HISTORY=0"], {}),
+    }
+    times: dict[str, list[float]] = {name: [] for name in variants}
     with tempfile.TemporaryDirectory() as tmp:
-        for repeat in range(args.repeats):
-            plain_times += step_times(run(plain_env_prefix + [sys.executable, *script]), args.warmup)
-            oomdoc_command = [sys.executable, "-m", "oomdoc", "run", "--device", args.device,
-                              "-o", os.path.join(tmp, f"run{repeat}.json")]
-            if args.device_memory:
-                oomdoc_command += ["--device-memory", args.device_memory]
-            oomdoc_times += step_times(run(oomdoc_command + script), args.warmup)
+        for repeat in range(args.repeats):  # interleaved, so drift hits all alike
+            for position, (name, (prefix, oomdoc_options)) in enumerate(variants.items()):
+                command = prefix + [sys.executable]
+                if oomdoc_options is not None:
+                    command += ["-m", "oomdoc", "run", "--device", args.device,
+                                "-o", os.path.join(tmp, f"run{repeat}-{position}.json")]
+                    if args.device_memory:
+                        command += ["--device-memory", args.device_memory]
+                times[name] += step_times(run(command + script), args.warmup)
 
-    plain = statistics.median(plain_times)
-    instrumented = statistics.median(oomdoc_times)
-    overhead = 100.0 * (instrumented - plain) / plain
-    print(tabulate(
-        [["python (plain)", len(plain_times), f"{plain:.2f}", ""],
-         ["oomdoc run", len(oomdoc_times), f"{instrumented:.2f}", f"{overhead:+.2f}%"]],
-        headers=["how", "steps timed", "median step (ms)", "overhead"],
-    ))
+    plain = statistics.median(times["python (plain)"])
+    rows = []
+    for name, samples in times.items():
+        median = statistics.median(samples)
+        overhead = "" if name == "python (plain)" else f"{100.0 * (median - plain) / plain:+.2f}%"
+        rows.append([name, len(samples), f"{median:.2f}", overhead])
+    print(tabulate(rows, headers=["how", "steps timed", "median step (ms)", "overhead"]))
+    overhead = 100.0 * (statistics.median(times["oomdoc run"]) - plain) / plain
     target = 3.0 if args.device == "cuda" else None
     if target is not None:
         print(f"target: < {target:.0f}% per step on CUDA -> {'met' if overhead < target else 'NOT met'}")
