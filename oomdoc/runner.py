@@ -16,7 +16,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-from oomdoc.capture.child import CONFIG_ENV
+from oomdoc.capture import CONFIG_ENV
 
 
 @dataclass

@@ -31,13 +31,23 @@ class RunOptions:
     extra: dict = field(default_factory=dict)
 
 
-def resolve_device(requested: str) -> str:
-    """`auto` means CUDA when this machine has it, else the simulated device."""
+def check_device_choice(requested: str) -> None:
     if requested not in ("auto", "cuda", "cpu"):
         raise UsageError(f"--device must be auto, cuda or cpu, not {requested!r}")
+
+
+def resolve_device(requested: str) -> str:
+    """`auto` means CUDA when this machine has it, else the simulated device."""
+    check_device_choice(requested)
     if requested == "cpu":
         return "cpu"
-    import torch
+    import warnings
+
+    with warnings.catch_warnings():
+        # torch's own import-time warnings (e.g. no NumPy) belong to the
+        # script's output, where the child shows them; not twice.
+        warnings.simplefilter("ignore")
+        import torch
 
     available = torch.cuda.is_available()
     if requested == "cuda" and not available:
@@ -117,9 +127,11 @@ def build_snapshot(options: RunOptions, device: str, capture: dict | None, exit_
 
 def run_session(options: RunOptions, stderr=None) -> int:
     stderr = stderr or sys.stderr
-    device = resolve_device(options.device)
+    # Arguments are checked before torch is imported: a usage error is quick.
+    check_device_choice(options.device)
     check_target(options)
     path = output_path(options)
+    device = resolve_device(options.device)
     artifact_dir = path.parent / (path.stem + ".files")
     request = ChildRequest(
         target=options.target,

@@ -1,3 +1,8 @@
 """Capture: everything that runs inside the child process next to the user's
 script (hooks, step detection, device backends). It produces the `capture`
 part of a snapshot; the parent adds the rest and writes the file."""
+
+# The parent names the child's configuration file in this variable, so that
+# nothing is added to the script's own argv. Kept here, free of torch imports,
+# so the parent can validate its arguments before paying for `import torch`.
+CONFIG_ENV = "OOMDOC_CHILD_CONFIG"

@@ -20,9 +20,8 @@ import torch
 
 from oomdoc.capture.backends import CudaBackend, OutOfMemoryError, SimulatedBackend
 from oomdoc.capture.tracker import StopRun, Tracker
+from oomdoc.capture import CONFIG_ENV
 from oomdoc.snapshot import dumps, write_atomic
-
-CONFIG_ENV = "OOMDOC_CHILD_CONFIG"
 
 
 class Terminated(BaseException):
