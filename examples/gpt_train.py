@@ -23,6 +23,7 @@ import time
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, Dataset
 
 PRESETS = {
@@ -86,11 +87,16 @@ class GPT(nn.Module):
             if isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, std=0.02 / math.sqrt(2 * layers))
 
+    checkpointing = False
+
     def forward(self, tokens):
         positions = torch.arange(tokens.shape[1], device=tokens.device)
         x = self.token_embedding(tokens) + self.position_embedding(positions)
         for block in self.blocks:
-            x = block(x)
+            if self.checkpointing:  # the fix by hand: recompute each block in backward
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         return self.lm_head(self.ln_f(x))
 
 
@@ -101,12 +107,17 @@ def main():
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--checkpoint-dir", default=None, help="save the model here at the end")
+    # The fixes oomdoc replays, written by hand, to compare with the replays.
+    parser.add_argument("--autocast", choices=["bf16", "fp16"], default=None, help="mixed precision by hand")
+    parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing by hand")
     args = parser.parse_args()
 
     config = PRESETS[args.preset]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
     model = GPT(**config).to(device)
+    model.checkpointing = args.checkpointing
+    autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.autocast)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     data = RandomTokens(args.steps * args.batch_size, config["seq_len"], config["vocab"])
     loader = DataLoader(data, batch_size=args.batch_size, shuffle=False)
@@ -115,8 +126,9 @@ def main():
     last = time.perf_counter()
     for step, (tokens, targets) in enumerate(loader):
         tokens, targets = tokens.to(device), targets.to(device)
-        logits = model(tokens)
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        with torch.autocast(device_type=device, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            logits = model(tokens)
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
