@@ -99,18 +99,32 @@ def suggest(
     return run_suggest(snapshot, output_format, top)
 
 
+# typer >= 0.24 vendors click as typer._click: its errors are not click's.
+_USAGE_ERRORS: tuple = (click.exceptions.UsageError,)
+_ABORTS: tuple = (click.exceptions.Abort,)
+try:
+    from typer._click.exceptions import UsageError as _TyperUsageError
+    from typer.exceptions import Abort as _TyperAbort
+except ImportError:  # a typer that uses click itself
+    pass
+else:
+    _USAGE_ERRORS += (_TyperUsageError,)
+    _ABORTS += (_TyperAbort,)
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     command = typer.main.get_command(app)
     try:
         status = command.main(args=argv, prog_name="oomdoc", standalone_mode=False)
-    except click.exceptions.UsageError as exc:
+    except _USAGE_ERRORS as exc:
         message = exc.format_message().splitlines()[0] if exc.format_message() else str(exc)
-        print(f"oomdoc: error: {message}", file=sys.stderr)
+        if message:  # empty when the help was printed for a bare `oomdoc`
+            print(f"oomdoc: error: {message}", file=sys.stderr)
         sys.exit(2)
     except (UsageError, SnapshotError) as exc:
         print(f"oomdoc: error: {exc}", file=sys.stderr)
         sys.exit(2)
-    except click.exceptions.Abort:
+    except _ABORTS:
         sys.exit(130)
     except KeyboardInterrupt:
         sys.exit(130)
