@@ -23,15 +23,16 @@ def main():
     args = parser.parse_args()
 
     torch.manual_seed(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     layers = []
     for _ in range(args.depth):
         layers += [nn.Linear(args.width, args.width), nn.GELU()]
-    model = nn.Sequential(*layers, nn.Linear(args.width, 10))
+    model = nn.Sequential(*layers, nn.Linear(args.width, 10)).to(device)
     model.eval()
     correct, seen, collected = 0, 0, []
     for _ in range(args.batches):
-        inputs = torch.randn(args.batch_size, args.width)
-        targets = torch.randint(0, 10, (args.batch_size,))
+        inputs = torch.randn(args.batch_size, args.width, device=device)
+        targets = torch.randint(0, 10, (args.batch_size,), device=device)
         if args.no_grad:
             with torch.no_grad():
                 logits = model(inputs)

@@ -25,16 +25,17 @@ def main():
     args = parser.parse_args()
 
     torch.manual_seed(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     encoder = nn.Sequential(nn.Linear(args.width, args.width), nn.ReLU(), nn.Linear(args.width, args.width), nn.ReLU())
     head = nn.Linear(args.width, 10)
-    model = nn.Sequential(encoder, head)
+    model = nn.Sequential(encoder, head).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     loss_fn = nn.CrossEntropyLoss()
     total_loss = 0.0
     history = []
     for step in range(args.steps):
-        inputs = torch.randn(args.batch_size, args.width)
-        targets = torch.randint(0, 10, (args.batch_size,))
+        inputs = torch.randn(args.batch_size, args.width, device=device)
+        targets = torch.randint(0, 10, (args.batch_size,), device=device)
         hidden = encoder(inputs)
         loss = loss_fn(head(hidden), targets)
         optimizer.zero_grad()

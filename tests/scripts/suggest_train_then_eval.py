@@ -26,14 +26,15 @@ def main():
     args = parser.parse_args()
 
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(args.width, args.width), nn.ReLU(), nn.Linear(args.width, 10))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = nn.Sequential(nn.Linear(args.width, args.width), nn.ReLU(), nn.Linear(args.width, 10)).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     loss_fn = nn.CrossEntropyLoss()
     for epoch in range(args.epochs):
         model.train()
         for _ in range(args.train_batches):
-            inputs = torch.randn(args.batch_size, args.width)
-            targets = torch.randint(0, 10, (args.batch_size,))
+            inputs = torch.randn(args.batch_size, args.width, device=device)
+            targets = torch.randint(0, 10, (args.batch_size,), device=device)
             loss = loss_fn(model(inputs), targets)
             if args.two_views:
                 loss = loss + loss_fn(model(inputs + 0.1 * torch.randn_like(inputs)), targets)
@@ -45,8 +46,8 @@ def main():
         context = torch.no_grad() if args.no_grad else contextlib.nullcontext()
         with context:
             for _ in range(args.val_batches):
-                inputs = torch.randn(args.batch_size, args.width)
-                targets = torch.randint(0, 10, (args.batch_size,))
+                inputs = torch.randn(args.batch_size, args.width, device=device)
+                targets = torch.randint(0, 10, (args.batch_size,), device=device)
                 total += loss_fn(model(inputs), targets).item()
         print(f"epoch {epoch}: validation loss {total / args.val_batches:.4f}")
 
