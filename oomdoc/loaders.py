@@ -41,6 +41,12 @@ from oomdoc.snapshot import (
 # million by default) and a block's stack is at most a few hundred frames.
 MAX_PLAIN_NODES = 50_000_000
 MAX_INT = 2**63
+# A pickle can share one list among many parents, so a small file can
+# describe segments x blocks x frames far beyond its size: cap the walk.
+MAX_BLOCKS = 1_000_000
+MAX_FRAMES = 64  # innermost frames kept per stack
+MAX_FRAME_WORK = 20_000_000  # frames converted in all (a shared stack once)
+MAX_DEVICES = 64
 
 TRACE_BEFORE_OOM = 12
 TOP_BLOCKS = 20
@@ -240,6 +246,10 @@ class _Shape:
 
     def __init__(self, origin: str):
         self.origin = origin
+        # Converted stacks by the identity of the list they came from: a
+        # stack shared by many blocks is converted (and stored) once.
+        self._frames_cache: dict[int, tuple[object, list[dict]]] = {}
+        self._frame_work = 0
 
     def fail(self, message: str):
         raise SnapshotError(f"{self.origin}: not a usable PyTorch memory snapshot ({message})")
@@ -254,7 +264,7 @@ class _Shape:
             return []
         if not isinstance(value, (list, tuple)):
             self.fail(f"{where} is a {type(value).__name__}, not a list")
-        return list(value)
+        return value
 
     def int_(self, value, where: str, default: int | None = None) -> int:
         if value is None and default is not None:
@@ -275,8 +285,17 @@ class _Shape:
         return value
 
     def frames(self, value, where: str) -> list[dict]:
+        cached = self._frames_cache.get(id(value))
+        if cached is not None and cached[0] is value:
+            return cached[1]
+        raw = self.list_(value, where)[:MAX_FRAMES]
+        self._frame_work += len(raw)
+        if self._frame_work > MAX_FRAME_WORK:
+            self.fail(f"more than {MAX_FRAME_WORK} stack frames")
         result = []
-        for position, frame in enumerate(self.list_(value, where)):
+        if value is not None:
+            self._frames_cache[id(value)] = (value, result)  # holds `value`, so its id is not reused
+        for position, frame in enumerate(raw):
             frame = self.dict_(frame, f"{where}[{position}]")
             result.append({
                 "filename": self.str_(frame.get("filename"), f"{where}[{position}].filename", "?"),
@@ -344,7 +363,7 @@ def infer_phase(frames: list[dict]) -> str | None:
 
 def _choose_device(shape: _Shape, segments: list, traces: list) -> int:
     """The device with an OOM in its trace, else the one with most reserved."""
-    for device, trace in enumerate(traces):
+    for device, trace in enumerate(traces[:MAX_DEVICES]):
         for entry in shape.list_(trace, f"device_traces[{device}]"):
             if isinstance(entry, dict) and entry.get("action") == "oom":
                 return device
@@ -369,7 +388,7 @@ def torch_snapshot_document(data, origin: str, source_format: str) -> dict:
     reserved = allocated = requested_live = 0
     inactive_split_bytes = inactive_split_blocks = 0
     largest_free_block = 0
-    segment_count = 0
+    segment_count = blocks_seen = 0
     expandable = False
     blocks_live = []
     for s_pos, segment in enumerate(segments):
@@ -381,6 +400,9 @@ def torch_snapshot_document(data, origin: str, source_format: str) -> dict:
         reserved += shape.int_(segment.get("total_size"), f"{where}.total_size", 0)
         expandable = expandable or segment.get("is_expandable") is True
         blocks = shape.list_(segment.get("blocks"), f"{where}.blocks")
+        blocks_seen += len(blocks)
+        if blocks_seen > MAX_BLOCKS:
+            shape.fail(f"more than {MAX_BLOCKS} blocks")
         for b_pos, block in enumerate(blocks):
             b_where = f"{where}.blocks[{b_pos}]"
             block = shape.dict_(block, b_where)
@@ -430,10 +452,13 @@ def torch_snapshot_document(data, origin: str, source_format: str) -> dict:
 
     breakdown = {category: 0 for category in CATEGORIES}
     grouped: dict[tuple, dict] = {}
+    judged: dict[int, tuple[str, dict | None]] = {}  # by stack: converted stacks are shared
     for size, wanted, address, block_frames in blocks_live:
-        category = infer_category(block_frames)
+        verdict = judged.get(id(block_frames))
+        if verdict is None:
+            verdict = judged[id(block_frames)] = (infer_category(block_frames), foreign_user_frame(block_frames))
+        category, location = verdict
         breakdown[category] += size
-        location = foreign_user_frame(block_frames)
         key = (category, (location or {}).get("file"), (location or {}).get("line"))
         entry = grouped.get(key)
         if entry is None:

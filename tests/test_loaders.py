@@ -234,6 +234,21 @@ def test_bad_bytes_are_named(raw, message):
         load_bytes(raw, "f")
 
 
+def test_shared_references_cannot_blow_up_the_walk():
+    """A pickle shares one list among many parents for a few bytes each; the
+    converter must not walk segments x blocks (or traces x entries) in full."""
+    blocks = [{"size": 512, "state": "active_allocated", "frames": [USER_FORWARD[0]] * 10_000}] * 5_000
+    data = {"segments": [{"device": 0, "total_size": 512, "blocks": blocks}] * 1_000,
+            "device_traces": [[{"action": "alloc", "size": 1}] * 10_000] * 10_000}
+    raw = pickle.dumps(data, protocol=4)
+    assert len(raw) < 1024**2
+    with pytest.raises(SnapshotError, match="more than .* blocks"):
+        load_bytes(raw, "bomb")
+    data["segments"] = data["segments"][:1]
+    document = load_bytes(pickle.dumps(data, protocol=4), "shared").document
+    assert document["allocator"]["allocated_bytes"] == 512 * 5_000
+
+
 def test_truncated_pickle_is_named():
     raw = pickle.dumps(torch_snapshot())
     with pytest.raises(SnapshotError, match="truncated or corrupt pickle"):
