@@ -22,6 +22,7 @@ so a field of the wrong type is ignored rather than raising.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from oomdoc.fixes import COMPATIBLE_PAIRS, FIXES, fix_info
@@ -593,7 +594,7 @@ def _fix_effects(document: dict, moment: Moment) -> dict[str, _Effect]:
         if moment.capacity_bytes and activations:
             ratio = (moment.capacity_bytes - needed_without) / activations
             if 0 < ratio < 1:
-                detail += f"; a batch up to about {ratio:.0%} of the current one would fit"
+                detail += f"; a batch up to about {math.floor(ratio * 100)}% of the current one would fit"
             elif ratio <= 0:
                 detail += "; even without activations the rest does not fit"
         effects["smaller_batch"] = _Effect(SMALLER_BATCH_FACTOR, 0, detail)
@@ -619,6 +620,11 @@ def estimate_fixes(document: dict) -> list[dict]:
     """Fixes estimated from the breakdown, ranked as measured ones are: those
     that fit first, then the lower cost to training semantics, then to speed,
     then the larger saving. Pairs are added when no single fix fits."""
+    steps = _steps(document)
+    if steps and not any(_int(step.get("backward_calls")) > 0 for step in steps) and _eval_steps(document, steps)[0]:
+        # An evaluation under autograd: the training fixes of the catalogue
+        # do not apply; torch.no_grad() (the grad_in_eval remedy) does.
+        return []
     moment = moment_of(document)
     effects = _fix_effects(document, moment)
     activations = moment.breakdown["activations"]

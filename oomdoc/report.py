@@ -179,6 +179,7 @@ def render_markdown(document: dict, top: int = 5) -> str:
     fixes, measured = _shown_fixes(document)
     if fixes:
         lines += ["", f"### {_fixes_title(measured)}"]
+        lines.extend(f"> {note}\n" for note in _bug_first_note(document))
         lines.append(tabulate(fix_rows(fixes[:top]), headers=FIX_HEADERS, tablefmt="github"))
         lines += _first_fix_snippet(fixes, fence=True)
     for note in _notes(document):
@@ -220,6 +221,18 @@ def _shown_fixes(document: dict) -> tuple[list[dict], bool]:
     return fixes, measured
 
 
+BUG_KINDS = ("grad_in_eval", "leak")
+
+
+def _bug_first_note(document: dict) -> list[str]:
+    """When the first diagnosis is a bug, the fixes below treat memory the bug
+    wastes as needed: say so above them."""
+    diagnoses = diagnose(document)
+    if diagnoses and diagnoses[0]["kind"] in BUG_KINDS:
+        return [f"fix the {diagnoses[0]['kind']} above first; these fixes treat the memory it wastes as needed."]
+    return []
+
+
 def _fixes_title(measured: bool) -> str:
     if measured:
         return "Fixes, measured by replaying the failing step"
@@ -259,6 +272,7 @@ def fix_lines(document: dict, top: int = 5) -> list[str]:
     if not fixes:
         return []
     lines = ["", _fixes_title(measured)]
+    lines.extend(f"note: {note}" for note in _bug_first_note(document))
     lines.append(tabulate(fix_rows(fixes[:top]), headers=FIX_HEADERS))
     for fix in fixes[:top]:
         if fix.get("detail"):

@@ -81,6 +81,8 @@ def test_evaluation_that_ooms_in_its_first_forward():
     document = oom_document(allocated=900 * MiB, requested=200 * MiB, phase="forward",
                             steps=eval_steps(1), optimizers=[], step_unit="module")
     assert kinds(document)[0] == "grad_in_eval"
+    assert estimate_fixes(document) == []  # no training fix applies; no_grad does
+    assert "Fixes" not in render_text(document)
 
 
 def test_eval_mode_passes_inside_training():

@@ -89,6 +89,8 @@ def test_evaluation_without_no_grad(runs):
     assert kinds(result)[0] == "grad_in_eval"
     assert "torch.no_grad()" in result["diagnoses"][0]["remedy"]
     assert "1. grad_in_eval:" in completed.stderr
+    # Training fixes (checkpointing, accumulation) do not apply to an evaluation.
+    assert result["fixes"] == []
 
 
 def test_evaluation_with_no_grad_fits_and_is_not_flagged(runs):
@@ -105,12 +107,13 @@ def test_validation_pass_inside_training(runs):
 
 
 def test_table_markdown_and_top(runs):
-    snapshot = runs["eval_oom"][0]
+    snapshot = runs["leak_oom"][0]
     table = run_oomdoc(["suggest", snapshot])
     assert table.returncode == 0
     assert table.stdout.startswith("oomdoc: OOM")
     assert "Diagnosis (most important first)" in table.stdout
     assert "estimated from the breakdown" in table.stdout
+    assert "note: fix the leak above first" in table.stdout
     markdown = run_oomdoc(["suggest", snapshot, "--format", "markdown"])
     assert markdown.returncode == 0 and "### Diagnosis" in markdown.stdout
     assert len(suggest_json(snapshot, "--top", "1")["fixes"]) == 1
