@@ -81,6 +81,23 @@ def run(
     return run_session(options)
 
 
+SUGGEST_FORMATS = ("table", "json", "markdown")
+
+
+@app.command()
+def suggest(
+    snapshot: str = typer.Argument(..., metavar="SNAPSHOT", help="An oomdoc snapshot (.json), or PyTorch's memory snapshot (the _dump_snapshot() pickle, or _snapshot() saved as JSON)."),
+    output_format: str = typer.Option("table", "--format", metavar="table|json|markdown", help="table (default), json (one object) or markdown."),
+    top: int = typer.Option(5, "--top", metavar="N", min=1, help="Show at most N fixes and allocation sites."),
+) -> int:
+    """Diagnose a saved snapshot offline: what filled the device, why, and the fixes."""
+    from oomdoc.suggest import run_suggest
+
+    if output_format not in SUGGEST_FORMATS:
+        raise UsageError(f"--format must be one of {', '.join(SUGGEST_FORMATS)}, not {output_format!r}")
+    return run_suggest(snapshot, output_format, top)
+
+
 def _click_exception_types() -> tuple[tuple[type, ...], tuple[type, ...]]:
     """Usage-error and abort classes of click, and of the copy of click that
     newer typer releases vendor as `typer._click`."""

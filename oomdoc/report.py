@@ -10,6 +10,7 @@ import os
 
 from tabulate import tabulate
 
+from oomdoc.diagnose import diagnose, fixes_for
 from oomdoc.sizes import format_bytes
 from oomdoc.snapshot import CATEGORIES
 
@@ -37,13 +38,23 @@ def headline(document: dict) -> str:
     device = document.get("device", {})
     capacity = device.get("capacity_bytes") or 0
     outcome = document.get("outcome")
+    source = (document.get("source") or {}).get("format", "")
     if outcome == "oom" and document.get("oom"):
         oom = document["oom"]
-        step = oom.get("step")
-        where = f"in step {step} during {oom.get('phase')}" if step is not None else f"during {oom.get('phase')}"
+        step, phase = oom.get("step"), oom.get("phase")
+        where = " ".join(part for part in (
+            f"in step {step}" if step is not None else "",
+            f"during {phase}" if phase else "",
+        ) if part)
         return (
-            f"OOM {where}: tried to allocate {format_bytes(oom.get('requested_bytes'))} "
+            f"OOM{' ' + where if where else ''}: tried to allocate {format_bytes(oom.get('requested_bytes'))} "
             f"with {format_bytes(oom.get('allocated_bytes'))} of {format_bytes(capacity)} in use"
+        )
+    if source.startswith("torch"):
+        peak = document.get("peak") or {}
+        return (
+            f"PyTorch memory snapshot without an OOM: {format_bytes(peak.get('allocated_bytes'))} allocated, "
+            f"{format_bytes(peak.get('reserved_bytes'))} reserved"
         )
     peak = document.get("peak") or {}
     peak_allocated = peak.get("allocated_bytes") or 0
@@ -77,27 +88,30 @@ def site_rows(document: dict, limit: int = 5) -> list[list[str]]:
     relative_to = document.get("cwd")
     rows = []
     for site in (document.get("top_allocations") or [])[:limit]:
-        shape = site.get("shape")
-        shape_text = "x".join(str(d) for d in shape) if shape else ""
-        count = site.get("count") or 1
-        described = " ".join(p for p in (shape_text, site.get("dtype") or "") if p)
-        if described:
-            tensors = f"{count} x {described}" if count > 1 else described
-        else:  # the CUDA allocator knows blocks, not shapes
-            tensors = f"{count} block{'s' if count > 1 else ''}"
         rows.append([
             format_bytes(site.get("bytes")),
             site.get("category", "?"),
             format_location(site.get("location"), relative_to),
-            tensors,
+            tensor_description(site),
         ])
     return rows
+
+
+def tensor_description(site: dict) -> str:
+    """`4 x 4096x512 float32`: how many tensors (or blocks) of which shape."""
+    shape = site.get("shape")
+    shape_text = "x".join(str(d) for d in shape) if isinstance(shape, list) and shape else ""
+    count = site.get("count") if isinstance(site.get("count"), int) else 1
+    kind = " ".join(p for p in (shape_text, site.get("dtype") if isinstance(site.get("dtype"), str) else "") if p)
+    if not kind:  # the CUDA allocator knows blocks, not shapes
+        return f"{count} block" + ("s" if count > 1 else "")
+    return (f"{count} x " if count > 1 else "") + kind
 
 
 def _breakdown_title(document: dict) -> str:
     device = document.get("device") or {}
     what = "the simulated device" if device.get("kind") == "simulated" else (device.get("name") or "the GPU")
-    moment = {"oom": "at the OOM", "peak": "at the peak"}.get(document.get("breakdown_at"), "at the end")
+    moment = {"oom": "at the OOM", "peak": "at the peak", "snapshot": "in the snapshot"}.get(document.get("breakdown_at"), "at the end")
     return f"What filled {what} ({moment})"
 
 
@@ -115,6 +129,9 @@ def render_text(document: dict, snapshot_path: str | None = None, top: int = 5) 
         lines.append("")
         lines.append(f"Top {len(sites)} allocation sites")
         lines.append(tabulate(sites, headers=["bytes", "category", "location", "tensors"], colalign=("right", "left", "left", "left")))
+    lines.extend(_trace_lines(document))
+    lines.extend(diagnosis_lines(document))
+    lines.extend(fix_lines(document, top))
     for note in _notes(document):
         lines.append(f"note: {note}")
     if snapshot_path:
@@ -146,6 +163,140 @@ def render_markdown(document: dict, top: int = 5) -> str:
     if sites:
         lines += ["", "### Top allocation sites"]
         lines.append(tabulate(sites, headers=["bytes", "category", "location", "tensors"], tablefmt="github"))
+    trace = _trace_rows(document)
+    if trace:
+        lines += ["", "### Allocator events before the OOM"]
+        lines.append(tabulate(trace, headers=["action", "bytes", "category", "location"], tablefmt="github"))
+    diagnoses = diagnose(document)
+    if diagnoses:
+        lines += ["", "### Diagnosis"]
+        for number, item in enumerate(diagnoses, 1):
+            lines.append(f"{number}. **{item['kind']}**: {item['summary']}")
+            for line in item["evidence"]:
+                lines.append(f"   - {line}")
+            if item.get("remedy"):
+                lines += ["", "   ```python", *[f"   {code}" for code in item["remedy"].splitlines()], "   ```"]
+    fixes, measured = _shown_fixes(document)
+    if fixes:
+        lines += ["", f"### {_fixes_title(measured)}"]
+        lines.extend(f"> {note}\n" for note in _bug_first_note(document))
+        lines.append(tabulate(fix_rows(fixes[:top]), headers=FIX_HEADERS, tablefmt="github"))
+        lines += _first_fix_snippet(fixes, fence=True)
     for note in _notes(document):
         lines.append(f"\n> {note}")
     return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------ diagnoses and fixes
+
+
+def diagnosis_lines(document: dict) -> list[str]:
+    """The diagnoses, most important first: what `oomdoc run` and
+    `oomdoc suggest` both print."""
+    diagnoses = diagnose(document)
+    if not diagnoses:
+        return []
+    lines = ["", "Diagnosis (most important first)"]
+    for number, item in enumerate(diagnoses, 1):
+        lines.append(f"{number}. {item['kind']}: {item['summary']}")
+        for line in item["evidence"]:
+            lines.append(f"     - {line}")
+        if item.get("remedy"):
+            lines.append("     fix:")
+            lines.extend(f"       {code}" for code in item["remedy"].splitlines())
+        elif item.get("fixes"):
+            lines.append(f"     fixes: {', '.join(item['fixes'])}")
+    return lines
+
+
+FIX_HEADERS = ["fix", "peak", "saved", "fits", "step time", ""]
+
+
+def _shown_fixes(document: dict) -> tuple[list[dict], bool]:
+    """Measured fixes whenever the snapshot has them; estimates only for an
+    OOM (on a run that fit they would only be noise)."""
+    fixes, measured = fixes_for(document)
+    if not measured and document.get("outcome") != "oom" and not document.get("fixes"):
+        return [], False
+    return fixes, measured
+
+
+BUG_KINDS = ("grad_in_eval", "leak")
+
+
+def _bug_first_note(document: dict) -> list[str]:
+    """When the first diagnosis is a bug, the fixes below treat memory the bug
+    wastes as needed: say so above them."""
+    diagnoses = diagnose(document)
+    if diagnoses and diagnoses[0]["kind"] in BUG_KINDS:
+        return [f"fix the {diagnoses[0]['kind']} above first; these fixes treat the memory it wastes as needed."]
+    return []
+
+
+def _fixes_title(measured: bool) -> str:
+    if measured:
+        return "Fixes, measured by replaying the failing step"
+    return "Fixes, estimated from the breakdown (not measured: `oomdoc run` replays measure them)"
+
+
+def fix_rows(fixes: list[dict]) -> list[list[str]]:
+    """One row per fix, measured or estimated alike."""
+    rows = []
+    for fix in fixes:
+        ratio = fix.get("step_time_ratio")
+        fits = fix.get("fits")
+        rows.append([
+            fix.get("name", "?"),
+            format_bytes(fix.get("peak_allocated_bytes")) if isinstance(fix.get("peak_allocated_bytes"), int) else "?",
+            format_bytes(fix.get("saved_bytes")) if isinstance(fix.get("saved_bytes"), int) else "?",
+            "yes" if fits is True else ("no" if fits is False else "?"),
+            f"{ratio:.2f}x" if isinstance(ratio, (int, float)) and not isinstance(ratio, bool) else "-",
+            "measured" if fix.get("measured") is not False else "estimated",
+        ])
+    return rows
+
+
+def _first_fix_snippet(fixes: list[dict], fence: bool = False) -> list[str]:
+    first = next((fix for fix in fixes if fix.get("fits")), fixes[0] if fixes else None)
+    snippet = (first or {}).get("snippet")
+    if not isinstance(snippet, str) or not snippet:
+        return []
+    head = f"How to apply {first.get('name')}:"
+    if fence:
+        return ["", head, "", "```python", snippet, "```"]
+    return ["", head, *(f"    {line}" for line in snippet.splitlines())]
+
+
+def fix_lines(document: dict, top: int = 5) -> list[str]:
+    fixes, measured = _shown_fixes(document)
+    if not fixes:
+        return []
+    lines = ["", _fixes_title(measured)]
+    lines.extend(f"note: {note}" for note in _bug_first_note(document))
+    lines.append(tabulate(fix_rows(fixes[:top]), headers=FIX_HEADERS))
+    for fix in fixes[:top]:
+        if fix.get("detail"):
+            lines.append(f"  {fix.get('name')}: {fix['detail']}")
+    lines.extend(_first_fix_snippet(fixes))
+    return lines
+
+
+def _trace_rows(document: dict) -> list[list[str]]:
+    relative_to = document.get("cwd")
+    rows = []
+    for event in document.get("trace_before_oom") or []:
+        rows.append([
+            event.get("action", "?"),
+            format_bytes(event.get("bytes")),
+            event.get("category", "?"),
+            format_location(event.get("location"), relative_to) if event.get("location") else "(no Python stack)",
+        ])
+    return rows
+
+
+def _trace_lines(document: dict) -> list[str]:
+    rows = _trace_rows(document)
+    if not rows:
+        return []
+    return ["", "Allocator events just before the OOM (oldest first)",
+            tabulate(rows, headers=["action", "bytes", "category", "location"], colalign=("left", "right", "left", "left"))]

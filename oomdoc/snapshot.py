@@ -83,21 +83,43 @@ def write_snapshot(document: dict, path: str | os.PathLike, *, overwrite: bool =
     return write_atomic(path, dumps(document), overwrite=overwrite)
 
 
+def read_limited_bytes(path: str | os.PathLike) -> bytes:
+    """A snapshot file's bytes, with the checks every loader needs (exists, is
+    a file, readable, not larger than MAX_SNAPSHOT_BYTES)."""
+    path = Path(path)
+    try:
+        if not path.exists():
+            raise SnapshotError(f"{path}: no such file")
+        if path.is_dir():
+            raise SnapshotError(f"{path}: is a directory, not a snapshot file")
+        size = path.stat().st_size
+        if size > MAX_SNAPSHOT_BYTES:
+            raise SnapshotError(f"{path}: file is {size} bytes, larger than the {MAX_SNAPSHOT_BYTES} bytes a snapshot may be")
+        with open(path, "rb") as handle:
+            # Read one byte past the limit: a file that grew after stat() is refused too.
+            raw = handle.read(MAX_SNAPSHOT_BYTES + 1)
+    except OSError as exc:
+        raise SnapshotError(f"{path}: cannot read ({exc.strerror or exc.__class__.__name__})") from None
+    if len(raw) > MAX_SNAPSHOT_BYTES:
+        raise SnapshotError(f"{path}: larger than the {MAX_SNAPSHOT_BYTES} bytes a snapshot may be")
+    return raw
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not a number a snapshot may hold")
+
+
+def parse_json_bytes(raw: bytes, origin: str) -> Any:
+    """Parse JSON text; NaN/Infinity and out-of-range numbers are refused."""
+    try:
+        return json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, int digit limits
+        raise SnapshotError(f"{origin}: not valid JSON ({exc.__class__.__name__}: {str(exc)[:120]})") from None
+
+
 def read_json_file(path: str | os.PathLike) -> Any:
     """Read a JSON file with the checks every loader needs (exists, size, UTF-8)."""
-    path = Path(path)
-    if not path.exists():
-        raise SnapshotError(f"{path}: no such file")
-    if path.is_dir():
-        raise SnapshotError(f"{path}: is a directory, not a snapshot file")
-    size = path.stat().st_size
-    if size > MAX_SNAPSHOT_BYTES:
-        raise SnapshotError(f"{path}: file is {size} bytes, larger than the {MAX_SNAPSHOT_BYTES} bytes a snapshot may be")
-    raw = path.read_bytes()
-    try:
-        return json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise SnapshotError(f"{path}: not valid JSON ({exc.__class__.__name__}: {str(exc)[:120]})") from None
+    return parse_json_bytes(read_limited_bytes(path), str(path))
 
 
 def read_snapshot(path: str | os.PathLike) -> dict:

@@ -66,6 +66,9 @@ class Tracker:
             "end_allocated_bytes": None,
             "forward_calls": 0,
             "forward_calls_with_grad": 0,
+            # Of those, calls on a module in eval mode (`model.eval()`): an
+            # evaluation pass that forgot torch.no_grad().
+            "eval_mode_forward_calls_with_grad": 0,
             "backward_calls": 0,
             "optimizer_steps": 0,
             # Peak allocated bytes per phase: replays model each phase against
@@ -218,6 +221,8 @@ class Tracker:
         if torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
             if any(parameter.requires_grad for parameter in module.parameters()):
                 current["forward_calls_with_grad"] += 1
+                if not module.training:
+                    current["eval_mode_forward_calls_with_grad"] += 1
 
     def _on_backward_start(self, roots) -> None:
         if self._backward_depth == 0:
@@ -278,7 +283,7 @@ class Tracker:
                 merged["peak_allocated_bytes"] = earlier["peak_allocated_bytes"]
                 merged["peak_phase"] = earlier["peak_phase"]
             merged["peak_reserved_bytes"] = max(merged["peak_reserved_bytes"], earlier["peak_reserved_bytes"])
-            for key in ("forward_calls", "forward_calls_with_grad", "backward_calls"):
+            for key in ("forward_calls", "forward_calls_with_grad", "eval_mode_forward_calls_with_grad", "backward_calls"):
                 merged[key] += earlier[key]
         merged["index"] = 0
         self.steps.clear()

@@ -1,0 +1,196 @@
+"""`oomdoc suggest` end to end: snapshots written by `oomdoc run` on the
+simulated device for scripts with a leak or an evaluation without no_grad,
+PyTorch's own snapshots, and bad input."""
+
+from __future__ import annotations
+
+import json
+import pickle
+from pathlib import Path
+
+import pytest
+
+from conftest import SCRIPTS, run_oomdoc
+from oomdoc.snapshot import MAX_SNAPSHOT_BYTES
+from suggest_builders import oomdoc_document, torch_snapshot
+
+H100_PICKLE = Path(__file__).parent / "data" / "h100_oom_snapshot.pickle"
+
+SCENARIOS = {
+    # name: (script, capacity, script args)
+    "leak_sum": ("suggest_leak_total_loss.py", "8MiB", ["--steps", "12", "--mode", "sum"]),
+    "leak_oom": ("suggest_leak_total_loss.py", "8MiB", ["--steps", "80", "--mode", "sum-retain"]),
+    "leak_fixed": ("suggest_leak_total_loss.py", "8MiB", ["--steps", "12", "--mode", "fixed"]),
+    "eval_oom": ("suggest_eval_no_grad.py", "20MiB", []),
+    "eval_no_grad": ("suggest_eval_no_grad.py", "20MiB", ["--no-grad"]),
+    "train_eval": ("suggest_train_then_eval.py", "64MiB", []),
+    "train_eval_no_grad": ("suggest_train_then_eval.py", "64MiB", ["--no-grad"]),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Each scenario run once through `oomdoc run`: (snapshot path, report)."""
+    directory = tmp_path_factory.mktemp("suggest_runs")
+    results = {}
+    for name, (script, capacity, args) in SCENARIOS.items():
+        snapshot = directory / f"{name}.json"
+        completed = run_oomdoc(
+            ["run", "--device", "cpu", "--device-memory", capacity, "--no-replay", "-o", snapshot, SCRIPTS / script, *args],
+            cwd=directory,
+        )
+        assert snapshot.exists(), completed.stderr[-2000:]
+        results[name] = (snapshot, completed)
+    return results
+
+
+def suggest_json(path, *extra) -> dict:
+    completed = run_oomdoc(["suggest", path, "--format", "json", *extra])
+    assert completed.returncode == 0, completed.stderr
+    return json.loads(completed.stdout)
+
+
+def kinds(result) -> list[str]:
+    return [d["kind"] for d in result["diagnoses"]]
+
+
+def test_summed_loss_is_a_leak(runs):
+    snapshot, completed = runs["leak_sum"]
+    assert completed.returncode == 0
+    result = suggest_json(snapshot)
+    assert kinds(result)[0] == "leak"
+    assert "`total_loss`" in result["diagnoses"][0]["summary"]
+    assert "1. leak: Memory leak: `total_loss`" in completed.stderr  # oomdoc run's own report
+
+
+def test_leak_that_runs_out_of_memory(runs):
+    snapshot, completed = runs["leak_oom"]
+    assert completed.returncode == 1
+    result = suggest_json(snapshot)
+    assert result["outcome"] == "oom"
+    leak = result["diagnoses"][0]
+    assert leak["kind"] == "leak"
+    assert leak["bytes"] > 1024**2
+    assert any("per step" in line for line in leak["evidence"])
+    assert "1. leak:" in completed.stderr
+
+
+def test_fixed_loop_has_no_leak(runs):
+    snapshot, completed = runs["leak_fixed"]
+    assert completed.returncode == 0
+    assert "leak" not in kinds(suggest_json(snapshot))
+    assert "leak:" not in completed.stderr
+
+
+def test_evaluation_without_no_grad(runs):
+    snapshot, completed = runs["eval_oom"]
+    assert completed.returncode == 1, "the evaluation should run out of memory with autograd on"
+    result = suggest_json(snapshot)
+    assert kinds(result)[0] == "grad_in_eval"
+    assert "torch.no_grad()" in result["diagnoses"][0]["remedy"]
+    assert "1. grad_in_eval:" in completed.stderr
+    # Training fixes (checkpointing, accumulation) do not apply to an evaluation.
+    assert result["fixes"] == []
+
+
+def test_evaluation_with_no_grad_fits_and_is_not_flagged(runs):
+    snapshot, completed = runs["eval_no_grad"]
+    assert completed.returncode == 0
+    assert "grad_in_eval" not in kinds(suggest_json(snapshot))
+
+
+def test_validation_pass_inside_training(runs):
+    result = suggest_json(runs["train_eval"][0])
+    assert kinds(result)[0] == "grad_in_eval"
+    assert any("eval mode" in line for line in result["diagnoses"][0]["evidence"])
+    assert "grad_in_eval" not in kinds(suggest_json(runs["train_eval_no_grad"][0]))
+
+
+def test_table_markdown_and_top(runs):
+    snapshot = runs["leak_oom"][0]
+    table = run_oomdoc(["suggest", snapshot])
+    assert table.returncode == 0
+    assert table.stdout.startswith("oomdoc: OOM")
+    assert "Diagnosis (most important first)" in table.stdout
+    assert "estimated from the breakdown" in table.stdout
+    assert "note: fix the leak above first" in table.stdout
+    markdown = run_oomdoc(["suggest", snapshot, "--format", "markdown"])
+    assert markdown.returncode == 0 and "### Diagnosis" in markdown.stdout
+    assert len(suggest_json(snapshot, "--top", "1")["fixes"]) == 1
+
+
+def test_pytorch_pickle_through_the_cli(tmp_path):
+    path = tmp_path / "dump_snapshot.pickle"
+    path.write_bytes(pickle.dumps(torch_snapshot()))
+    result = suggest_json(path)
+    assert result["source_format"] == "torch_pickle"
+    assert kinds(result)[0] == "fragmentation"
+    assert result["trace_before_oom"][-1]["action"] == "free_completed"
+    assert any(fix["name"] == "expandable_segments" and fix["measured"] is False for fix in result["fixes"])
+
+
+def test_real_h100_pickle_is_diagnosed():
+    result = suggest_json(H100_PICKLE)
+    assert result["source_format"] == "torch_pickle"
+    assert result["outcome"] == "oom"
+    assert result["diagnoses"], "a real OOM must be explained"
+    assert result["fixes"]
+    table = run_oomdoc(["suggest", H100_PICKLE])
+    assert table.returncode == 0 and "Allocator events just before the OOM" in table.stdout
+
+
+# ------------------------------------------------------------------ bad input
+
+
+def _huge(tmp_path):
+    path = tmp_path / "huge.json"
+    with open(path, "wb") as handle:
+        handle.truncate(MAX_SNAPSHOT_BYTES + 1)
+    return path
+
+
+class Hostile:
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.path),))
+
+
+BAD_INPUTS = {
+    "missing": (lambda tmp: tmp / "absent.json", "no such file"),
+    "directory": (lambda tmp: tmp, "is a directory"),
+    "garbage": (lambda tmp: _write(tmp / "x.bin", b"\x00\x13garbage"), "neither JSON nor a pickle"),
+    "truncated_json": (lambda tmp: _write(tmp / "t.json", json.dumps(oomdoc_document()).encode()[:300]), "not valid JSON"),
+    "truncated_pickle": (lambda tmp: _write(tmp / "t.pickle", pickle.dumps(torch_snapshot())[:500]), "truncated or corrupt pickle"),
+    "schema": (lambda tmp: _write(tmp / "s.json", json.dumps(oomdoc_document(schema_version=7)).encode()), "unknown schema_version 7"),
+    "hostile": (lambda tmp: _write(tmp / "evil.pickle", pickle.dumps({"segments": Hostile(str(tmp / "pwned"))})), "refused"),
+    "huge": (_huge, "larger than"),
+}
+
+
+def _write(path, data: bytes):
+    path.write_bytes(data)
+    return path
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_bad_input_is_one_line_and_exit_2(case, tmp_path):
+    make, message = BAD_INPUTS[case]
+    completed = run_oomdoc(["suggest", make(tmp_path)])
+    assert completed.returncode == 2
+    assert completed.stdout == ""
+    lines = completed.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("oomdoc: error: "), completed.stderr
+    assert message in lines[0]
+    assert "Traceback" not in completed.stderr
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_bad_options_are_usage_errors(tmp_path):
+    path = _write(tmp_path / "s.json", json.dumps(oomdoc_document()).encode())
+    for args, message in ((["--format", "yaml"], "--format must be one of"), (["--top", "0"], "--top")):
+        completed = run_oomdoc(["suggest", path, *args])
+        assert completed.returncode == 2
+        assert completed.stderr.startswith("oomdoc: error:") and message in completed.stderr
+        assert "Traceback" not in completed.stderr
