@@ -339,8 +339,13 @@ def rule_fragmentation(document: dict, moment: Moment) -> dict | None:
     device_free = _int(oom.get("free_bytes"))
     # The allocator failed although what it had cached but unused, plus what
     # the device still had free, would have covered the request: no single
-    # free piece was large enough.
-    decisive = moment.is_oom and requested > 0 and unused > 0 and requested <= unused + device_free
+    # free piece was large enough. When the free memory alone would have
+    # covered it, the cached pieces were not needed and something else (a
+    # per-process memory fraction the snapshot does not record) set the limit.
+    decisive = (
+        moment.is_oom and requested > 0 and unused > 0
+        and device_free < requested <= unused + device_free
+    )
     large = split_bytes >= 32 * MiB and split_bytes >= 0.1 * reserved
     if not (decisive or large):
         return None

@@ -163,6 +163,17 @@ def test_no_fragmentation_when_reserved_is_used():
     assert "fragmentation" not in kinds(oomdoc_document())  # the simulated device has no allocator
 
 
+def test_fragmentation_is_not_decisive_when_free_memory_alone_covered_the_request():
+    # As in a PyTorch snapshot of a process capped with
+    # set_per_process_memory_fraction: the driver reports the card's free
+    # memory, which would have covered the request without any cached piece.
+    allocator = {"reserved_bytes": 854 * MiB, "allocated_bytes": 836 * MiB, "inactive_split_bytes": 18 * MiB,
+                 "inactive_split_blocks": 4, "segments": 20}
+    document = cuda_document(allocator, requested=256 * MiB)
+    document["oom"]["free_bytes"] = 77 * GiB
+    assert "fragmentation" not in kinds(document)
+
+
 def test_expandable_segments_already_on_leaves_empty_cache():
     allocator = {"reserved_bytes": 15 * GiB, "allocated_bytes": 10 * GiB, "inactive_split_bytes": 5 * GiB,
                  "inactive_split_blocks": 10, "expandable_segments": True}
