@@ -209,3 +209,28 @@ def test_a_baseline_round_trips_through_read_baseline(tmp_path):
     path = tmp_path / "baseline.json"
     path.write_text(check.baseline_text(check.measurement(make_document(), 3)))
     assert check.read_baseline(path)["categories"]["activations"] == 10 * MiB
+
+
+@pytest.mark.parametrize("example", ["github-actions.yml", "gitlab-ci.yml"])
+def test_the_ci_examples_parse_as_oomdoc_check_commands(example):
+    """The command lines in examples/ci are what `oomdoc check` accepts, with
+    oomdoc's options before the script and the script's after it."""
+    import re
+    import shlex
+
+    import typer
+
+    from conftest import EXAMPLES
+    from oomdoc.cli import app
+
+    text = (EXAMPLES / "ci" / example).read_text()
+    commands = [re.sub(r"\s*\n\s*#?\s*", " ", found) for found in re.findall(r"oomdoc check (.*?train\.py[^\n]*)", text, re.S)]
+    assert len(commands) == 2, commands  # the one that makes the baseline, and the check
+    group = typer.main.get_command(app)
+    command = group.get_command(None, "check")
+    for line in commands:
+        context = command.make_context("check", shlex.split(line))
+        assert context.params["baseline"] == "memory-baseline.json"
+        assert context.params["target"] == "train.py" and list(context.params["args"]) == ["--batch-size", "32"]
+    assert context.params["junit"] == "oomdoc-check.xml" and context.params["steps"] == 3
+    assert not context.params["update_baseline"]
