@@ -444,16 +444,23 @@ def evaluate(document: dict, baseline: dict | None, options: CheckOptions, wall_
 def run_check(options: CheckOptions, stderr=None) -> int:
     stderr = stderr or sys.stderr
     baseline_path = Path(options.baseline_path)
-    baseline = None
-    if baseline_path.exists() or not options.update_baseline:
-        if not baseline_path.exists():
-            raise UsageError(f"--baseline {baseline_path}: no such file (create it with --update-baseline)")
-        baseline = read_baseline(baseline_path)
+    baseline, unreadable = None, None
+    if not baseline_path.exists() and not options.update_baseline:
+        raise UsageError(f"--baseline {baseline_path}: no such file (create it with --update-baseline)")
+    if baseline_path.exists():
+        try:
+            baseline = read_baseline(baseline_path)
+        except SnapshotError as exc:
+            if not options.update_baseline:
+                raise
+            unreadable = f"the previous baseline could not be read and is replaced ({exc})"
     if options.junit_path and Path(options.junit_path).is_dir():
         raise UsageError(f"--junit {options.junit_path}: is a directory")
 
     document, wall_s = measure(options)
     result = evaluate(document, baseline, options, wall_s)
+    if unreadable:
+        result.notes.insert(0, unreadable)
     if options.update_baseline and result.measured and not result.oom:
         write_atomic(baseline_path, baseline_text(result.current), overwrite=True)
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import xml.etree.ElementTree as ElementTree
 
@@ -234,3 +235,17 @@ def test_the_ci_examples_parse_as_oomdoc_check_commands(example):
         assert context.params["target"] == "train.py" and list(context.params["args"]) == ["--batch-size", "32"]
     assert context.params["junit"] == "oomdoc-check.xml" and context.params["steps"] == 3
     assert not context.params["update_baseline"]
+
+
+def test_update_baseline_replaces_an_unreadable_baseline(tmp_path, monkeypatch):
+    """A baseline of an older format must not block its own refresh."""
+    path = tmp_path / "baseline.json"
+    path.write_text('{"format": "oomdoc-baseline", "version": 0}')
+    monkeypatch.setattr(check, "measure", lambda options: (make_document(), 1.0))
+    log = io.StringIO()
+    assert check.run_check(options(tmp_path, update=True), stderr=log) == 0
+    assert check.read_baseline(path)["categories"]["activations"] == 10 * MiB
+    assert "could not be read and is replaced" in log.getvalue()
+    path.write_text('{"format": "oomdoc-baseline", "version": 0}')
+    with pytest.raises(SnapshotError, match="unknown baseline version 0"):
+        check.run_check(options(tmp_path))
