@@ -6,7 +6,7 @@ Usage errors are one line on stderr and exit status 2, never a traceback.
 from __future__ import annotations
 
 import sys
-from typing import List, Optional
+from typing import Annotated, List, Optional
 
 import typer
 
@@ -39,21 +39,45 @@ def size_option(value: Optional[str], flag: str) -> Optional[int]:
         raise UsageError(f"{flag}: {exc}") from None
 
 
-def check_script_token(target: str) -> None:
+def check_script_token(target: str, command: str = "run") -> None:
     if target.startswith("-") and target != "-":
-        raise UsageError(f"no such option: {target} (options go before SCRIPT; see oomdoc run --help)")
+        raise UsageError(f"no such option: {target} (options go before SCRIPT; see oomdoc {command} --help)")
+
+
+# The options shared by every command that runs a script (run, check), declared
+# once so that their names, defaults and help stay the same everywhere.
+ScriptArgument = Annotated[str, typer.Argument(metavar="SCRIPT", help="The training script (or, with -m, a module).")]
+ScriptArgs = Annotated[Optional[List[str]], typer.Argument(metavar="[ARGS]...", help="Passed to the script untouched.")]
+ModuleFlag = Annotated[bool, typer.Option("-m", help="Run SCRIPT as a module, as `python -m` does.")]
+DeviceOption = Annotated[str, typer.Option("--device", help="auto (CUDA when available), cuda, or cpu (the simulated device).")]
+DeviceMemoryOption = Annotated[Optional[str], typer.Option(
+    "--device-memory", metavar="SIZE",
+    help="Cap the device: 512MiB, 16GiB, 1.5GB or bytes. On CUDA a per-process memory fraction; on CPU the simulated device's capacity.",
+)]
+
+
+def script_run_options(command: str, target: str, args: Optional[List[str]], module: bool, device: str, device_memory: Optional[str], **extra):
+    """The RunOptions of a command that runs SCRIPT, from the shared options."""
+    from oomdoc.session import RunOptions
+
+    check_script_token(target, command)
+    return RunOptions(
+        target=target,
+        args=list(args or []),
+        is_module=module,
+        device=device,
+        capacity_bytes=size_option(device_memory, "--device-memory"),
+        **extra,
+    )
 
 
 @app.command(context_settings=PASS_THROUGH)
 def run(
-    target: str = typer.Argument(..., metavar="SCRIPT", help="The training script (or, with -m, a module)."),
-    args: Optional[List[str]] = typer.Argument(None, metavar="[ARGS]...", help="Passed to the script untouched."),
-    module: bool = typer.Option(False, "-m", help="Run SCRIPT as a module, as `python -m` does."),
-    device: str = typer.Option("auto", "--device", help="auto (CUDA when available), cuda, or cpu (the simulated device)."),
-    device_memory: Optional[str] = typer.Option(
-        None, "--device-memory", metavar="SIZE",
-        help="Cap the device: 512MiB, 16GiB, 1.5GB or bytes. On CUDA a per-process memory fraction; on CPU the simulated device's capacity.",
-    ),
+    target: ScriptArgument,
+    args: ScriptArgs = None,
+    module: ModuleFlag = False,
+    device: DeviceOption = "auto",
+    device_memory: DeviceMemoryOption = None,
     output: Optional[str] = typer.Option(None, "-o", "--output", metavar="PATH", help="Where to write the snapshot (default .oomdoc/<script>-<UTC time>.json)."),
     max_steps: Optional[int] = typer.Option(None, "--max-steps", min=1, help="Stop the script cleanly (exit 0) after N training steps."),
     no_replay: bool = typer.Option(False, "--no-replay", help="Do not replay the failing step with fixes."),
@@ -62,15 +86,10 @@ def run(
     batch_arg: Optional[str] = typer.Option(None, "--batch-arg", metavar="FLAG", help="The script's batch-size flag, if not --batch-size/--batch_size/--bs/--per_device_train_batch_size."),
 ) -> int:
     """Run SCRIPT under oomdoc: catch and explain an OOM, and measure fixes."""
-    from oomdoc.session import RunOptions, run_session
+    from oomdoc.session import run_session
 
-    check_script_token(target)
-    options = RunOptions(
-        target=target,
-        args=list(args or []),
-        is_module=module,
-        device=device,
-        capacity_bytes=size_option(device_memory, "--device-memory"),
+    options = script_run_options(
+        "run", target, args, module, device, device_memory,
         output=output,
         max_steps=max_steps,
         replay=not no_replay,
@@ -96,6 +115,45 @@ def suggest(
     if output_format not in SUGGEST_FORMATS:
         raise UsageError(f"--format must be one of {', '.join(SUGGEST_FORMATS)}, not {output_format!r}")
     return run_suggest(snapshot, output_format, top)
+
+
+@app.command(context_settings=PASS_THROUGH)
+def check(
+    target: ScriptArgument,
+    args: ScriptArgs = None,
+    baseline: str = typer.Option(..., "--baseline", metavar="FILE", help="The baseline JSON to compare with (written by --update-baseline)."),
+    tolerance: str = typer.Option("5%", "--tolerance", metavar="5%|256MiB", help="How much each quantity may grow: a percentage of its baseline value, or a size."),
+    steps: int = typer.Option(3, "--steps", min=1, help="Training steps to run before stopping the script."),
+    update_baseline: bool = typer.Option(False, "--update-baseline", help="Write (or refresh) the baseline from this run instead of failing on growth."),
+    junit: Optional[str] = typer.Option(None, "--junit", metavar="FILE", help="Also write the comparison as JUnit XML."),
+    module: ModuleFlag = False,
+    device: DeviceOption = "auto",
+    device_memory: DeviceMemoryOption = None,
+) -> int:
+    """Gate memory regressions: run SCRIPT for a few steps and compare its peak
+    memory, overall and per category, with a baseline file.
+
+    oomdoc's options go before SCRIPT; everything after SCRIPT is passed to the
+    script. Exit status 0 within tolerance, 1 on growth beyond it, an OOM or a
+    failed script, 2 on a usage error.
+    """
+    from oomdoc.check import CheckOptions, run_check
+    from oomdoc.sizes import parse_tolerance
+
+    try:
+        fraction, absolute_bytes = parse_tolerance(tolerance)
+    except ValueError as exc:
+        raise UsageError(f"--tolerance: {exc}") from None
+    options = CheckOptions(
+        run=script_run_options("check", target, args, module, device, device_memory, max_steps=steps),
+        baseline_path=baseline,
+        tolerance_fraction=fraction,
+        tolerance_bytes=absolute_bytes,
+        tolerance_text=tolerance.strip(),
+        update_baseline=update_baseline,
+        junit_path=junit,
+    )
+    return run_check(options)
 
 
 def _click_exception_types() -> tuple[tuple[type, ...], tuple[type, ...]]:

@@ -19,17 +19,22 @@ def _percent(part: int, whole: int) -> str:
     return f"{100.0 * part / whole:.1f}%" if whole else "-"
 
 
-def format_location(location: dict | None, relative_to: str | None = None) -> str:
-    if not location:
-        return "(unknown)"
-    filename = location.get("file", "?")
+def relative_path(filename: str, relative_to: str | None) -> str:
+    """`filename` relative to `relative_to` when it lies under it, else unchanged."""
     if relative_to:
         try:
             relative = os.path.relpath(filename, relative_to)
             if not relative.startswith(".."):
-                filename = relative
+                return relative
         except ValueError:
             pass
+    return filename
+
+
+def format_location(location: dict | None, relative_to: str | None = None) -> str:
+    if not location:
+        return "(unknown)"
+    filename = relative_path(location.get("file", "?"), relative_to)
     return f"{filename}:{location.get('line', '?')} in {location.get('function', '?')}"
 
 

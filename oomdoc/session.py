@@ -125,6 +125,20 @@ def build_snapshot(options: RunOptions, device: str, capture: dict | None, exit_
     return document
 
 
+def child_request(options: RunOptions, device: str, **extra) -> ChildRequest:
+    """The child run of the script that `options` describe (`extra`: the
+    ChildRequest fields a caller sets itself, e.g. artifact_dir, extra_env)."""
+    return ChildRequest(
+        target=options.target,
+        args=list(options.args),
+        device=device,
+        capacity_bytes=options.capacity_bytes,
+        is_module=options.is_module,
+        max_steps=options.max_steps,
+        **extra,
+    )
+
+
 def run_session(options: RunOptions, stderr=None) -> int:
     stderr = stderr or sys.stderr
     # Arguments are checked before torch is imported: a usage error is quick.
@@ -133,15 +147,7 @@ def run_session(options: RunOptions, stderr=None) -> int:
     path = output_path(options)
     device = resolve_device(options.device)
     artifact_dir = path.parent / (path.stem + ".files")
-    request = ChildRequest(
-        target=options.target,
-        args=list(options.args),
-        device=device,
-        capacity_bytes=options.capacity_bytes,
-        is_module=options.is_module,
-        max_steps=options.max_steps,
-        artifact_dir=str(artifact_dir),
-    )
+    request = child_request(options, device, artifact_dir=str(artifact_dir))
     artifact_dir.mkdir(parents=True, exist_ok=True)
     result = run_child(request)
     document = build_snapshot(options, device, result.capture, result.exit_code)

@@ -200,6 +200,12 @@ def validate(document: Any) -> None:
     for category in CATEGORIES:
         _check_int(breakdown, category, "breakdown")
 
+    category_peaks = document.get("category_peaks")
+    if category_peaks is not None:
+        _expect(isinstance(category_peaks, dict), "category_peaks must be an object")
+        for category in CATEGORIES:
+            _check_int(category_peaks, category, "category_peaks")
+
     steps = document.get("steps")
     _expect(isinstance(steps, list), "steps must be a list")
     for position, step in enumerate(steps):

@@ -205,6 +205,7 @@ def write_capture(config, backend, tracker, outcome, exit_code, error) -> None:
         "oom": oom,
         "breakdown": breakdown,
         "breakdown_at": breakdown_at,
+        "category_peaks": dict(tracker.category_peaks),
         "peak": {
             "allocated_bytes": int(max([s["peak_allocated_bytes"] for s in steps] + [oom["allocated_bytes"] if oom else 0])),
             "reserved_bytes": int(max([s["peak_reserved_bytes"] for s in steps] + [oom["reserved_bytes"] if oom else 0])),

@@ -54,6 +54,10 @@ class Tracker:
         self._originals: list = []
         self._step_started = time.perf_counter()
         self.peak_sample: dict | None = None
+        # The most each category held at any phase boundary (or the OOM):
+        # what `oomdoc check` gates, since the categories peak at different
+        # moments (activations at the end of forward, gradients after backward).
+        self.category_peaks: dict[str, int] = {category: 0 for category in CATEGORIES}
         self._new_step()
 
     # ------------------------------------------------------------ steps
@@ -104,6 +108,8 @@ class Tracker:
         if self.phase not in ("forward", "backward", "optimizer"):
             return
         allocated = self.backend.allocated_bytes()
+        breakdown, _ = self.breakdown_and_sites(with_sites=False)
+        self._fold_category_peaks(breakdown)
         if self.peak_sample is not None and allocated <= self.peak_sample["allocated_bytes"]:
             return
         breakdown, sites = self.breakdown_and_sites()
@@ -114,6 +120,11 @@ class Tracker:
             "breakdown": breakdown,
             "top_allocations": sites,
         }
+
+    def _fold_category_peaks(self, breakdown: dict) -> None:
+        for category, nbytes in breakdown.items():
+            if nbytes > self.category_peaks.get(category, 0):
+                self.category_peaks[category] = int(nbytes)
 
     def _close_step(self) -> None:
         self._fold_peak()
@@ -328,6 +339,7 @@ class Tracker:
         capacity = self.backend.capacity_bytes()
         self._fold_peak()
         breakdown, sites = self.breakdown_and_sites()
+        self._fold_category_peaks(breakdown)
         self.oom = {
             "step": self.step_index,
             "phase": self.phase,
@@ -378,9 +390,11 @@ class Tracker:
         state = {k: v for k, v in state.items() if k not in parameters and k not in gradients}
         return parameters, gradients, state
 
-    def breakdown_and_sites(self, limit: int = 20) -> tuple[dict, list[dict]]:
+    def breakdown_and_sites(self, limit: int = 20, with_sites: bool = True) -> tuple[dict, list[dict]]:
         """Live memory split into the five categories, and the largest
-        allocation sites (aggregated by user location, shape and dtype)."""
+        allocation sites (aggregated by user location, shape and dtype).
+        Without `with_sites` only the breakdown is computed (no allocator
+        snapshot on CUDA), cheap enough for every phase boundary."""
         parameters, gradients, state = self._known_tensors()
         breakdown = {category: 0 for category in CATEGORIES}
         breakdown["parameters"] = sum(parameters.values())
@@ -414,6 +428,8 @@ class Tracker:
                 grown -= max(0, breakdown["optimizer_state"] - baseline["optimizer_state"])
                 breakdown["activations"] = max(0, min(grown, allocated - known))
             breakdown["other"] = max(0, allocated - known - breakdown["activations"])
+        if not with_sites:
+            return {k: int(v) for k, v in breakdown.items()}, []
 
         records = {key: record for key, _nbytes, record in per_storage}
         sites = self.backend.allocation_sites() or []
