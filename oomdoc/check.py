@@ -437,6 +437,9 @@ def evaluate(document: dict, baseline: dict | None, options: CheckOptions, wall_
         notes = mismatch_notes(baseline, current)
     if measured and document.get("device", {}).get("kind") == "simulated":
         notes.append("on the simulated device every CPU tensor of the script counts, its dataset in memory included.")
+    if measured and document.get("device", {}).get("kind") == "cuda" and current["peak"]["allocated_bytes"] == 0:
+        # A gate that measures nothing would pass forever: say so.
+        notes.append("the script allocated nothing on the GPU: does it move its model and data to CUDA?")
     return CheckResult(document=document, current=current, baseline=baseline, comparisons=comparisons,
                        site_changes=changes, notes=notes, wall_s=wall_s)
 

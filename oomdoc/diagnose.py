@@ -338,14 +338,14 @@ def rule_fragmentation(document: dict, moment: Moment) -> dict | None:
     requested = _int(oom.get("requested_bytes"))
     device_free = _int(oom.get("free_bytes"))
     # The allocator failed although what it had cached but unused, plus what
-    # the device still had free, would have covered the request: no single
-    # free piece was large enough. When the free memory alone would have
-    # covered it, the cached pieces were not needed and something else (a
-    # per-process memory fraction the snapshot does not record) set the limit.
-    decisive = (
-        moment.is_oom and requested > 0 and unused > 0
-        and device_free < requested <= unused + device_free
-    )
+    # could still be allocated, would have covered the request: no single free
+    # piece was large enough. oomdoc's own snapshots know the free memory under
+    # the --device-memory cap; PyTorch's snapshots only have the driver's free
+    # memory, which ignores a per-process memory fraction, so for them only
+    # the cached pieces count.
+    from_pytorch = _dict(document.get("source")).get("format", "").startswith("torch")
+    usable_free = 0 if from_pytorch else device_free
+    decisive = moment.is_oom and requested > 0 and unused > 0 and requested <= unused + usable_free
     large = split_bytes >= 32 * MiB and split_bytes >= 0.1 * reserved
     if not (decisive or large):
         return None

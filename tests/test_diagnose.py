@@ -163,15 +163,22 @@ def test_no_fragmentation_when_reserved_is_used():
     assert "fragmentation" not in kinds(oomdoc_document())  # the simulated device has no allocator
 
 
-def test_fragmentation_is_not_decisive_when_free_memory_alone_covered_the_request():
-    # As in a PyTorch snapshot of a process capped with
-    # set_per_process_memory_fraction: the driver reports the card's free
-    # memory, which would have covered the request without any cached piece.
+def test_pytorch_snapshot_fragmentation_decides_only_when_cached_pieces_cover_the_request():
+    # A PyTorch snapshot of a process capped with set_per_process_memory_fraction:
+    # the driver's free memory ignores the cap, so it cannot show that the
+    # memory was there; only cached-but-unused pieces can.
     allocator = {"reserved_bytes": 854 * MiB, "allocated_bytes": 836 * MiB, "inactive_split_bytes": 18 * MiB,
                  "inactive_split_blocks": 4, "segments": 20}
     document = cuda_document(allocator, requested=256 * MiB)
     document["oom"]["free_bytes"] = 77 * GiB
+    document["source"] = {"format": "torch_pickle", "path": "x.pickle"}
     assert "fragmentation" not in kinds(document)
+    allocator.update(reserved_bytes=1100 * MiB, inactive_split_bytes=264 * MiB, inactive_split_blocks=9)
+    document = cuda_document(allocator, requested=256 * MiB)
+    document["oom"]["free_bytes"] = 77 * GiB
+    document["source"] = {"format": "torch_pickle", "path": "x.pickle"}
+    diagnosis = find(document, "fragmentation")
+    assert "decided the OOM" in diagnosis["summary"]
 
 
 def test_expandable_segments_already_on_leaves_empty_cache():

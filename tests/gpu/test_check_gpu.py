@@ -52,5 +52,5 @@ def test_under():
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines([
         "*test_over was limited to 16.00 MiB of tensor memory but its peak was 32.00 MiB (CUDA)*",
-        "*32.00 MiB*test_cuda_memory.py:8 in *",
+        "*32.00 MiB*test_cuda_memory.py:7 in test_over*",
     ])

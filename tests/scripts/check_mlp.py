@@ -27,13 +27,15 @@ def main() -> None:
     for _ in range(arguments.layers):
         blocks += [nn.Linear(width, arguments.hidden), nn.GELU()]
         width = arguments.hidden
-    model = nn.Sequential(*blocks, nn.Linear(width, classes))
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the simulated device hides CUDA
+    model = nn.Sequential(*blocks, nn.Linear(width, classes)).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     loss_fn = nn.CrossEntropyLoss()
 
     step = 0
     while step < arguments.steps:
         for inputs, targets in loader:
+            inputs, targets = inputs.to(device), targets.to(device)
             optimizer.zero_grad(set_to_none=True)
             loss = loss_fn(model(inputs), targets)
             loss.backward()
