@@ -127,6 +127,10 @@ class Tracker:
                 self.category_peaks[category] = int(nbytes)
 
     def _close_step(self) -> None:
+        if self.backend.kind == "cuda":
+            # Step durations are compared between replays: wait for the
+            # step's kernels so a duration is the step's, not its launch's.
+            torch.cuda.synchronize()
         self._fold_peak()
         current = self._current
         if current["end_allocated_bytes"] is None:
@@ -225,9 +229,13 @@ class Tracker:
                 raise StopRun()
         self._add_model(module)
         self._set_phase("forward")
-        if not self.backend.per_storage and self._current["forward_calls"] == 0:
-            self._remember_forward_baseline()
         current = self._current
+        if current["forward_calls"] == 0:
+            # What is alive when the step's work begins: replays use it as the
+            # batch-independent part of the step's peaks.
+            current["start_allocated_bytes"] = int(self.backend.allocated_bytes())
+            if not self.backend.per_storage:
+                self._remember_forward_baseline()
         current["forward_calls"] += 1
         if torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
             if any(parameter.requires_grad for parameter in module.parameters()):
