@@ -322,7 +322,7 @@ class Tracker:
         seen_tensors = set()
         visited_nodes: dict[int, object] = {}  # shared: a graph is walked once
         for frame in user_frames:
-            for name, value in list(frame.f_locals.items()):
+            for name, value in _frame_locals(frame):
                 for tensor in _candidate_tensors(value):
                     if id(tensor) in seen_tensors:
                         continue
@@ -516,6 +516,27 @@ class Tracker:
                         for value in per_parameter.values():
                             if isinstance(value, torch.Tensor):
                                 yield value
+
+
+_CO_OPTIMIZED = 0x0001
+
+
+def _frame_locals(frame) -> list[tuple[str, object]]:
+    """A function frame's local variables, without keeping them alive.
+
+    Before Python 3.13, `frame.f_locals` of a running function is a snapshot
+    dict cached on the frame until the next access: it would hold the
+    previous step's tensors (logits, loss) alive through the whole next step
+    and inflate that step's peak. The snapshot is emptied after it is read;
+    the frame's real variables are untouched (the next access rebuilds the
+    snapshot from them). Module frames' f_locals is the namespace itself and
+    3.13's is a write-through proxy: neither is cleared.
+    """
+    snapshot = frame.f_locals
+    items = list(snapshot.items())
+    if sys.version_info < (3, 13) and frame.f_code.co_flags & _CO_OPTIMIZED and isinstance(snapshot, dict):
+        snapshot.clear()
+    return items
 
 
 def repeated_blocks(model: nn.Module, min_count: int = 2) -> list[dict]:
