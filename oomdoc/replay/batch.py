@@ -235,9 +235,30 @@ class SearchResult:
 
 
 def first_probe(original_batch_size: int, step0_completed: bool) -> int:
-    """The first smaller batch to try: a quarter of the failing batch, a half
-    when the failing run got through its first forward and backward."""
+    """The first smaller batch to try: half the failing batch (a batch that
+    OOMs is usually not many times too large, and the nearer the probe is to
+    the limit, the less its one point has to be extrapolated); a quarter when
+    even the failing run's first forward pass was far over the capacity."""
     return max(1, original_batch_size // (2 if step0_completed else 4))
+
+
+def probe_divisor(document: dict) -> int:
+    """2 (probe at half the failing batch) unless the failing run's first
+    forward pass alone needed more than twice what the device had left: 4."""
+    oom = document.get("oom") or {}
+    capacity = (document.get("device") or {}).get("capacity_bytes") or 0
+    steps = document.get("steps") or []
+    start = steps[0].get("start_allocated_bytes") if steps else None
+    if oom.get("step") == 0 and oom.get("phase") == "forward" and start is not None and capacity:
+        # The forward was cut short: by then it already needed this much.
+        needed = int(oom.get("allocated_bytes") or 0) + int(oom.get("requested_bytes") or 0)
+        if needed - start > 2 * (capacity - start):
+            return 4
+    return 2
+
+
+def first_probe_for(document: dict, original_batch_size: int) -> int:
+    return max(1, original_batch_size // probe_divisor(document))
 
 
 def search_max_batch(

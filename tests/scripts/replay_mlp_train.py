@@ -6,8 +6,8 @@
 
 `--autocast` and `--checkpointing` apply those fixes the way a user would write
 them, so the tests can compare oomdoc's replays (applied to the unmodified
-script) with the same fix written into the script. The data are generated per
-sample, so the dataset costs no memory whatever the batch size.
+script) with the same fix written into the script. The samples come from a small
+fixed pool, so the dataset costs the same memory whatever the batch size.
 """
 
 import argparse
@@ -21,16 +21,20 @@ from torch.utils.data import DataLoader, Dataset
 
 
 class RandomFeatures(Dataset):
+    """`length` samples drawn from a small fixed pool, so the dataset's
+    memory does not grow with the batch size (the simulated device counts it)."""
+
+    POOL = 256
+
     def __init__(self, length, features, classes):
-        self.length, self.features, self.classes = length, features, classes
+        self.length, self.classes = length, classes
+        self.pool = torch.randn(self.POOL, features, generator=torch.Generator().manual_seed(0))
 
     def __len__(self):
         return self.length
 
     def __getitem__(self, index):
-        generator = torch.Generator().manual_seed(index)
-        x = torch.randn(self.features, generator=generator)
-        return x, int(index % self.classes)
+        return self.pool[index % self.POOL], int(index % self.classes)
 
 
 class MLPBlock(nn.Module):
@@ -66,10 +70,10 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--batch-size", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--features", type=int, default=64)
-    parser.add_argument("--width", type=int, default=256)
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--depth", type=int, default=12)
+    parser.add_argument("--features", type=int, default=32)
+    parser.add_argument("--width", type=int, default=64)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--depth", type=int, default=8)
     parser.add_argument("--autocast", action="store_true", help="bf16 autocast around forward and loss")
     parser.add_argument("--checkpointing", action="store_true", help="checkpoint each MLP block")
     parser.add_argument("--save", default=None, help="save the model here (skipped in replays)")
