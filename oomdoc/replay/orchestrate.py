@@ -108,6 +108,10 @@ class Replay:
         return self.outcome == "fits"
 
 
+class ReplaysInterrupted(Exception):
+    """Ctrl-C reached a replay: stop replaying, keep what was measured."""
+
+
 class Replayer:
     """Runs replays like the failing run, with a fix, and measures them."""
 
@@ -145,6 +149,9 @@ class Replayer:
         self.progress.start(label)
         result = run_child(child)
         replay = measure(result, label, log_path)
+        if not result.timed_out and (result.exit_code == 130 or (result.capture or {}).get("outcome") == "interrupted"):
+            self.progress.finish("interrupted")
+            raise ReplaysInterrupted()
         if replay.outcome in ("timeout", "error"):
             replay.log_path = keep_log(log_path, self.request.artifact_dir)
         self.replays.append(replay)
@@ -273,25 +280,32 @@ def replay_fixes(document: dict, options, request: ChildRequest, stderr=None) ->
     search = None
     batch_info: dict = {}
     try:
-        if "smaller_batch" in singles:
-            search, batch_info, reason = search_batch(replayer, document, options)
-            if reason:
-                skipped.append({"name": "smaller_batch", "reason": reason})
-        for name in singles:
-            if name == "smaller_batch":
-                continue
-            entry = replay_single(replayer, name, device, skipped)
-            if entry is not None:
-                entries.append(entry)
-        if requested is None:
-            pair = best_pair([entry for entry in entries if entry.get("_applied")])
-            if pair is not None:
-                combinations.append("+".join(pair))
-        for name in combinations:
-            entry = replay_single(replayer, name, device, skipped)
-            if entry is not None:
-                entries.append(entry)
+        try:
+            if "smaller_batch" in singles:
+                search, batch_info, reason = search_batch(replayer, document, options)
+                if reason:
+                    skipped.append({"name": "smaller_batch", "reason": reason})
+            for name in singles:
+                if name == "smaller_batch":
+                    continue
+                entry = replay_single(replayer, name, device, skipped)
+                if entry is not None:
+                    entries.append(entry)
+            if requested is None:
+                pair = best_pair([entry for entry in entries if entry.get("_applied")])
+                if pair is not None:
+                    combinations.append("+".join(pair))
+            for name in combinations:
+                entry = replay_single(replayer, name, device, skipped)
+                if entry is not None:
+                    entries.append(entry)
+        except ReplaysInterrupted:
+            document.setdefault("notes", []).append("Replays were interrupted: the fixes below are those measured before.")
         finish(document, replayer, entries, search, batch_info, skipped, progress)
+    except Exception as exc:  # the snapshot of the OOM must be written whatever happens here
+        progress.header(f"replays failed: {type(exc).__name__}: {exc}")
+        document.setdefault("notes", []).append(f"Replays failed ({type(exc).__name__}: {exc}); no fixes were measured.")
+        document["fixes"], document["max_batch_size"] = [], None
     finally:
         shutil.rmtree(log_dir, ignore_errors=True)
 
