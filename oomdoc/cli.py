@@ -86,14 +86,16 @@ def run(
     batch_arg: Optional[str] = typer.Option(None, "--batch-arg", metavar="FLAG", help="The script's batch-size flag, if not --batch-size/--batch_size/--bs/--per_device_train_batch_size."),
 ) -> int:
     """Run SCRIPT under oomdoc: catch and explain an OOM, and measure fixes."""
+    from oomdoc.replay.orchestrate import check_replay_options
     from oomdoc.session import run_session
 
+    fix_names = check_replay_options(fixes, replay_timeout, batch_arg, replay=not no_replay)
     options = script_run_options(
         "run", target, args, module, device, device_memory,
         output=output,
         max_steps=max_steps,
         replay=not no_replay,
-        fixes=[f.strip() for f in fixes.split(",") if f.strip()] if fixes else None,
+        fixes=fix_names,
         replay_timeout_s=replay_timeout,
         batch_arg=batch_arg,
     )

@@ -93,6 +93,71 @@ COMPATIBLE_PAIRS = {
 }
 
 
+# The fixes a replay can measure, in the order they are tried.
+REPLAYABLE = ("smaller_batch", "autocast", "checkpointing", "empty_cache", "expandable_segments", "lighter_optimizer")
+CUDA_ONLY = ("empty_cache", "expandable_segments")
+
+
+def combination_parts(name: str) -> list[str] | None:
+    """The parts of a valid combination name `a+b`, or None."""
+    parts = name.split("+")
+    if len(parts) != 2 or not all(part in FIXES for part in parts) or parts[0] == parts[1]:
+        return None
+    if frozenset(parts) not in COMPATIBLE_PAIRS:
+        return None
+    return parts
+
+
+def render_snippet(name: str, context: dict | None = None) -> str:
+    """The catalogue snippet, made concrete with what the replay learned
+    (device and dtype for autocast, the blocks' path for checkpointing, the
+    batch sizes for a smaller batch, the optimizer measured)."""
+    context = context or {}
+    parts = name.split("+")
+    if len(parts) > 1:
+        return "\n\n".join(f"# {part}\n{render_snippet(part, context)}" for part in parts)
+    if name == "autocast":
+        device_type = context.get("device_type", "cuda")
+        dtype = context.get("dtype", "bfloat16")
+        snippet = (
+            f"with torch.autocast(device_type={device_type!r}, dtype=torch.{dtype}):\n"
+            "    loss = loss_fn(model(inputs), targets)\n"
+        )
+        if dtype == "float16":
+            return (
+                "scaler = torch.amp.GradScaler()  # float16 needs loss scaling\n" + snippet +
+                "scaler.scale(loss).backward()\nscaler.step(optimizer)\nscaler.update()"
+            )
+        return snippet + "loss.backward()"
+    if name == "checkpointing" and context.get("blocks_path"):
+        path = context["blocks_path"]
+        return (
+            "from torch.utils.checkpoint import checkpoint\n"
+            f"for block in model.{path}:  # {context.get('blocks_class', 'block')} x {context.get('blocks_count', '?')}\n"
+            "    x = checkpoint(block, x, use_reentrant=False)"
+        )
+    if name == "smaller_batch" and context.get("micro_batch"):
+        micro, steps = context["micro_batch"], context["accumulation_steps"]
+        how = context.get("how", "batch_size")
+        return (
+            f"# {how} {micro}: {steps} micro-batches of {micro} keep the effective batch at {micro * steps}\n"
+            f"accumulation_steps = {steps}\n"
+            "for i, (x, y) in enumerate(loader):\n"
+            "    loss = loss_fn(model(x), y) / accumulation_steps\n"
+            "    loss.backward()\n"
+            "    if (i + 1) % accumulation_steps == 0:\n"
+            "        optimizer.step()\n"
+            "        optimizer.zero_grad(set_to_none=True)"
+        )
+    if name == "lighter_optimizer" and context.get("optimizer") == "Adafactor":
+        return (
+            "optimizer = torch.optim.Adafactor(model.parameters(), lr=lr)  # factored second moments\n"
+            "# or torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9): one tensor of state per parameter"
+        )
+    info = FIXES.get(name)
+    return info.snippet if info else ""
+
+
 def fix_info(name: str) -> FixInfo | None:
     """The catalogue entry for a fix, or for `a+b` the cheaper part's costs."""
     if name in FIXES:

@@ -182,7 +182,11 @@ def render_markdown(document: dict, top: int = 5) -> str:
             if item.get("remedy"):
                 lines += ["", "   ```python", *[f"   {code}" for code in item["remedy"].splitlines()], "   ```"]
     fixes, measured = _shown_fixes(document)
-    if fixes:
+    if fixes and measured:
+        lines += ["", f"### {_fixes_title(measured)}"]
+        lines.extend(f"> {note}\n" for note in _bug_first_note(document))
+        lines.extend(measured_fix_lines(document, fixes, markdown=True))
+    elif fixes:
         lines += ["", f"### {_fixes_title(measured)}"]
         lines.extend(f"> {note}\n" for note in _bug_first_note(document))
         lines.append(tabulate(fix_rows(fixes[:top]), headers=FIX_HEADERS, tablefmt="github"))
@@ -278,11 +282,78 @@ def fix_lines(document: dict, top: int = 5) -> list[str]:
         return []
     lines = ["", _fixes_title(measured)]
     lines.extend(f"note: {note}" for note in _bug_first_note(document))
+    if measured:
+        return lines + measured_fix_lines(document, fixes)
     lines.append(tabulate(fix_rows(fixes[:top]), headers=FIX_HEADERS))
     for fix in fixes[:top]:
         if fix.get("detail"):
             lines.append(f"  {fix.get('name')}: {fix['detail']}")
     lines.extend(_first_fix_snippet(fixes))
+    return lines
+
+
+MEASURED_FIX_HEADERS = ["rank", "fix", "peak", "saved", "% of need", "fits", "step time"]
+
+
+def measured_fix_rows(document: dict, fixes: list[dict]) -> list[list[str]]:
+    """Rank, fix, peak, saved (bytes and % of the failing run's need), fits,
+    step-time ratio. A fix that ran out of memory shows what it needed then."""
+    need = (document.get("replay") or {}).get("baseline_need_bytes")
+    rows = []
+    for position, fix in enumerate(fixes, start=1):
+        peak = fix.get("peak_allocated_bytes")
+        fits = fix.get("fits")
+        saved = fix.get("saved_bytes")
+        ratio = fix.get("step_time_ratio")
+        if not isinstance(peak, int):
+            peak_text = "-"
+        else:
+            peak_text = format_bytes(peak) if fits else f"> {format_bytes(peak)}"
+        fits_text = "yes" if fits else {"timeout": "timed out", "error": "failed"}.get(fix.get("outcome"), "no")
+        rows.append([
+            str(fix.get("rank", position)),
+            fix.get("name", "?"),
+            peak_text,
+            format_bytes(saved) if isinstance(saved, int) else "-",
+            _percent(saved, need) if isinstance(saved, int) and isinstance(need, int) and need else "-",
+            fits_text,
+            f"{ratio:.2f}x" if isinstance(ratio, (int, float)) and not isinstance(ratio, bool) else "-",
+        ])
+    return rows
+
+
+def measured_fix_lines(document: dict, fixes: list[dict], markdown: bool = False) -> list[str]:
+    """The ranked table of replayed fixes, what they are measured against,
+    the fixes not tried and why, then every fix's detail and snippet."""
+    replay = document.get("replay") or {}
+    lines = [tabulate(measured_fix_rows(document, fixes), headers=MEASURED_FIX_HEADERS, tablefmt="github" if markdown else "simple",
+                      colalign=("right", "left", "right", "right", "right", "left", "right"))]
+    need = replay.get("baseline_need_bytes")
+    batch = (replay.get("batch_search") or {}).get("original_batch_size")
+    at = f" at batch size {batch}" if batch else ""
+    if isinstance(need, int) and need:
+        capacity = format_bytes((document.get("device") or {}).get("capacity_bytes"))
+        if replay.get("baseline_need_estimated"):
+            lines.append(f"Need of the failing run{at}: {format_bytes(need)} (ESTIMATE from the batch-size model); capacity {capacity}")
+        else:
+            lines.append(f"Need of the failing run{at}: at least {format_bytes(need)} (what it held when it failed); capacity {capacity}")
+    maximum = document.get("max_batch_size")
+    if isinstance(maximum, int) and maximum > 0:
+        lines.append(f"Largest batch size that fits: {maximum} (measured: {maximum + 1} ran out of memory)")
+    if replay.get("reference_step_s"):
+        lines.append(f"Step time relative to {replay.get('reference')}")
+    for skipped in replay.get("skipped") or []:
+        lines.append(f"not tried: {skipped.get('name')}: {skipped.get('reason')}")
+    if replay:
+        lines.append(f"{replay.get('replays', 0)} replays in {replay.get('total_s', 0):.1f} s "
+                     f"(each ran {replay.get('max_steps', 2)} steps with OOMDOC_REPLAY=1)")
+    for position, fix in enumerate(fixes, start=1):
+        lines.append("")
+        header = f"{fix.get('rank', position)}. {fix.get('name')}: {fix.get('detail') or fix.get('title') or ''}"
+        lines.append(f"**{header}**" if markdown else header)
+        snippet = fix.get("snippet")
+        if isinstance(snippet, str) and snippet:
+            lines += ["```python", snippet, "```"] if markdown else ["    " + line for line in snippet.splitlines()]
     return lines
 
 

@@ -232,4 +232,10 @@ def validate(document: Any) -> None:
         _expect(isinstance(fix.get("name"), str), f"{where}.name must be a string")
         _check_int(fix, "peak_allocated_bytes", where, optional=True)
         _check_int(fix, "saved_bytes", where, optional=True)
+        _expect(isinstance(fix.get("fits", False), bool), f"{where}.fits must be true or false")
+        ratio = fix.get("step_time_ratio")
+        _expect(ratio is None or (isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and ratio >= 0),
+                f"{where}.step_time_ratio must be a non-negative number or null")
+        for key in ("detail", "snippet"):
+            _expect(fix.get(key) is None or isinstance(fix.get(key), str), f"{where}.{key} must be a string")
     _check_int(document, "max_batch_size", "snapshot", optional=True)

@@ -219,6 +219,9 @@ def write_capture(config, backend, tracker, outcome, exit_code, error) -> None:
         "models": tracker.models,
         "artifacts": extra,
     }
+    if config.get("fix"):
+        # What the replayed fix actually changed (see oomdoc.replay.apply).
+        capture["fix_applied"] = getattr(tracker, "fix_applied", None)
     write_atomic(config["result_path"], dumps(capture), overwrite=True)
 
 

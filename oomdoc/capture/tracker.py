@@ -127,6 +127,10 @@ class Tracker:
                 self.category_peaks[category] = int(nbytes)
 
     def _close_step(self) -> None:
+        if self.backend.kind == "cuda":
+            # Step durations are compared between replays: wait for the
+            # step's kernels so a duration is the step's, not its launch's.
+            torch.cuda.synchronize()
         self._fold_peak()
         current = self._current
         if current["end_allocated_bytes"] is None:
@@ -225,9 +229,13 @@ class Tracker:
                 raise StopRun()
         self._add_model(module)
         self._set_phase("forward")
-        if not self.backend.per_storage and self._current["forward_calls"] == 0:
-            self._remember_forward_baseline()
         current = self._current
+        if current["forward_calls"] == 0:
+            # What is alive when the step's work begins: replays use it as the
+            # batch-independent part of the step's peaks.
+            current["start_allocated_bytes"] = int(self.backend.allocated_bytes())
+            if not self.backend.per_storage:
+                self._remember_forward_baseline()
         current["forward_calls"] += 1
         if torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
             if any(parameter.requires_grad for parameter in module.parameters()):
@@ -314,7 +322,7 @@ class Tracker:
         seen_tensors = set()
         visited_nodes: dict[int, object] = {}  # shared: a graph is walked once
         for frame in user_frames:
-            for name, value in list(frame.f_locals.items()):
+            for name, value in _frame_locals(frame):
                 for tensor in _candidate_tensors(value):
                     if id(tensor) in seen_tensors:
                         continue
@@ -508,6 +516,27 @@ class Tracker:
                         for value in per_parameter.values():
                             if isinstance(value, torch.Tensor):
                                 yield value
+
+
+_CO_OPTIMIZED = 0x0001
+
+
+def _frame_locals(frame) -> list[tuple[str, object]]:
+    """A function frame's local variables, without keeping them alive.
+
+    Before Python 3.13, `frame.f_locals` of a running function is a snapshot
+    dict cached on the frame until the next access: it would hold the
+    previous step's tensors (logits, loss) alive through the whole next step
+    and inflate that step's peak. The snapshot is emptied after it is read;
+    the frame's real variables are untouched (the next access rebuilds the
+    snapshot from them). Module frames' f_locals is the namespace itself and
+    3.13's is a write-through proxy: neither is cleared.
+    """
+    snapshot = frame.f_locals
+    items = list(snapshot.items())
+    if sys.version_info < (3, 13) and frame.f_code.co_flags & _CO_OPTIMIZED and isinstance(snapshot, dict):
+        snapshot.clear()
+    return items
 
 
 def repeated_blocks(model: nn.Module, min_count: int = 2) -> list[dict]:

@@ -1,0 +1,1 @@
+"""Replaying the failing step with fixes applied, and ranking what they measurably did."""

@@ -1,0 +1,364 @@
+"""The largest batch size that fits: a per-phase memory model and its search.
+
+Peak memory is not one straight line in the batch size. Each phase of a step
+peaks separately: the forward and backward peaks grow with the batch (the
+activations), the optimizer-step peak hardly does (parameters, gradients,
+optimizer state and its temporaries). At small batches the optimizer peak is
+the step's peak, so a line through the overall peak of two small batches has
+almost no slope and predicts a far too large batch. Here every (step kind,
+phase) gets its own line, and the step's need is the largest of them.
+
+One replay at a smaller batch gives one point per phase. The slope of the
+first step's forward/backward peak comes from what was alive when that step
+began (parameters, the dataset: measured at two batch sizes, the failing run's
+and the probe's); the steady steps' forward/backward peaks share that slope
+(the same activations per sample) on top of their own static memory (with
+optimizer state). Later replays add points, and a line through two measured
+points replaces the estimate. The prediction is then verified: the largest
+batch that fits is exact only when it ran and one more ran out of memory.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+FIRST, STEADY = "first", "steady"
+FORWARD_BACKWARD = ("forward", "backward")
+# Model-guided trials (once something fits) before the search falls back to bisection.
+BISECT_AFTER = 4
+
+
+@dataclass
+class BatchRun:
+    """What one run at one batch size showed about memory."""
+
+    batch_size: int
+    fits: bool
+    # Allocated bytes when the first step's work began (parameters, data...).
+    start_bytes: int | None = None
+    # (step kind, phase) -> the phase's peak, for phases that completed.
+    exact: dict = field(default_factory=dict)
+    # (step kind, phase) -> allocated + requested at the OOM: the phase
+    # needed at least this much.
+    lower_bounds: dict = field(default_factory=dict)
+    peak_allocated_bytes: int | None = None
+    peak_reserved_bytes: int | None = None
+    # (step, phase, requested, allocated) of an OOM, to notice OOMs the batch size does not change.
+    oom_signature: tuple | None = None
+    # At an OOM: reserved but unallocated bytes (CUDA fragmentation under
+    # pressure): the allocator could not use them, so capacity is that much smaller.
+    slack_bytes: int = 0
+    step_s: float | None = None
+    inconclusive: bool = False  # timed out or failed otherwise: says nothing about memory
+    wall_s: float = 0.0
+    note: str = ""
+
+
+def median_step_seconds(steps: list[dict]) -> float | None:
+    """The median step duration, leaving out the first step (warm-up, lazy
+    optimizer state) when later ones exist."""
+    durations = [s.get("duration_s") for s in steps if isinstance(s.get("duration_s"), (int, float))]
+    indexed = [s for s in steps if isinstance(s.get("duration_s"), (int, float))]
+    if len(indexed) > 1:
+        durations = [s["duration_s"] for s in indexed if s.get("index", 0) > 0] or durations
+    if not durations:
+        return None
+    ordered = sorted(durations)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def observe(capture: dict, batch_size: int) -> BatchRun:
+    """Read a capture (the child's part of a snapshot) into a BatchRun."""
+    outcome = capture.get("outcome")
+    steps = capture.get("steps") or []
+    oom = capture.get("oom") if outcome == "oom" else None
+    run = BatchRun(batch_size=int(batch_size), fits=outcome == "ok", inconclusive=outcome not in ("ok", "oom"))
+    by_optimizer = capture.get("step_unit") == "optimizer"
+    oom_step = oom.get("step") if oom else None
+    for step in steps:
+        index = step.get("index", 0)
+        if index > 0 and not by_optimizer:
+            # Steps counted per module call do not line up with the
+            # optimizer steps of the replays: keep only the first.
+            continue
+        kind = FIRST if index == 0 else STEADY
+        if index == 0 and isinstance(step.get("start_allocated_bytes"), int):
+            run.start_bytes = step["start_allocated_bytes"]
+        phase_peaks = step.get("phase_peaks") or {}
+        failing = oom is not None and index == oom_step
+        if failing and step.get("forward_calls", 0) > 1:
+            continue  # micro-batches: the step's phases never completed
+        for phase, value in phase_peaks.items():
+            if failing and phase == oom.get("phase"):
+                continue
+            key = (kind, phase)
+            run.exact[key] = max(run.exact.get(key, 0), int(value))
+    if oom is not None:
+        need = int(oom.get("allocated_bytes", 0)) + int(oom.get("requested_bytes", 0))
+        step = oom_step if oom_step is not None else 0
+        if step == 0 or by_optimizer:
+            key = (FIRST if step == 0 else STEADY, oom.get("phase"))
+            run.lower_bounds[key] = max(run.lower_bounds.get(key, 0), need)
+        run.slack_bytes = max(0, int(oom.get("reserved_bytes") or 0) - int(oom.get("allocated_bytes") or 0))
+        run.oom_signature = (oom_step, oom.get("phase"), int(oom.get("requested_bytes", 0)), int(oom.get("allocated_bytes", 0)))
+    peak = capture.get("peak") or {}
+    run.peak_allocated_bytes = peak.get("allocated_bytes")
+    run.peak_reserved_bytes = peak.get("reserved_bytes")
+    run.step_s = median_step_seconds(steps) if run.fits else None
+    return run
+
+
+@dataclass(frozen=True)
+class Line:
+    intercept: float
+    slope: float
+
+    def at(self, batch_size: float) -> float:
+        return self.intercept + self.slope * batch_size
+
+    @staticmethod
+    def through(b1: float, v1: float, b2: float, v2: float) -> "Line":
+        slope = (v2 - v1) / (b2 - b1)
+        return Line(v1 - slope * b1, slope)
+
+
+@dataclass
+class BatchModel:
+    """Peak memory against batch size: one line per (step kind, phase)."""
+
+    lines: dict
+    start: Line | None
+    points: dict  # key -> number of measured points behind its line
+
+    def need(self, batch_size: float) -> float | None:
+        if not self.lines:
+            return None
+        return max(line.at(batch_size) for line in self.lines.values())
+
+    def binding(self, batch_size: float):
+        """The (step kind, phase) whose peak is the largest at this batch size."""
+        if not self.lines:
+            return None
+        return max(self.lines, key=lambda key: self.lines[key].at(batch_size))
+
+    def largest_fitting(self, capacity: float) -> int | None:
+        """The largest batch size whose predicted need is within capacity
+        (0 when not even 1 fits, None when nothing limits it)."""
+        if not self.lines:
+            return None
+        limit = math.inf
+        for line in self.lines.values():
+            if line.slope > 0:
+                limit = min(limit, math.floor((capacity - line.intercept) / line.slope + 1e-9))
+            elif line.intercept > capacity:
+                limit = 0
+        if limit == math.inf:
+            return None
+        return max(0, int(limit))
+
+
+def fit_model(runs: list[BatchRun]) -> BatchModel:
+    """Fit the per-phase lines to every run seen so far."""
+    starts = {}
+    points: dict = {}
+    bounds: dict = {}
+    for run in runs:
+        if run.inconclusive:
+            continue
+        if run.start_bytes is not None:
+            starts[run.batch_size] = run.start_bytes
+        for key, value in run.exact.items():
+            points.setdefault(key, {})[run.batch_size] = value
+        for key, value in run.lower_bounds.items():
+            bounds.setdefault(key, []).append((run.batch_size, value))
+
+    start = _line_from_points(starts) if starts else None
+    lines: dict = {}
+    # First-step lines first: steady lines with one point borrow their slope.
+    for key in sorted(points, key=lambda key: key[0] != FIRST):
+        kind, phase = key
+        measured = points[key]
+        line = _line_from_points(measured)
+        if len(measured) == 1:
+            (b1, v1), = measured.items()
+            slope = None
+            if phase in FORWARD_BACKWARD:
+                if kind == STEADY and (FIRST, phase) in lines:
+                    slope = lines[(FIRST, phase)].slope
+                elif start is not None:
+                    # What the phase holds beyond what was alive at the step's start grows with the batch.
+                    slope = start.slope + max(0.0, v1 - start.at(b1)) / b1
+            elif start is not None:
+                slope = start.slope
+            line = Line(v1 - (slope or 0.0) * b1, slope or 0.0)
+        lines[key] = line
+    for key, observed in bounds.items():
+        for batch_size, need in observed:
+            line = lines.get(key)
+            if line is None or line.at(batch_size) >= need:
+                continue
+            anchors = [b for b in points.get(key, {}) if b < batch_size]
+            if not anchors:
+                continue
+            anchor = max(anchors)
+            lines[key] = Line.through(anchor, points[key][anchor], batch_size, need)
+    return BatchModel(lines=lines, start=start, points={key: len(v) for key, v in points.items()})
+
+
+def _line_from_points(measured: dict) -> Line:
+    """Through the two largest batch sizes (nearest the limit being sought);
+    flat through a single point."""
+    sizes = sorted(measured)
+    if len(sizes) == 1:
+        return Line(float(measured[sizes[0]]), 0.0)
+    b1, b2 = sizes[-2], sizes[-1]
+    return Line.through(b1, measured[b1], b2, measured[b2])
+
+
+@dataclass
+class SearchResult:
+    original_batch_size: int
+    max_batch_size: int | None  # the largest batch seen to fit
+    exact: bool  # it fit and one more ran out of memory
+    trials: list  # BatchRun per replay, in order
+    predictions: list  # the model's prediction before each trial (None: no model yet)
+    stopped: str = ""  # why the search ended early, if it did
+    model: BatchModel | None = None
+
+    @property
+    def best_run(self) -> BatchRun | None:
+        fitting = [run for run in self.trials if run.fits and run.batch_size == self.max_batch_size]
+        return fitting[-1] if fitting else None
+
+
+def first_probe(original_batch_size: int, step0_completed: bool) -> int:
+    """The first smaller batch to try: half the failing batch (a batch that
+    OOMs is usually not many times too large, and the nearer the probe is to
+    the limit, the less its one point has to be extrapolated); a quarter when
+    even the failing run's first forward pass was far over the capacity."""
+    return max(1, original_batch_size // (2 if step0_completed else 4))
+
+
+def probe_divisor(document: dict) -> int:
+    """2 (probe at half the failing batch) unless the failing run's first
+    forward pass alone needed more than twice what the device had left: 4."""
+    oom = document.get("oom") or {}
+    capacity = (document.get("device") or {}).get("capacity_bytes") or 0
+    steps = document.get("steps") or []
+    start = steps[0].get("start_allocated_bytes") if steps else None
+    if oom.get("step") == 0 and oom.get("phase") == "forward" and start is not None and capacity:
+        # The forward was cut short: by then it already needed this much.
+        needed = int(oom.get("allocated_bytes") or 0) + int(oom.get("requested_bytes") or 0)
+        if needed - start > 2 * (capacity - start):
+            return 4
+    return 2
+
+
+def first_probe_for(document: dict, original_batch_size: int) -> int:
+    return max(1, original_batch_size // probe_divisor(document))
+
+
+def search_max_batch(
+    original_batch_size: int,
+    capacity_bytes: int,
+    runs: list[BatchRun],
+    trial: Callable[[int], BatchRun],
+    probe: int | None = None,
+    max_trials: int = 10,
+) -> SearchResult:
+    """Find the largest batch size that fits, exactly when the trials allow.
+
+    `runs` holds what is known already (the failing run at the original batch
+    size, maybe a first probe); `trial(b)` replays at batch size b. Each trial
+    goes where the model predicts the limit (clamped inside the bracket of
+    known fit and known OOM); when the model stalls, the bracket is bisected.
+    """
+    runs = list(runs)
+    known = [run for run in runs if not run.inconclusive]
+    lo = max([run.batch_size for run in known if run.fits], default=0)
+    hi = min([run.batch_size for run in known if not run.fits] + [original_batch_size])
+    failing = next((run for run in runs if run.batch_size == original_batch_size and not run.fits), None)
+    result = SearchResult(original_batch_size, lo or None, False, [], [])
+    guided = 0
+    optimistic = False
+    while hi - lo > 1 and len(result.trials) < max_trials:
+        model = fit_model(runs)
+        # Fragmentation seen at the nearest OOM makes the device smaller,
+        # unless a batch the model thought too large for that has just fit.
+        slack = 0 if optimistic else _slack_near(runs, hi)
+        prediction = model.largest_fitting(capacity_bytes - slack)
+        if not any(run.batch_size < original_batch_size for run in runs) and probe is not None:
+            candidate = min(max(1, probe), hi - 1)
+        elif lo == 0:
+            # Nothing fits yet, so the model knows no steady step: step well
+            # below the smallest OOM (far below when even its first forward failed).
+            divisor = 4 if _oom_in_first_forward(runs, hi) else 2
+            candidate = max(1, min(prediction, hi // 2) if prediction is not None else hi // divisor)
+        elif prediction is None or guided >= BISECT_AFTER:
+            candidate = (lo + hi) // 2  # the model did not converge: bisect
+        else:
+            guided += 1
+            candidate = min(max(prediction, lo + 1), hi - 1)
+        result.predictions.append(prediction)
+        run = trial(candidate)
+        runs.append(run)
+        result.trials.append(run)
+        if run.inconclusive:
+            result.stopped = f"the replay at batch size {candidate} did not finish ({run.note or 'no result'})"
+            break
+        if run.fits:
+            optimistic = optimistic or (prediction is not None and candidate > prediction)
+            lo = max(lo, candidate)
+        else:
+            hi = min(hi, candidate)
+            if failing is not None and 2 * candidate <= original_batch_size and _same_oom(run, failing):
+                result.stopped = (
+                    f"batch size {candidate} ran out of memory at the same point as batch size "
+                    f"{original_batch_size}: the batch size does not decide this OOM"
+                )
+                break
+    result.max_batch_size = lo or None
+    result.exact = lo > 0 and hi - lo == 1
+    result.model = fit_model(runs)
+    if not result.exact and not result.stopped and hi - lo > 1:
+        result.stopped = f"stopped after {len(result.trials)} replays"
+    return result
+
+
+def _oom_in_first_forward(runs: list[BatchRun], hi: int) -> bool:
+    for run in runs:
+        if run.batch_size == hi and run.oom_signature is not None:
+            return run.oom_signature[:2] == (0, "forward")
+    return False
+
+
+def _slack_near(runs: list[BatchRun], hi: int) -> int:
+    """The fragmentation seen at the OOM nearest the limit (0 on the simulated device)."""
+    at_limit = [run for run in runs if not run.fits and not run.inconclusive and run.batch_size == hi]
+    return at_limit[-1].slack_bytes if at_limit else 0
+
+
+def _same_oom(run: BatchRun, failing: BatchRun) -> bool:
+    if run.oom_signature is None or failing.oom_signature is None:
+        return False
+    # The same request (an activation's size grows with the batch; a weight's
+    # or an optimizer state's does not) with about the same memory in use.
+    step, phase, requested, allocated = run.oom_signature
+    failing_step, failing_phase, failing_requested, failing_allocated = failing.oom_signature
+    return (
+        (step, phase, requested) == (failing_step, failing_phase, failing_requested)
+        and abs(allocated - failing_allocated) <= 0.01 * max(allocated, failing_allocated, 1)
+    )
+
+
+def accumulation_plan(original_batch_size: int, max_batch_size: int) -> tuple[int, int]:
+    """(micro-batch, accumulation steps) that keep the effective batch at the
+    original size where a divisor allows it, else just above it."""
+    steps = math.ceil(original_batch_size / max_batch_size)
+    for candidate in range(steps, 2 * steps + 1):
+        if original_batch_size % candidate == 0 and original_batch_size // candidate <= max_batch_size:
+            return original_batch_size // candidate, candidate
+    return math.ceil(original_batch_size / steps), steps

@@ -1,0 +1,279 @@
+"""The batch-size model and the max-batch search, on synthetic peak functions.
+
+A synthetic workload produces the same capture a replay would (per-step phase
+peaks, the first step's start, the OOM record), so `observe`, the model and
+the search are tested exactly as the orchestrator uses them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from oomdoc.replay.batch import (
+    BatchRun,
+    Line,
+    accumulation_plan,
+    first_probe,
+    fit_model,
+    median_step_seconds,
+    observe,
+    search_max_batch,
+)
+
+MiB = 1024**2
+GiB = 1024**3
+
+
+@dataclass
+class Workload:
+    """Memory of a training loop: static parts plus per-sample parts per phase."""
+
+    params: int
+    opt_state: int
+    opt_temp: int  # the optimizer's temporaries (foreach copies)
+    act_forward: int  # per sample, alive at the end of the forward
+    act_backward: int  # per sample, extra at the start of the backward
+    input_bytes: int = 0  # per sample: the batch itself
+    leftover: int = 0  # per sample: last step's outputs alive during the optimizer step
+    capacity: int = 16 * GiB
+    granule: int = 0  # CUDA-like rounding of every peak
+    slack_bytes: int = 0  # CUDA-like fragmentation: reserved but unusable
+    slack_per_sample: int = 0  # ... growing with the batch
+    constant_oom_need: int | None = None  # an OOM the batch size does not change
+
+    def _round(self, value: int) -> int:
+        if not self.granule:
+            return value
+        return -(-value // self.granule) * self.granule
+
+    def phases(self, b: int):
+        """(step index, phase, peak) in the order they happen, two steps."""
+        yield from ((index, phase, value) for index, phase, value, _began in self.phases_from(b))
+
+    def phases_from(self, b: int):
+        """(step index, phase, peak, allocated when the phase began)."""
+        grads = self.params
+        optimizer_begins = self.params + grads + self.leftover * b
+        optimizer_peak = optimizer_begins + self.opt_state + self.opt_temp
+        first_start = self.params + self.input_bytes * b
+        first_forward = first_start + self.act_forward * b
+        yield 0, "setup", first_start, self.params
+        yield 0, "forward", first_forward, first_start
+        yield 0, "backward", first_forward + self.act_backward * b + grads // 8, first_forward
+        yield 0, "optimizer", optimizer_peak, optimizer_begins
+        steady_start = self.params + self.opt_state + self.input_bytes * b
+        steady_forward = steady_start + self.act_forward * b
+        yield 1, "idle", steady_start + self.leftover * b, steady_start
+        yield 1, "forward", steady_forward, steady_start
+        yield 1, "backward", steady_forward + self.act_backward * b + grads // 8, steady_forward
+        yield 1, "optimizer", optimizer_peak, optimizer_begins + self.opt_state
+
+    def fits(self, b: int) -> bool:
+        return self.capture(b)["outcome"] == "ok"
+
+    def capture(self, b: int) -> dict:
+        steps: dict[int, dict] = {}
+        slack = self.slack_bytes + self.slack_per_sample * b
+        for index, phase, value, before in self.phases_from(b):
+            step = steps.setdefault(index, {
+                "index": index, "phase_peaks": {}, "forward_calls": 1, "duration_s": 0.1 * b + 1,
+                "peak_allocated_bytes": 0, "peak_reserved_bytes": 0,
+            })
+            if index == 0 and phase == "forward":
+                step["start_allocated_bytes"] = self.params + self.input_bytes * b
+            value = self._round(value)
+            need = value if self.constant_oom_need is None or phase != "forward" else max(value, self.constant_oom_need)
+            if need + slack > self.capacity:
+                # Out of memory partway through the phase: the record says
+                # what was allocated and what was asked for.
+                # The phase grows in 8 allocations from where it began; the
+                # first one that does not fit raises.
+                limit = self.capacity - slack
+                base = min(self._round(before), limit - 4 * MiB)
+                chunk = max(8 * MiB, (need - base) // 8)
+                allocated = base + ((limit - base) // chunk) * chunk
+                requested = chunk
+                step["phase_peaks"][phase] = allocated
+                return {
+                    "outcome": "oom", "step_unit": "optimizer" if index else "module",
+                    "steps": list(steps.values()),
+                    "oom": {"step": index, "phase": phase, "allocated_bytes": allocated, "requested_bytes": requested,
+                            "reserved_bytes": allocated + slack},
+                    "peak": {"allocated_bytes": allocated, "reserved_bytes": allocated + slack},
+                }
+            step["phase_peaks"][phase] = value
+            step["peak_allocated_bytes"] = max(step["peak_allocated_bytes"], value)
+            step["peak_reserved_bytes"] = max(step["peak_reserved_bytes"], value + slack)
+        peak = max(s["peak_allocated_bytes"] for s in steps.values())
+        return {"outcome": "ok", "step_unit": "optimizer", "steps": list(steps.values()),
+                "oom": None, "peak": {"allocated_bytes": peak, "reserved_bytes": peak + slack}}
+
+    def true_max(self, upper: int) -> int:
+        return max((b for b in range(1, upper) if self.fits(b)), default=0)
+
+
+def run_search(workload: Workload, batch: int, **kwargs):
+    baseline = observe(workload.capture(batch), batch)
+    assert not baseline.fits
+    completed = ("first", "backward") in baseline.exact
+    calls = []
+
+    def trial(b):
+        calls.append(b)
+        return observe(workload.capture(b), b)
+
+    result = search_max_batch(batch, workload.capacity, [baseline], trial, probe=first_probe(batch, completed), **kwargs)
+    return result, calls
+
+
+# The reference GPT (12 x 1024, seq 512, vocab 32000, AdamW fp32) on 16 GiB,
+# in round numbers: ~0.9 GB of parameters, ~0.6 GB of forward activations and
+# logits per sample, a foreach AdamW that briefly copies the parameters.
+GPT_LIKE = Workload(
+    params=870 * MiB, opt_state=1740 * MiB, opt_temp=870 * MiB,
+    act_forward=590 * MiB, act_backward=130 * MiB, input_bytes=8 * 1024, leftover=65 * MiB,
+)
+
+
+def test_gpt_like_exact_in_three_replays():
+    result, calls = run_search(GPT_LIKE, 32)
+    truth = GPT_LIKE.true_max(32)
+    assert result.exact and result.max_batch_size == truth
+    assert len(calls) <= 3, calls
+
+
+def test_a_line_through_two_small_batches_is_wrong_but_the_model_is_not():
+    """At batch 1 and 2 the optimizer step is the peak: the overall peak
+    barely grows, and its line predicts a batch far too large."""
+    peaks = {b: GPT_LIKE.capture(b)["peak"]["allocated_bytes"] for b in (1, 2)}
+    naive = Line.through(1, peaks[1], 2, peaks[2])
+    naive_max = math.floor((GPT_LIKE.capacity - naive.intercept) / naive.slope)
+    truth = GPT_LIKE.true_max(64)
+    assert naive_max > 3 * truth
+
+    runs = [observe(GPT_LIKE.capture(b), b) for b in (1, 2)]
+    model = fit_model(runs)
+    assert model.largest_fitting(GPT_LIKE.capacity) in (truth, truth + 1)
+    assert model.binding(1)[1] == "optimizer"
+    assert model.binding(truth) == ("steady", "backward")
+
+
+def test_one_probe_predicts_from_the_first_step_slope():
+    baseline = observe(GPT_LIKE.capture(32), 32)
+    probe = observe(GPT_LIKE.capture(8), 8)
+    model = fit_model([baseline, probe])
+    assert model.largest_fitting(GPT_LIKE.capacity) == GPT_LIKE.true_max(32)
+
+
+def test_cuda_like_rounding_and_fragmentation_stay_exact():
+    workload = Workload(
+        params=870 * MiB, opt_state=1740 * MiB, opt_temp=870 * MiB,
+        act_forward=590 * MiB + 12345, act_backward=130 * MiB + 777, input_bytes=8 * 1024, leftover=65 * MiB,
+        granule=2 * MiB, slack_bytes=150 * MiB, slack_per_sample=9 * MiB,
+    )
+    result, calls = run_search(workload, 32)
+    assert result.exact and result.max_batch_size == workload.true_max(32)
+    assert len(calls) <= 4, calls
+
+
+def test_constant_optimizer_peak_dominating_at_small_batch():
+    """A model whose optimizer step needs most of the device: only a few samples fit."""
+    workload = Workload(
+        params=2 * GiB, opt_state=4 * GiB, opt_temp=2 * GiB, act_forward=300 * MiB, act_backward=80 * MiB,
+        leftover=10 * MiB, capacity=16 * GiB, granule=2 * MiB,
+    )
+    result, calls = run_search(workload, 64)
+    assert result.exact and result.max_batch_size == workload.true_max(64)
+    assert len(calls) <= 5, calls
+
+
+def test_nothing_fits():
+    workload = Workload(params=1 * GiB, opt_state=2 * GiB, opt_temp=0, act_forward=20 * GiB, act_backward=10 * MiB)
+    result, calls = run_search(workload, 16)
+    assert result.max_batch_size is None and not result.exact
+    assert calls[-1] == 1
+
+
+def test_optimizer_state_that_never_fits_stops_after_one_replay():
+    """The first optimizer step needs more than the device whatever the batch."""
+    workload = Workload(params=6 * GiB, opt_state=12 * GiB, opt_temp=0, act_forward=100 * MiB, act_backward=10 * MiB)
+    result, calls = run_search(workload, 16)
+    assert len(calls) == 1 and "does not decide" in result.stopped
+
+
+def test_an_oom_the_batch_size_does_not_change_stops_the_search():
+    workload = Workload(params=1 * GiB, opt_state=2 * GiB, opt_temp=0, act_forward=10 * MiB, act_backward=1 * MiB,
+                        constant_oom_need=20 * GiB)
+    result, calls = run_search(workload, 64)
+    assert len(calls) == 1
+    assert "does not decide" in result.stopped
+    assert result.max_batch_size is None
+
+
+def test_an_inconclusive_replay_stops_the_search():
+    baseline = observe(GPT_LIKE.capture(32), 32)
+
+    def trial(b):
+        return BatchRun(batch_size=b, fits=False, inconclusive=True, note="timed out")
+
+    result = search_max_batch(32, GPT_LIKE.capacity, [baseline], trial, probe=8)
+    assert not result.exact and "timed out" in result.stopped
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    params=st.integers(10, 2000),
+    opt_ratio=st.sampled_from([0, 1, 2]),
+    act=st.integers(1, 800),
+    act_backward=st.integers(0, 200),
+    leftover=st.integers(0, 100),
+    granule=st.sampled_from([0, 2 * MiB]),
+    batch=st.integers(2, 4096),
+)
+def test_search_is_always_exact(params, opt_ratio, act, act_backward, leftover, granule, batch):
+    workload = Workload(
+        params=params * MiB, opt_state=opt_ratio * params * MiB, opt_temp=params * MiB // 2,
+        act_forward=act * MiB // 16, act_backward=act_backward * MiB // 16, leftover=leftover * MiB // 64,
+        input_bytes=4096, granule=granule,
+    )
+    if workload.fits(batch):
+        return
+    if not workload.fits(1):
+        truth = 0
+    else:
+        low, high = 1, batch  # fits(low), not fits(high): peaks grow with the batch
+        while high - low > 1:
+            middle = (low + high) // 2
+            low, high = (middle, high) if workload.fits(middle) else (low, middle)
+        truth = low
+    result, calls = run_search(workload, batch, max_trials=30)
+    assert (result.max_batch_size or 0) == truth
+    if truth:
+        assert result.exact
+    assert len(calls) <= 5 + math.ceil(math.log2(batch)) + 1
+
+
+def test_accumulation_plan_keeps_the_effective_batch():
+    assert accumulation_plan(32, 20) == (16, 2)
+    assert accumulation_plan(2048, 1450) == (1024, 2)
+    assert accumulation_plan(30, 7) == (6, 5)
+    micro, steps = accumulation_plan(31, 20)  # prime: just above the original batch
+    assert micro <= 20 and micro * steps >= 31
+
+
+def test_median_step_seconds_skips_the_first_step():
+    steps = [{"index": 0, "duration_s": 9.0}, {"index": 1, "duration_s": 1.0}, {"index": 2, "duration_s": 3.0}]
+    assert median_step_seconds(steps) == 2.0
+    assert median_step_seconds(steps[:1]) == 9.0
+    assert median_step_seconds([]) is None
+
+
+@pytest.mark.parametrize("completed,expected", [(False, 8), (True, 16)])
+def test_first_probe(completed, expected):
+    assert first_probe(32, completed) == expected
+    assert first_probe(1, completed) == 1

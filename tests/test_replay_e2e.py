@@ -1,0 +1,145 @@
+"""Replays end to end on the simulated device, through the real CLI.
+
+The MLP trainer (batch 2048, DataLoader, AdamW) runs out of memory on a 40 MiB
+simulated device. The ranked fixes must hold smaller_batch with an exact
+max_batch_size (checked by running the script at max and max+1), and
+autocast and checkpointing whose peaks are within 5% of the same fixes
+written into the script by hand (its --autocast and --checkpointing flags).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import SCRIPTS, load_json, run_oomdoc
+
+MLP = SCRIPTS / "replay_mlp_train.py"
+CAPACITY = "40MiB"
+
+
+def run_no_replay(tmp_path, name, *script_args):
+    snapshot = tmp_path / f"{name}.json"
+    result = run_oomdoc(["run", "--device", "cpu", "--device-memory", CAPACITY, "--no-replay", "-o", snapshot,
+                         MLP, *script_args], cwd=tmp_path)
+    return result, load_json(snapshot)
+
+
+@pytest.fixture(scope="module")
+def replayed(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("replay")
+    snapshot = tmp_path / "mlp.json"
+    result = run_oomdoc(["run", "--device", "cpu", "--device-memory", CAPACITY, "-o", snapshot,
+                         MLP, "--batch-size", "2048"], cwd=tmp_path)
+    return result, load_json(snapshot), tmp_path
+
+
+def by_name(document):
+    return {fix["name"]: fix for fix in document["fixes"]}
+
+
+def test_the_ranked_list_and_the_report(replayed):
+    result, document, _ = replayed
+    assert result.returncode == 1, result.stderr
+    fixes = by_name(document)
+    assert {"smaller_batch", "autocast", "checkpointing"} <= set(fixes)
+    assert all(fix["measured"] for fix in document["fixes"])
+    assert [fix["rank"] for fix in document["fixes"]] == list(range(1, len(document["fixes"]) + 1))
+    # Fits first, then the catalogue's costs: checkpointing (compute only)
+    # before autocast (numerics) before a smaller batch (optimisation).
+    names = [fix["name"] for fix in document["fixes"]]
+    assert names.index("checkpointing") < names.index("autocast") < names.index("smaller_batch")
+    for name in ("smaller_batch", "autocast", "checkpointing"):
+        fix = fixes[name]
+        assert fix["fits"] and fix["peak_allocated_bytes"] <= document["device"]["capacity_bytes"]
+        assert fix["saved_bytes"] > 0 and fix["snippet"]
+        assert isinstance(fix["step_time_ratio"], float)
+    # A combination of the two best compatible fixes was measured too.
+    assert any("+" in name for name in names)
+    replay = document["replay"]
+    assert replay["baseline_need_estimated"] and replay["baseline_need_bytes"] > document["device"]["capacity_bytes"]
+    assert [s["name"] for s in replay["skipped"]][:2] == ["empty_cache", "expandable_segments"]
+    assert len(replay["batch_search"]["trials"]) <= 4
+
+    stderr = result.stderr
+    assert "OOMDOC_REPLAY=1" in stderr
+    assert "oomdoc: replay 1: smaller_batch (--batch-size 1024)" in stderr  # plain lines: not a TTY
+    assert "Fixes, measured by replaying the failing step" in stderr
+    assert "(ESTIMATE from the batch-size model)" in stderr
+    assert f"Largest batch size that fits: {document['max_batch_size']}" in stderr
+    assert "checkpoint(block, x, use_reentrant=False)" in stderr
+    assert "not tried: expandable_segments: CUDA only" in stderr
+
+
+def test_max_batch_size_is_exact(replayed, tmp_path):
+    _, document, _ = replayed
+    maximum = document["max_batch_size"]
+    assert isinstance(maximum, int) and 1 < maximum < 2048
+    fits, fits_snapshot = run_no_replay(tmp_path, "max", "--batch-size", str(maximum))
+    assert fits.returncode == 0, fits.stderr[-2000:]
+    assert fits_snapshot["outcome"] == "ok"
+    over, over_snapshot = run_no_replay(tmp_path, "over", "--batch-size", str(maximum + 1))
+    assert over.returncode == 1 and over_snapshot["outcome"] == "oom"
+    # The smaller-batch fix reports the peak of the run at the maximum.
+    assert by_name(document)["smaller_batch"]["peak_allocated_bytes"] == fits_snapshot["peak"]["allocated_bytes"]
+
+
+@pytest.mark.parametrize("name,flag", [("autocast", "--autocast"), ("checkpointing", "--checkpointing")])
+def test_replayed_fix_matches_the_fix_written_by_hand(replayed, tmp_path, name, flag):
+    _, document, _ = replayed
+    result, by_hand = run_no_replay(tmp_path, name, "--batch-size", "2048", flag)
+    assert result.returncode == 0, result.stderr[-2000:]
+    replayed_peak = by_name(document)[name]["peak_allocated_bytes"]
+    hand_peak = by_hand["peak"]["allocated_bytes"]
+    assert abs(replayed_peak - hand_peak) <= 0.05 * hand_peak, (replayed_peak, hand_peak)
+
+
+def test_dataloader_batch_size_and_lighter_optimizer(replayed, tmp_path):
+    """Without a batch flag on the command line the DataLoader's batch size
+    is patched; the search finds the same maximum."""
+    _, document, _ = replayed
+    snapshot = tmp_path / "loader.json"
+    result = run_oomdoc(["run", "--device", "cpu", "--device-memory", CAPACITY, "--fixes", "smaller_batch,lighter_optimizer",
+                         "-o", snapshot, MLP], cwd=tmp_path)
+    assert result.returncode == 1, result.stderr[-3000:]
+    loader = load_json(snapshot)
+    assert loader["max_batch_size"] == document["max_batch_size"]
+    assert loader["replay"]["batch_search"]["source"] == "DataLoader"
+    assert "smaller_batch (DataLoader batch / 2)" in result.stderr
+    fixes = by_name(loader)
+    assert set(fixes) == {"smaller_batch", "lighter_optimizer"}
+    lighter = fixes["lighter_optimizer"]
+    # Activations fill the device: a lighter optimizer alone does not fit, and says so.
+    assert not lighter["fits"] and "ran out of memory" in lighter["detail"]
+    assert "ESTIMATE" in lighter["detail"] and "FSDP" in lighter["detail"]
+    estimate = lighter["sharding_estimate"]["per_rank_saved_bytes"]
+    assert estimate["fsdp_full_shard"]["8"] > estimate["zero1_optimizer_state"]["8"] > 0
+
+
+def test_a_hung_replay_is_killed_and_reported(tmp_path):
+    snapshot = tmp_path / "hang.json"
+    result = run_oomdoc(["run", "--device", "cpu", "--device-memory", "16MiB", "--fixes", "autocast",
+                         "--replay-timeout", "3", "-o", snapshot, SCRIPTS / "replay_hang.py"], cwd=tmp_path)
+    assert result.returncode == 1
+    document = load_json(snapshot)
+    fix, = document["fixes"]
+    assert fix["outcome"] == "timeout" and not fix["fits"]
+    assert "--replay-timeout" in fix["detail"]
+    assert (tmp_path / "hang.files" / "replay-1-autocast.log").exists()
+    assert "timed out" in result.stderr
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--fixes", "bogus"], "unknown fix 'bogus'"),
+    (["--fixes", "smaller_batch+autocast"], "smaller_batch cannot be part of one"),
+    (["--fixes", "autocast+autocast"], "not a combination"),
+    (["--fixes", ","], "at least one fix"),
+    (["--no-replay", "--fixes", "autocast"], "no effect with --no-replay"),
+    (["--replay-timeout", "0"], "--replay-timeout must be a positive"),
+    (["--batch-arg", "batch"], "is not an option name"),
+])
+def test_replay_options_are_checked_before_anything_runs(tmp_path, args, message):
+    result = run_oomdoc(["run", "--device", "cpu", *args, MLP], cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.startswith("oomdoc: error:") and message in result.stderr
+    assert "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1

@@ -1,0 +1,212 @@
+"""Unit tests of the replay pieces that need no child process: option
+checks, command-line rewriting, ranking, the fixes table, progress lines,
+which blocks checkpointing wraps, snapshot validation of fixes."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch.nn as nn
+
+from oomdoc import report
+from oomdoc.errors import UsageError
+from oomdoc.replay.apply import checkpoint_targets
+from oomdoc.replay.orchestrate import (
+    check_replay_options,
+    find_batch_arg,
+    not_applied,
+    plan,
+    sharding_estimate,
+    with_batch_size,
+)
+from oomdoc.replay.progress import Progress
+from oomdoc.replay.rank import best_pair, rank_fixes
+from oomdoc.snapshot import SnapshotError, validate
+
+MiB = 1024**2
+
+
+def test_fix_names():
+    assert check_replay_options("autocast, checkpointing", None, None, True) == ["autocast", "checkpointing"]
+    assert check_replay_options("checkpointing+autocast", None, None, True) == ["checkpointing+autocast"]
+    assert check_replay_options(None, 5.0, "--micro-bs", True) is None
+    with pytest.raises(UsageError, match="unknown fix"):
+        check_replay_options("autocast,fp8", None, None, True)
+    with pytest.raises(UsageError, match="not a combination"):
+        check_replay_options("empty_cache+expandable_segments+autocast", None, None, True)
+
+
+@pytest.mark.parametrize("args,flag,expected", [
+    (["--batch-size", "64", "--steps", "4"], None, (1, "--batch-size", 64)),
+    (["--bs=32"], None, (0, "--bs", 32)),
+    (["--per_device_train_batch_size", "8", "--batch_size", "16"], None, (3, "--batch_size", 16)),
+    (["-b", "12"], "-b", (1, "-b", 12)),
+    (["--batch-size", "auto"], None, None),
+    (["--steps", "4"], None, None),
+])
+def test_find_batch_arg(args, flag, expected):
+    assert find_batch_arg(args, flag) == expected
+
+
+def test_with_batch_size_keeps_the_form():
+    assert with_batch_size(["--bs=32", "x"], 0, "--bs", 7) == ["--bs=7", "x"]
+    assert with_batch_size(["--batch-size", "64"], 1, "--batch-size", 20) == ["--batch-size", "20"]
+
+
+def fix(name, fits, peak, saved=None):
+    return {"name": name, "fits": fits, "peak_allocated_bytes": peak, "saved_bytes": saved}
+
+
+def test_ranking_fits_first_then_costs_then_saving():
+    ranked = rank_fixes([
+        fix("smaller_batch", True, 39 * MiB, 7 * MiB),
+        fix("autocast", True, 25 * MiB, 21 * MiB),
+        fix("lighter_optimizer", False, 41 * MiB),
+        fix("checkpointing", True, 14 * MiB, 32 * MiB),
+        fix("expandable_segments", True, 30 * MiB, 16 * MiB),
+        fix("autocast+checkpointing", True, 9 * MiB, 37 * MiB),
+    ])
+    assert [f["name"] for f in ranked] == [
+        "expandable_segments", "checkpointing", "autocast", "autocast+checkpointing", "smaller_batch", "lighter_optimizer",
+    ]
+    assert [f["rank"] for f in ranked] == [1, 2, 3, 4, 5, 6]
+
+
+def test_best_pair_is_the_lowest_compatible_pair():
+    candidates = [fix("autocast", True, 25 * MiB), fix("checkpointing", True, 14 * MiB), fix("empty_cache", False, 41 * MiB)]
+    assert best_pair(candidates) == ("checkpointing", "autocast")
+    assert best_pair([fix("autocast", True, 1)]) is None
+
+
+def test_not_applied_reasons():
+    assert "no repeated blocks" in not_applied("checkpointing", {"checkpointing": {"wrapped": []}})
+    assert "already" in not_applied("autocast", {"autocast": {"regions": 0, "already_enabled": True}})
+    assert not_applied("autocast+checkpointing", {"autocast": {"regions": 2}, "checkpointing": {"wrapped": [{}]}}) is None
+
+
+def failing_document(**overrides):
+    document = {
+        "device": {"kind": "simulated", "capacity_bytes": 40 * MiB},
+        "oom": {"step": 0, "phase": "forward", "allocated_bytes": 39 * MiB, "requested_bytes": 2 * MiB, "reserved_bytes": 39 * MiB},
+        "breakdown": {"parameters": 1 * MiB, "gradients": 0, "optimizer_state": 0, "activations": 38 * MiB, "other": 0},
+        "models": [{"class": "MLP", "parameters_bytes": MiB, "repeated_blocks": [{"path": "blocks", "class": "B", "count": 8}]}],
+        "optimizers": ["AdamW"],
+    }
+    document.update(overrides)
+    return document
+
+
+def test_plan_skips_what_cannot_help_with_a_reason():
+    chosen, skipped = plan(failing_document(), None)
+    assert chosen == ["smaller_batch", "autocast", "checkpointing"]
+    reasons = {s["name"]: s["reason"] for s in skipped}
+    assert "CUDA only" in reasons["empty_cache"] and "CUDA only" in reasons["expandable_segments"]
+    assert "small share" in reasons["lighter_optimizer"]
+    # Asked for by name, a lighter optimizer is measured anyway.
+    assert plan(failing_document(), ["lighter_optimizer"])[0] == ["lighter_optimizer"]
+    # On CUDA with large optimizer state and fragmentation, all six are tried.
+    cuda = failing_document(
+        device={"kind": "cuda", "capacity_bytes": 16 * 1024 * MiB, "supports_bf16": True},
+        breakdown={"parameters": 900 * MiB, "gradients": 0, "optimizer_state": 0, "activations": 0, "other": 0},
+        oom={"step": 0, "phase": "forward", "allocated_bytes": 15 * 1024 * MiB, "requested_bytes": 2 * MiB,
+             "reserved_bytes": 15 * 1024 * MiB + 900 * MiB},
+    )
+    assert len(plan(cuda, None)[0]) == 6
+    no_blocks = failing_document(models=[{"class": "Net", "parameters_bytes": 1, "repeated_blocks": []}])
+    assert "checkpointing" not in plan(no_blocks, None)[0]
+
+
+def test_sharding_estimate():
+    estimate = sharding_estimate({"parameters": 100, "gradients": 100, "optimizer_state": 200})
+    assert estimate["zero1_optimizer_state"] == {"2": 100, "4": 150, "8": 175}
+    assert estimate["fsdp_full_shard"]["2"] == 200
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(4, 8), nn.Linear(8, 4)
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(3))
+        self.head = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4), nn.ReLU())
+
+
+def test_checkpoint_targets_are_the_outermost_repeated_blocks():
+    targets = {path: (name, len(blocks), composite) for path, _c, name, blocks, composite in checkpoint_targets(Model())}
+    assert targets == {"blocks": ("Block", 3, True), "head": ("Linear", 2, False)}
+    root = nn.Sequential(*(Block() for _ in range(4)))
+    assert [t[0] for t in checkpoint_targets(root)] == [""]
+    assert checkpoint_targets(nn.Linear(2, 2)) == []
+
+
+def test_progress_plain_lines_when_not_a_terminal():
+    stream = io.StringIO()
+    progress = Progress(stream)
+    assert not progress.interactive
+    progress.start("autocast")
+    progress.finish("fits, peak 1 MiB")
+    assert stream.getvalue().startswith("oomdoc: replay 1: autocast: fits, peak 1 MiB (")
+
+
+def test_progress_spinner_on_a_terminal():
+    stream = io.StringIO()
+    progress = Progress(stream, interactive=True)
+    progress.start("checkpointing")
+    progress.finish("fits")
+    text = stream.getvalue()
+    assert "\r" in text and "replay 1: checkpointing" in text and text.endswith("s)\n")
+
+
+def document_with_fixes():
+    return {
+        "device": {"kind": "simulated", "name": "sim", "capacity_bytes": 40 * MiB},
+        "outcome": "oom", "oom": {"step": 0, "phase": "forward", "requested_bytes": 1, "allocated_bytes": 1,
+                                   "reserved_bytes": 1, "message": "", "location": None},
+        "breakdown": {c: 0 for c in ("parameters", "gradients", "optimizer_state", "activations", "other")},
+        "steps": [], "top_allocations": [],
+        "fixes": [
+            {"name": "checkpointing", "rank": 1, "fits": True, "peak_allocated_bytes": 14 * MiB, "saved_bytes": 32 * MiB,
+             "step_time_ratio": 1.31, "detail": "checkpointed 8 x Block in blocks", "snippet": "x = checkpoint(block, x)",
+             "outcome": "fits", "measured": True},
+            {"name": "lighter_optimizer", "rank": 2, "fits": False, "peak_allocated_bytes": 41 * MiB, "saved_bytes": None,
+             "step_time_ratio": None, "detail": "ran out of memory", "snippet": "", "outcome": "oom", "measured": True},
+        ],
+        "max_batch_size": 1755,
+        "replay": {"replays": 6, "total_s": 50.0, "max_steps": 2, "baseline_need_bytes": 46 * MiB,
+                   "baseline_need_estimated": True, "batch_search": {"original_batch_size": 2048},
+                   "skipped": [{"name": "empty_cache", "reason": "CUDA only"}]},
+    }
+
+
+def test_fixes_table_text_and_markdown():
+    document = document_with_fixes()
+    text = report.render_text(document)
+    assert "Fixes, measured by replaying the failing step" in text
+    assert "checkpointing" in text and "69.6%" in text and "1.31x" in text and "> 41.00 MiB" in text
+    assert "46.00 MiB (ESTIMATE from the batch-size model)" in text
+    assert "Largest batch size that fits: 1755 (measured: 1756 ran out of memory)" in text
+    assert "not tried: empty_cache: CUDA only" in text
+    assert text.index("rank") < text.index("    x = checkpoint(block, x)")
+    markdown = report.render_markdown(document)
+    lines = markdown.splitlines()
+    header = lines[lines.index("### Fixes, measured by replaying the failing step") + 1]
+    assert header.startswith("|") and "rank" in header and "% of need" in header
+    assert "```python\nx = checkpoint(block, x)\n```" in markdown
+
+
+def test_snapshot_validation_of_fixes():
+    document = document_with_fixes()
+    document.update(schema_version=1, oomdoc_version="0", created_at="t", torch_version="2", command=["x.py"], exit_code=1)
+    validate(document)
+    document["fixes"][0]["fits"] = "yes"
+    with pytest.raises(SnapshotError, match="fits"):
+        validate(document)
+    document["fixes"][0]["fits"] = True
+    document["fixes"][0]["step_time_ratio"] = "fast"
+    with pytest.raises(SnapshotError, match="step_time_ratio"):
+        validate(document)
