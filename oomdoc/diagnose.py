@@ -347,6 +347,11 @@ def rule_fragmentation(document: dict, moment: Moment) -> dict | None:
     usable_free = 0 if from_pytorch else device_free
     decisive = moment.is_oom and requested > 0 and unused > 0 and requested <= unused + usable_free
     large = split_bytes >= 32 * MiB and split_bytes >= 0.1 * reserved
+    # The driver had room for the request, so a cap the PyTorch snapshot does
+    # not record set the limit: large split pieces may have decided it.
+    possibly_decisive = (
+        from_pytorch and not decisive and moment.is_oom and large and 0 < requested <= device_free
+    )
     if not (decisive or large):
         return None
     evidence = [
@@ -368,13 +373,19 @@ def rule_fragmentation(document: dict, moment: Moment) -> dict | None:
     if expandable:
         evidence.append("expandable_segments is already on")
     fixes = ["empty_cache"] if expandable else ["expandable_segments", "empty_cache"]
-    summary = (
-        f"Fragmentation: {format_bytes(split_bytes or unused)} is reserved but split into pieces too small to use"
-        + (" (this decided the OOM)" if decisive else "")
-    )
+    if possibly_decisive:
+        evidence.append(
+            f"CUDA reported {format_bytes(device_free)} free on the device at the OOM: a per-process memory cap "
+            f"(set_per_process_memory_fraction), which the snapshot does not record, set the limit"
+        )
+    summary = f"Fragmentation: {format_bytes(split_bytes or unused)} is reserved but split into pieces too small to use"
+    if decisive:
+        summary += " (this decided the OOM)"
+    elif possibly_decisive:
+        summary += " (this may have decided the OOM under the process's memory cap)"
     return _diagnosis(
         "fragmentation", summary, evidence, split_bytes or unused,
-        tier=TIER_DECISIVE if decisive else TIER_BREAKDOWN, fixes=fixes,
+        tier=TIER_DECISIVE if decisive or possibly_decisive else TIER_BREAKDOWN, fixes=fixes,
     )
 
 

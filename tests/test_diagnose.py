@@ -173,7 +173,18 @@ def test_pytorch_snapshot_fragmentation_decides_only_when_cached_pieces_cover_th
     document["oom"]["free_bytes"] = 77 * GiB
     document["source"] = {"format": "torch_pickle", "path": "x.pickle"}
     assert "fragmentation" not in kinds(document)
-    allocator.update(reserved_bytes=1100 * MiB, inactive_split_bytes=264 * MiB, inactive_split_blocks=9)
+    # As tests/scripts/suggest_make_torch_snapshot.py makes on a GPU: 256 MiB
+    # in split pieces, a 600 MiB request under a 1 GiB cap.
+    allocator.update(reserved_bytes=512 * MiB, allocated_bytes=256 * MiB, inactive_split_bytes=256 * MiB,
+                     inactive_split_blocks=16)
+    document = cuda_document(allocator, requested=600 * MiB)
+    document["oom"]["free_bytes"] = 77 * GiB
+    document["source"] = {"format": "torch_pickle", "path": "x.pickle"}
+    diagnosis = diagnose(document)[0]
+    assert diagnosis["kind"] == "fragmentation"
+    assert "may have decided the OOM" in diagnosis["summary"]
+    allocator.update(reserved_bytes=1100 * MiB, allocated_bytes=836 * MiB, inactive_split_bytes=264 * MiB,
+                     inactive_split_blocks=9)
     document = cuda_document(allocator, requested=256 * MiB)
     document["oom"]["free_bytes"] = 77 * GiB
     document["source"] = {"format": "torch_pickle", "path": "x.pickle"}

@@ -132,7 +132,10 @@ class Replayer:
     def run(self, fix: dict, label: str, args: list[str] | None = None, extra_env: dict | None = None) -> Replay:
         index = len(self.replays) + 1
         log_path = os.path.join(self.log_dir, f"replay-{index}-{fix['name'].replace('+', '-')}.log")
-        env = {"OOMDOC_REPLAY": "1"}
+        # A replay needs peaks and step times, not allocation sites: without the
+        # allocator's history (and the _snapshot() calls it feeds) each CUDA
+        # replay starts and runs faster.
+        env = {"OOMDOC_REPLAY": "1", "OOMDOC_ALLOCATION_HISTORY": "0"}
         env.update(extra_env or {})
         child = ChildRequest(
             target=self.request.target,

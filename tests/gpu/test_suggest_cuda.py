@@ -44,7 +44,7 @@ def test_torch_snapshot_agrees_with_the_allocator(tmp_path):
     for key in ("allocated_bytes", "reserved_bytes", "inactive_split_bytes", "inactive_split_blocks"):
         assert allocator[key] == stats[key], key
     assert result["diagnoses"][0]["kind"] == "fragmentation"
-    assert "decided the OOM" in result["diagnoses"][0]["summary"]
+    assert "decided the OOM" in result["diagnoses"][0]["summary"]  # "may have decided": the cap is not in the pickle
     assert any(fix["name"] == "expandable_segments" for fix in result["fixes"])
 
 
