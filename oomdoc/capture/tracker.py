@@ -50,6 +50,10 @@ class Tracker:
         self._module_depth = 0
         self._backward_depth = 0
         self._pending_close = False
+        # Called with the module at each outermost model call, and with no
+        # argument at each outermost backward: replays apply fixes there.
+        self.forward_start_callbacks: list = []
+        self.backward_start_callbacks: list = []
         self._handles: list = []
         self._originals: list = []
         self._step_started = time.perf_counter()
@@ -242,12 +246,16 @@ class Tracker:
                 current["forward_calls_with_grad"] += 1
                 if not module.training:
                     current["eval_mode_forward_calls_with_grad"] += 1
+        for callback in self.forward_start_callbacks:
+            callback(module)
 
     def _on_backward_start(self, roots) -> None:
         if self._backward_depth == 0:
             _stamp_graph(roots, self.step_index)
             self._set_phase("backward")
             self._current["backward_calls"] += 1
+            for callback in self.backward_start_callbacks:
+                callback()
 
     def _add_optimizer(self, optimizer) -> None:
         if optimizer not in self.optimizers:

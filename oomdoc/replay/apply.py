@@ -27,70 +27,13 @@ def apply_fix(fix: dict, tracker) -> None:
         applier = APPLIERS.get(part)
         if applier is None:
             raise ValueError(f"oomdoc: unknown fix {part!r}")
-        applier(fix, applied.setdefault(part, {}))
-
-
-class _Boundaries:
-    """Calls back at the start of each outermost module call (a model's
-    forward) and of each backward, with its own hooks so that it does not
-    depend on the tracker's internals."""
-
-    def __init__(self):
-        self.depth = 0
-        self.backward_depth = 0
-        self.forward_callbacks: list = []
-        self.backward_callbacks: list = []
-        hooks = nn.modules.module
-        hooks.register_module_forward_pre_hook(self._pre)
-        try:
-            hooks.register_module_forward_hook(self._post, always_call=True)
-        except TypeError:  # torch without always_call
-            hooks.register_module_forward_hook(self._post)
-        torch.autograd.backward = self._wrap_backward(torch.autograd.backward)
-        torch.autograd.grad = self._wrap_backward(torch.autograd.grad)
-
-    def _pre(self, module, inputs):
-        if self.depth == 0 and self.backward_depth == 0:
-            for callback in self.forward_callbacks:
-                callback(module)
-        self.depth += 1
-
-    def _post(self, module, inputs, output):
-        self.depth = max(0, self.depth - 1)
-
-    def _wrap_backward(self, original):
-        boundaries = self
-
-        def wrapped(*args, **kwargs):
-            if boundaries.backward_depth == 0:
-                for callback in boundaries.backward_callbacks:
-                    callback()
-            boundaries.backward_depth += 1
-            try:
-                return original(*args, **kwargs)
-            finally:
-                boundaries.backward_depth -= 1
-
-        wrapped.__wrapped__ = original
-        wrapped.__name__ = getattr(original, "__name__", "backward")
-        wrapped.__doc__ = getattr(original, "__doc__", None)
-        return wrapped
-
-
-_boundaries: _Boundaries | None = None
-
-
-def boundaries() -> _Boundaries:
-    global _boundaries
-    if _boundaries is None:
-        _boundaries = _Boundaries()
-    return _boundaries
+        applier(fix, applied.setdefault(part, {}), tracker)
 
 
 # ---------------------------------------------------------------- smaller batch
 
 
-def _smaller_batch(fix: dict, record: dict) -> None:
+def _smaller_batch(fix: dict, record: dict, tracker) -> None:
     """On the command line the parent has already rewritten the batch flag;
     otherwise the DataLoader that carries the failing batch size gets the new
     one (the first DataLoader with a batch size above 1, when the parent does
@@ -129,7 +72,7 @@ def _smaller_batch(fix: dict, record: dict) -> None:
 # ---------------------------------------------------------------- autocast
 
 
-def _autocast(fix: dict, record: dict) -> None:
+def _autocast(fix: dict, record: dict, tracker) -> None:
     """Autocast from the start of each model call until its backward starts:
     the region `with torch.autocast(...): loss = loss_fn(model(x), y)` covers."""
     device_type = fix.get("device_type", "cpu")
@@ -154,9 +97,9 @@ def _autocast(fix: dict, record: dict) -> None:
 
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-    hub = boundaries()
-    hub.forward_callbacks.append(enter)
-    hub.backward_callbacks.append(leave)
+    # The tracker's own step boundaries: the outermost model call begins, a backward begins.
+    tracker.forward_start_callbacks.append(enter)
+    tracker.backward_start_callbacks.append(leave)
     register_optimizer_step_pre_hook(lambda optimizer, args, kwargs: leave())
 
 
@@ -228,7 +171,7 @@ def _segmented_sequential_forward(original_forward):
     return forward
 
 
-def _checkpointing(fix: dict, record: dict) -> None:
+def _checkpointing(fix: dict, record: dict, tracker) -> None:
     record.update(wrapped=[], models=0)
     roots: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
     if not getattr(nn.Sequential.forward, "_oomdoc", False):
@@ -258,13 +201,13 @@ def _checkpointing(fix: dict, record: dict) -> None:
             record["wrapped"].append({"path": path or "(root)", "class": class_name, "count": len(blocks),
                                       "segments": not composite})
 
-    boundaries().forward_callbacks.append(wrap)
+    tracker.forward_start_callbacks.append(wrap)
 
 
 # ---------------------------------------------------------------- allocator
 
 
-def _empty_cache(fix: dict, record: dict) -> None:
+def _empty_cache(fix: dict, record: dict, tracker) -> None:
     record["calls"] = 0
 
     def release(module) -> None:
@@ -272,10 +215,10 @@ def _empty_cache(fix: dict, record: dict) -> None:
             torch.cuda.empty_cache()
             record["calls"] += 1
 
-    boundaries().forward_callbacks.append(release)
+    tracker.forward_start_callbacks.append(release)
 
 
-def _expandable_segments(fix: dict, record: dict) -> None:
+def _expandable_segments(fix: dict, record: dict, tracker) -> None:
     # The parent sets PYTORCH_CUDA_ALLOC_CONF; record what the allocator read.
     record["alloc_conf"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
 
@@ -290,7 +233,7 @@ def lighter_optimizer_name() -> str:
     return "Adafactor" if hasattr(torch.optim, "Adafactor") else "SGD"
 
 
-def _lighter_optimizer(fix: dict, record: dict) -> None:
+def _lighter_optimizer(fix: dict, record: dict, tracker) -> None:
     target = fix.get("optimizer") or lighter_optimizer_name()
     record.update(replaced=[], optimizer=target)
     for name in HEAVY_OPTIMIZERS:
