@@ -218,7 +218,7 @@ def diagnosis_lines(document: dict) -> list[str]:
     return lines
 
 
-FIX_HEADERS = ["fix", "peak", "saved", "fits", "step time", ""]
+FIX_HEADERS = ["fix", "peak", "saved", "fits", "step time", "how known"]
 
 
 def _shown_fixes(document: dict) -> tuple[list[dict], bool]:

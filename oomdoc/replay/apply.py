@@ -18,6 +18,8 @@ import weakref
 import torch
 import torch.nn as nn
 
+from oomdoc.capture.tracker import checkpoint_targets  # noqa: F401 (the blocks checkpointing wraps)
+
 
 def apply_fix(fix: dict, tracker) -> None:
     """Apply every part of `fix["name"]` (`a+b` applies both)."""
@@ -106,34 +108,6 @@ def _autocast(fix: dict, record: dict, tracker) -> None:
 # ---------------------------------------------------------------- checkpointing
 
 _CHECKPOINTED = "_oomdoc_checkpointed"
-
-
-def checkpoint_targets(model: nn.Module) -> list[tuple[str, nn.Module, str, list[nn.Module], bool]]:
-    """(path, container, block class, blocks, composite) for the outermost
-    nn.ModuleList / nn.Sequential containers holding several children of one
-    class: the blocks activation checkpointing wraps. `composite` blocks have
-    children of their own (a transformer block); leaf blocks (a Linear in a
-    Sequential) are checkpointed in segments with the modules that follow them."""
-    found = []
-    for path, container in model.named_modules():
-        if not isinstance(container, (nn.ModuleList, nn.Sequential)):
-            continue
-        groups: dict[type, list[nn.Module]] = {}
-        for child in container.children():
-            if any(True for _ in child.parameters()):
-                groups.setdefault(type(child), []).append(child)
-        for block_class, blocks in groups.items():
-            if len(blocks) >= 2:
-                composite = any(True for _ in blocks[0].children())
-                if composite or isinstance(container, nn.Sequential):
-                    found.append((path, container, block_class.__name__, blocks, composite))
-    chosen: list = []
-    for target in sorted(found, key=lambda item: (item[0].count(".") if item[0] else -1, not item[4])):
-        path = target[0]
-        if any(other == "" or path == other or path.startswith(other + ".") for other, *_ in chosen):
-            continue
-        chosen.append(target)
-    return chosen
 
 
 def _checkpointed_forward(forward):
