@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 from tabulate import tabulate  # noqa: E402
 
 from oomdoc.replay import batch as batch_model  # noqa: E402
-from oomdoc.replay.orchestrate import Replayer  # noqa: E402
+from oomdoc.replay.orchestrate import Replayer, warm_pool  # noqa: E402
 from oomdoc.replay.progress import Progress  # noqa: E402
 from oomdoc.runner import ChildRequest, run_child  # noqa: E402
 from oomdoc.session import RunOptions, build_snapshot, resolve_device  # noqa: E402
@@ -122,13 +122,14 @@ def main() -> None:
     baseline = run_child(request)
     baseline_s = time.perf_counter() - started
     options = RunOptions(target=SCRIPT, args=request.args, device=device, capacity_bytes=capacity)
-    document = build_snapshot(options, device, baseline.capture, baseline.exit_code)
+    document = build_snapshot(options, baseline.capture, baseline.exit_code)
     if document["outcome"] != "oom":
         sys.exit(f"batch size {failing} did not run out of memory ({document['outcome']}): pick a larger --batch-size")
 
     rows = []
     for strategy in [s.strip() for s in args.strategies.split(",") if s.strip()]:
-        replayer = Replayer(document, options, request, progress, log_dir=_log_dir())
+        pool = warm_pool(request)  # every strategy's trials start warm alike
+        replayer = Replayer(document, options, request, progress, pool)
         trials = Trials(replayer, base_args)
         if strategy == "oomdoc":
             observed = batch_model.observe(document, failing)
@@ -144,7 +145,9 @@ def main() -> None:
         elif strategy == "binary":
             found, exact = binary(trials)
         else:
+            pool.close()
             sys.exit(f"unknown strategy {strategy!r}")
+        pool.close()
         rows.append([strategy, trials.count, found, "yes" if exact else "no", f"{trials.wall_s:.1f}"])
 
     truth = next((row[2] for row in rows if row[3] == "yes"), None)
@@ -157,12 +160,6 @@ def main() -> None:
 
     if args.full_run:
         full_run(device, args.device_memory or ("16GiB" if on_cuda else "192MiB"), base_args, failing)
-
-
-def _log_dir() -> str:
-    import tempfile
-
-    return tempfile.mkdtemp(prefix="oomdoc-bench-")
 
 
 def full_run(device: str, memory: str, base_args: list[str], failing: int) -> None:
@@ -188,6 +185,9 @@ def full_run(device: str, memory: str, base_args: list[str], failing: int) -> No
                    headers=["rank", "fix", "fits", "peak bytes", "step time", "replay s"]))
     for skipped in replay.get("skipped") or []:
         print(f"not tried: {skipped['name']}: {skipped['reason']}")
+    # Where each replay's time went (seconds; see oomdoc.capture.child.timing_summary).
+    columns = ["label", "outcome", "warm", "wall_s", "startup_s", "waited_s", "setup_s", "script_s", "capture_s"]
+    print(tabulate([[run.get(column) for column in columns] for run in replay.get("runs") or []], headers=columns))
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ import oomdoc
 from oomdoc import report
 from oomdoc.errors import UsageError
 from oomdoc.runner import run_child
-from oomdoc.session import RunOptions, build_snapshot, check_target, child_request, resolve_device
+from oomdoc.session import RunOptions, build_snapshot, check_device_choice, check_target, child_request, raise_child_usage_error
 from oomdoc.sizes import format_bytes
 from oomdoc.snapshot import CATEGORIES, SnapshotError, dumps, read_json_file, write_atomic
 
@@ -417,14 +417,16 @@ def measure(options: CheckOptions) -> tuple[dict, float]:
     """Run the script for --steps steps under capture; its snapshot document."""
     run_options = options.run
     check_target(run_options)
-    device = resolve_device(run_options.device)
+    check_device_choice(run_options.device)
     extra_env = {}
     if "PYTHONHASHSEED" not in os.environ:
         # Set iteration order can change the order of allocations and frees;
         # a fixed seed makes two checks of the same code count the same bytes.
         extra_env["PYTHONHASHSEED"] = "0"
-    result = run_child(child_request(run_options, device, extra_env=extra_env))
-    return build_snapshot(run_options, device, result.capture, result.exit_code), result.wall_s
+    # The child resolves `--device auto` itself: the parent never imports torch.
+    result = run_child(child_request(run_options, run_options.device, extra_env=extra_env))
+    raise_child_usage_error(result)
+    return build_snapshot(run_options, result.capture, result.exit_code), result.wall_s
 
 
 def evaluate(document: dict, baseline: dict | None, options: CheckOptions, wall_s: float = 0.0) -> CheckResult:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import site
 import subprocess
@@ -16,7 +17,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-from oomdoc.capture import CONFIG_ENV
+from oomdoc.capture import CONFIG_ENV, CONFIG_FD_ENV
 
 
 @dataclass
@@ -44,18 +45,122 @@ class ChildResult:
     wall_s: float
     timed_out: bool = False
     signal_name: str | None = None
+    warm: bool = False  # a warm child ran it (see WarmChild)
 
 
-def child_env(request: ChildRequest) -> dict[str, str]:
+def child_env(device: str, extra_env: dict[str, str]) -> dict[str, str]:
     env = dict(os.environ)
-    if request.device == "cpu":
+    if device == "cpu":
         # On the simulated device the script must not find a GPU to use.
         env["CUDA_VISIBLE_DEVICES"] = ""
-    env.update(request.extra_env)
+    env.update(extra_env)
+    # Where oomdoc itself was imported from must stay importable in the
+    # child even though sys.path[0] becomes the script's directory.
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if package_root not in site.getsitepackages():
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
     return env
 
 
-def run_child(request: ChildRequest) -> ChildResult:
+def _env_key(device: str, extra_env: dict[str, str]) -> tuple:
+    return device, tuple(sorted(extra_env.items()))
+
+
+class WarmChild:
+    """A capture child started before its work is known.
+
+    It starts Python and imports torch and oomdoc (seconds that a fresh child
+    pays before it does anything), then blocks on a pipe until the parent
+    sends its configuration. It touches no device while it waits, so the
+    child that is running keeps the device, and its measurements, to itself.
+    Only children whose output goes to a log are warm: their environment and
+    output are fixed when they start.
+    """
+
+    def __init__(self, device: str, extra_env: dict[str, str], log_dir: str):
+        self.key = _env_key(device, extra_env)
+        descriptor, self.log_path = tempfile.mkstemp(prefix="warm-", suffix=".log", dir=log_dir)
+        read_fd, self._write_fd = os.pipe()
+        env = child_env(device, extra_env)
+        env[CONFIG_FD_ENV] = str(read_fd)
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "oomdoc.capture.child"],
+                env=env, stdout=descriptor, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                pass_fds=(read_fd,),
+            )
+        finally:
+            os.close(read_fd)
+            os.close(descriptor)
+
+    def usable_for(self, request: ChildRequest) -> bool:
+        return (
+            request.output_path is not None
+            and self.key == _env_key(request.device, request.extra_env)
+            and self.process.poll() is None
+        )
+
+    def hand(self, config_path: str, output_path: str) -> subprocess.Popen:
+        """Give the child its work; its output so far moves to `output_path`."""
+        os.replace(self.log_path, output_path)
+        with os.fdopen(self._write_fd, "w", encoding="utf-8") as pipe:
+            pipe.write(config_path + "\n")
+        return self.process
+
+    def discard(self) -> None:
+        """End an unused child: closing the pipe tells it there is no work."""
+        try:
+            os.close(self._write_fd)
+        except OSError:
+            pass
+        try:
+            self.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        try:
+            os.unlink(self.log_path)
+        except OSError:
+            pass
+
+
+class WarmPool:
+    """Keeps one warm child ready for the next run with this device and
+    environment: while one replay runs, the next one's start-up happens."""
+
+    def __init__(self, device: str, extra_env: dict[str, str]):
+        self.device, self.extra_env = device, dict(extra_env)
+        # Replay logs live here too (a warm child's output moves to its log).
+        self.log_dir = tempfile.mkdtemp(prefix="oomdoc-replays-")
+        self.spare: WarmChild | None = None
+
+    def fill(self) -> None:
+        if self.spare is None or self.spare.process.poll() is not None:
+            if self.spare is not None:
+                self.spare.discard()
+            self.spare = WarmChild(self.device, self.extra_env, self.log_dir)
+
+    def take(self, request: ChildRequest) -> WarmChild | None:
+        """The spare when it suits `request` (and a new spare starts), else None."""
+        spare = self.spare
+        if spare is not None and spare.process.poll() is not None:
+            self.fill()  # it died (e.g. Ctrl-C reached it): start another
+            return None
+        if spare is None or not spare.usable_for(request):
+            return None
+        self.spare = None
+        self.fill()
+        return spare
+
+    def close(self) -> None:
+        if self.spare is not None:
+            self.spare.discard()
+            self.spare = None
+        shutil.rmtree(self.log_dir, ignore_errors=True)
+
+
+def run_child(request: ChildRequest, pool: WarmPool | None = None) -> ChildResult:
+    warm = pool.take(request) if pool is not None else None
     with tempfile.TemporaryDirectory(prefix="oomdoc-") as workdir:
         config_path = os.path.join(workdir, "config.json")
         result_path = os.path.join(workdir, "capture.json")
@@ -72,27 +177,26 @@ def run_child(request: ChildRequest) -> ChildResult:
         }
         with open(config_path, "w", encoding="utf-8") as handle:
             json.dump(config, handle)
-        env = child_env(request)
-        env[CONFIG_ENV] = config_path
-        # Where oomdoc itself was imported from must stay importable in the
-        # child even though sys.path[0] becomes the script's directory.
-        package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        if package_root not in site.getsitepackages():
-            env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
 
-        output = open(request.output_path, "wb") if request.output_path else None
+        output = None
         started = time.perf_counter()
         timed_out = False
         previous_int = signal.getsignal(signal.SIGINT)
         previous_term = signal.getsignal(signal.SIGTERM)
         try:
-            process = subprocess.Popen(
-                [sys.executable, "-m", "oomdoc.capture.child"],
-                env=env,
-                stdout=output,
-                stderr=subprocess.STDOUT if output else None,
-                stdin=subprocess.DEVNULL if output else None,
-            )
+            if warm is not None:
+                process = warm.hand(config_path, request.output_path)
+            else:
+                env = child_env(request.device, request.extra_env)
+                env[CONFIG_ENV] = config_path
+                output = open(request.output_path, "wb") if request.output_path else None
+                process = subprocess.Popen(
+                    [sys.executable, "-m", "oomdoc.capture.child"],
+                    env=env,
+                    stdout=output,
+                    stderr=subprocess.STDOUT if output else None,
+                    stdin=subprocess.DEVNULL if output else None,
+                )
 
             def forward(signum, frame):
                 if process.poll() is None:
@@ -132,4 +236,5 @@ def run_child(request: ChildRequest) -> ChildResult:
                 capture = None
         if capture is not None and request.artifact_dir is None:
             capture["artifacts"] = {}  # the files died with the temporary directory
-        return ChildResult(exit_code=returncode, capture=capture, wall_s=wall_s, timed_out=timed_out, signal_name=signal_name)
+        return ChildResult(exit_code=returncode, capture=capture, wall_s=wall_s, timed_out=timed_out,
+                           signal_name=signal_name, warm=warm is not None)

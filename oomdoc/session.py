@@ -37,7 +37,12 @@ def check_device_choice(requested: str) -> None:
 
 
 def resolve_device(requested: str) -> str:
-    """`auto` means CUDA when this machine has it, else the simulated device."""
+    """`auto` means CUDA when this machine has it, else the simulated device.
+
+    Only for callers that must know before running anything: `oomdoc run`
+    and `oomdoc check` let the child decide (it imports torch anyway), which
+    spares the parent seconds of `import torch`.
+    """
     check_device_choice(requested)
     if requested == "cpu":
         return "cpu"
@@ -51,8 +56,26 @@ def resolve_device(requested: str) -> str:
 
     available = torch.cuda.is_available()
     if requested == "cuda" and not available:
-        raise UsageError("--device cuda: CUDA is not available on this machine (use --device cpu for the simulated device)")
+        raise UsageError(CUDA_UNAVAILABLE)
     return "cuda" if available else "cpu"
+
+
+CUDA_UNAVAILABLE = "--device cuda: CUDA is not available on this machine (use --device cpu for the simulated device)"
+
+
+def device_of(capture: dict | None, requested: str) -> str:
+    """The device a child ran on: `cuda` or `cpu` (the simulated device)."""
+    kind = ((capture or {}).get("device") or {}).get("kind")
+    if kind in ("cuda", "simulated"):
+        return "cuda" if kind == "cuda" else "cpu"
+    return resolve_device(requested)
+
+
+def raise_child_usage_error(result) -> None:
+    """The child refused its configuration (e.g. --device cuda without CUDA)."""
+    message = (result.capture or {}).get("usage_error")
+    if message:
+        raise UsageError(message)
 
 
 def check_target(options: RunOptions) -> None:
@@ -84,10 +107,9 @@ def output_path(options: RunOptions) -> Path:
     return default_snapshot_path(options.target)
 
 
-def build_snapshot(options: RunOptions, device: str, capture: dict | None, exit_code: int) -> dict:
+def build_snapshot(options: RunOptions, capture: dict | None, exit_code: int) -> dict:
     """The snapshot document: the child's capture plus what only the parent knows."""
-    import torch
-
+    device = device_of(capture, options.device)
     command = ["-m", options.target, *options.args] if options.is_module else [options.target, *options.args]
     document = {
         "schema_version": SCHEMA_VERSION,
@@ -96,7 +118,7 @@ def build_snapshot(options: RunOptions, device: str, capture: dict | None, exit_
         "command": command,
         "cwd": os.getcwd(),
         "python": sys.version.split()[0],
-        "torch_version": torch.__version__,
+        "torch_version": (capture or {}).get("torch_version") or installed_torch_version(),
         "options": {
             "device": device,
             "capacity_bytes": options.capacity_bytes,
@@ -125,6 +147,15 @@ def build_snapshot(options: RunOptions, device: str, capture: dict | None, exit_
     return document
 
 
+def installed_torch_version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
 def child_request(options: RunOptions, device: str, **extra) -> ChildRequest:
     """The child run of the script that `options` describe (`extra`: the
     ChildRequest fields a caller sets itself, e.g. artifact_dir, extra_env)."""
@@ -145,22 +176,42 @@ def run_session(options: RunOptions, stderr=None) -> int:
     check_device_choice(options.device)
     check_target(options)
     path = output_path(options)
-    device = resolve_device(options.device)
     artifact_dir = path.parent / (path.stem + ".files")
-    request = child_request(options, device, artifact_dir=str(artifact_dir))
-    artifact_dir.mkdir(parents=True, exist_ok=True)
-    result = run_child(request)
-    document = build_snapshot(options, device, result.capture, result.exit_code)
+    # The child resolves `--device auto` itself: the parent never imports torch.
+    request = child_request(options, options.device, artifact_dir=str(artifact_dir))
+    pool = None
+    if options.replay:
+        from oomdoc.replay.orchestrate import warm_pool
 
-    if document["outcome"] == "oom" and options.replay and result.capture is not None:
-        from oomdoc.replay.orchestrate import replay_fixes
-
-        replay_fixes(document, options, request, stderr=stderr)
-
+        # The first replay's child starts (and imports torch) while the
+        # script runs: most runs that get here end in the OOM they are about.
+        pool = warm_pool(request)
     try:
-        artifact_dir.rmdir()  # only when nothing was saved there
-    except OSError:
-        pass
+        artifact_dir.mkdir(parents=True, exist_ok=True)
+        result = run_child(request)
+        try:
+            raise_child_usage_error(result)
+        except UsageError:
+            remove_if_empty(artifact_dir)
+            raise
+        document = build_snapshot(options, result.capture, result.exit_code)
+
+        if document["outcome"] == "oom" and options.replay and result.capture is not None:
+            from oomdoc.replay.orchestrate import replay_fixes
+
+            replay_fixes(document, options, request, stderr=stderr, pool=pool)
+    finally:
+        if pool is not None:
+            pool.close()
+
+    remove_if_empty(artifact_dir)
     write_snapshot(document, path)
     print(report.render_text(document, snapshot_path=str(path)), file=stderr, end="")
     return result.exit_code
+
+
+def remove_if_empty(directory: Path) -> None:
+    try:
+        directory.rmdir()  # only when nothing was saved there
+    except OSError:
+        pass

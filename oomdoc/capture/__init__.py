@@ -6,3 +6,6 @@ part of a snapshot; the parent adds the rest and writes the file."""
 # nothing is added to the script's own argv. Kept here, free of torch imports,
 # so the parent can validate its arguments before paying for `import torch`.
 CONFIG_ENV = "OOMDOC_CHILD_CONFIG"
+# A warm child (started before its work is known) reads the configuration
+# file's path from the pipe whose descriptor this variable names.
+CONFIG_FD_ENV = "OOMDOC_CHILD_CONFIG_FD"

@@ -13,14 +13,19 @@ import os
 import runpy
 import signal
 import sys
+import time
 import traceback
+
+# Seconds since the epoch when this module started importing: with the
+# process's creation time it says what start-up (Python, `import torch`) cost.
+_IMPORT_STARTED = time.time()
 
 import psutil
 import torch
 
 from oomdoc.capture.backends import CudaBackend, OutOfMemoryError, SimulatedBackend
 from oomdoc.capture.tracker import StopRun, Tracker
-from oomdoc.capture import CONFIG_ENV
+from oomdoc.capture import CONFIG_ENV, CONFIG_FD_ENV
 from oomdoc.snapshot import dumps, write_atomic
 
 
@@ -32,8 +37,25 @@ def _on_sigterm(signum, frame):
     raise Terminated()
 
 
+class DeviceUnavailable(Exception):
+    """The configuration asks for a device this machine does not have."""
+
+
+def resolve_device(requested: str) -> str:
+    """`auto`: CUDA when this machine has it, else the simulated device
+    (`cpu`). Decided here rather than in the parent, which then never needs
+    to import torch."""
+    if requested == "cpu":
+        return "cpu"
+    if torch.cuda.is_available():
+        return "cuda"
+    if requested == "cuda":
+        raise DeviceUnavailable("--device cuda: CUDA is not available on this machine (use --device cpu for the simulated device)")
+    return "cpu"
+
+
 def make_backend(config: dict):
-    if config["device"] == "cuda":
+    if resolve_device(config["device"]) == "cuda":
         return CudaBackend(config.get("capacity_bytes"))
     capacity = config.get("capacity_bytes") or psutil.virtual_memory().total
     return SimulatedBackend(capacity)
@@ -97,8 +119,22 @@ def _exit_code_of(exc: SystemExit) -> int:
     return 1
 
 
-def run(config: dict) -> int:
-    backend = make_backend(config)
+def _process_started() -> float:
+    try:
+        return psutil.Process().create_time()
+    except Exception:
+        return _IMPORT_STARTED
+
+
+def run(config: dict, imported_at: float | None = None) -> int:
+    """Run the script under capture; `imported_at` is when the imports above
+    were done (a warm child waited after them)."""
+    timings = {"run_started": time.time(), "imported": imported_at or time.time()}
+    try:
+        backend = make_backend(config)
+    except DeviceUnavailable as exc:
+        write_atomic(config["result_path"], dumps({"usage_error": str(exc)}), overwrite=True)
+        return 2
     tracker = Tracker(backend, max_steps=config.get("max_steps"))
     tracker.install()
     backend.install(tracker)
@@ -112,6 +148,7 @@ def run(config: dict) -> int:
     signal.signal(signal.SIGTERM, _on_sigterm)
 
     outcome, exit_code, error, system_exit = "ok", 0, None, None
+    timings["script_started"] = time.time()
     target_file = None
     try:
         if config.get("is_module"):
@@ -149,7 +186,8 @@ def run(config: dict) -> int:
         if isinstance(backend, SimulatedBackend):
             backend.enabled = False  # oomdoc's own work from here on does not count
 
-    write_capture(config, backend, tracker, outcome, exit_code, error)
+    timings["script_ended"] = time.time()
+    write_capture(config, backend, tracker, outcome, exit_code, error, timings)
     tracker.uninstall()
     backend.uninstall()
     if system_exit is not None:
@@ -158,7 +196,22 @@ def run(config: dict) -> int:
     return exit_code
 
 
-def write_capture(config, backend, tracker, outcome, exit_code, error) -> None:
+def timing_summary(timings: dict) -> dict:
+    """Where the child's time went, in seconds: start-up (interpreter and
+    imports), waiting for work (a warm child), setting up the capture, the
+    script, and writing the capture."""
+    started = _process_started()
+    summary = {
+        "startup_s": timings["imported"] - started,
+        "waited_s": max(0.0, timings["run_started"] - timings["imported"]),
+        "setup_s": timings["script_started"] - timings["run_started"],
+        "script_s": timings["script_ended"] - timings["script_started"],
+        "capture_s": time.time() - timings["script_ended"],
+    }
+    return {key: round(max(value, 0.0), 3) for key, value in summary.items()}
+
+
+def write_capture(config, backend, tracker, outcome, exit_code, error, timings=None) -> None:
     tracker.finish()
     oom = tracker.oom if outcome == "oom" else None
     if outcome == "oom" and oom is None:
@@ -219,20 +272,48 @@ def write_capture(config, backend, tracker, outcome, exit_code, error) -> None:
         "models": tracker.models,
         "artifacts": extra,
     }
+    if timings:
+        capture["timings"] = timing_summary(timings)
     if config.get("fix"):
         # What the replayed fix actually changed (see oomdoc.replay.apply).
         capture["fix_applied"] = getattr(tracker, "fix_applied", None)
     write_atomic(config["result_path"], dumps(capture), overwrite=True)
 
 
+def _wait_for_work(descriptor: int) -> tuple[str | None, float]:
+    """A warm child: import what every run needs, then wait for the path of
+    the configuration (None when the parent has no work for it). Also returns
+    when the imports were done."""
+    import torch.optim  # noqa: F401
+    import torch.utils.checkpoint  # noqa: F401
+    import torch.utils.data  # noqa: F401
+
+    import oomdoc.replay.apply  # noqa: F401
+
+    imported_at = time.time()
+    try:
+        with os.fdopen(descriptor, encoding="utf-8") as pipe:
+            line = pipe.readline().strip()
+    except KeyboardInterrupt:
+        return None, imported_at
+    return line or None, imported_at
+
+
 def main() -> None:
-    config_path = os.environ.pop(CONFIG_ENV, None)
+    imported_at = time.time()
+    descriptor = os.environ.pop(CONFIG_FD_ENV, None)
+    if descriptor is not None:
+        config_path, imported_at = _wait_for_work(int(descriptor))
+        if config_path is None:
+            sys.exit(0)
+    else:
+        config_path = os.environ.pop(CONFIG_ENV, None)
     if not config_path:
         print("oomdoc: the capture child needs $OOMDOC_CHILD_CONFIG", file=sys.stderr)
         sys.exit(2)
     with open(config_path, encoding="utf-8") as handle:
         config = json.load(handle)
-    sys.exit(run(config))
+    sys.exit(run(config, imported_at))
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass, field
 
 from oomdoc.errors import UsageError
@@ -20,7 +19,7 @@ from oomdoc.fixes import CUDA_ONLY, FIXES, REPLAYABLE, combination_parts, fix_in
 from oomdoc.replay import batch as batch_model
 from oomdoc.replay.progress import Progress
 from oomdoc.replay.rank import best_pair, rank_fixes
-from oomdoc.runner import ChildRequest, run_child
+from oomdoc.runner import ChildRequest, WarmPool, run_child
 from oomdoc.sizes import format_bytes
 
 BATCH_FLAGS = ("--batch-size", "--batch_size", "--bs", "--per_device_train_batch_size")
@@ -31,6 +30,11 @@ FRAGMENTATION_SHARE = 0.02
 OPTIMIZER_SHARE_OF_CAPACITY = 0.10
 OPTIMIZER_SHARE_OF_NEED = 0.25
 MIN_REPLAY_TIMEOUT_S = 120.0
+# Every replay's environment: scripts may skip side effects under
+# OOMDOC_REPLAY=1; a replay needs peaks and step times, not allocation sites,
+# and without the allocator's history (and the _snapshot() calls it feeds)
+# each CUDA replay starts and runs faster.
+REPLAY_ENV = {"OOMDOC_REPLAY": "1", "OOMDOC_ALLOCATION_HISTORY": "0"}
 
 
 def parse_fix_names(names: list[str] | None) -> list[str] | None:
@@ -102,6 +106,12 @@ class Replay:
     message: str = ""
     log_path: str | None = None
     applied: dict = field(default_factory=dict)
+    warm: bool = False
+
+    def timing(self) -> dict:
+        """Where the replay's time went, for the snapshot's replay summary."""
+        timings = (self.capture or {}).get("timings") or {}
+        return {"label": self.label, "outcome": self.outcome, "wall_s": round(self.wall_s, 2), "warm": self.warm, **timings}
 
     @property
     def fits(self) -> bool:
@@ -115,12 +125,13 @@ class ReplaysInterrupted(Exception):
 class Replayer:
     """Runs replays like the failing run, with a fix, and measures them."""
 
-    def __init__(self, document: dict, options, request: ChildRequest, progress: Progress, log_dir: str):
+    def __init__(self, document: dict, options, request: ChildRequest, progress: Progress, pool: WarmPool):
         self.document = document
         self.options = options
         self.request = request
         self.progress = progress
-        self.log_dir = log_dir
+        self.pool = pool
+        self.log_dir = pool.log_dir
         oom = document.get("oom") or {}
         self.failing_step = int(oom.get("step") or 0)
         self.max_steps = max(self.failing_step + 1, 2)
@@ -132,10 +143,7 @@ class Replayer:
     def run(self, fix: dict, label: str, args: list[str] | None = None, extra_env: dict | None = None) -> Replay:
         index = len(self.replays) + 1
         log_path = os.path.join(self.log_dir, f"replay-{index}-{fix['name'].replace('+', '-')}.log")
-        # A replay needs peaks and step times, not allocation sites: without the
-        # allocator's history (and the _snapshot() calls it feeds) each CUDA
-        # replay starts and runs faster.
-        env = {"OOMDOC_REPLAY": "1", "OOMDOC_ALLOCATION_HISTORY": "0"}
+        env = dict(REPLAY_ENV)
         env.update(extra_env or {})
         child = ChildRequest(
             target=self.request.target,
@@ -150,7 +158,7 @@ class Replayer:
             timeout_s=self.timeout_s,
         )
         self.progress.start(label)
-        result = run_child(child)
+        result = run_child(child, pool=self.pool)
         replay = measure(result, label, log_path)
         if not result.timed_out and (result.exit_code == 130 or (result.capture or {}).get("outcome") == "interrupted"):
             self.progress.finish("interrupted")
@@ -162,6 +170,13 @@ class Replayer:
         return replay
 
 
+def warm_pool(request: ChildRequest) -> WarmPool:
+    """Warm children for the replays of `request`, the first one starting now."""
+    pool = WarmPool(request.device, REPLAY_ENV)
+    pool.fill()
+    return pool
+
+
 def default_timeout(document: dict) -> float:
     """Generous: four times what the failing run's steps took, plus start-up."""
     spent = sum(step.get("duration_s") or 0.0 for step in document.get("steps") or [])
@@ -170,7 +185,7 @@ def default_timeout(document: dict) -> float:
 
 def measure(result, label: str, log_path: str) -> Replay:
     capture = result.capture
-    replay = Replay(label=label, outcome="error", wall_s=result.wall_s, capture=capture, log_path=log_path)
+    replay = Replay(label=label, outcome="error", wall_s=result.wall_s, capture=capture, log_path=log_path, warm=result.warm)
     if result.timed_out:
         replay.outcome = "timeout"
         replay.message = f"killed after {result.wall_s:.0f} s (--replay-timeout)"
@@ -266,18 +281,20 @@ def plan(document: dict, requested: list[str] | None) -> tuple[list[str], list[d
 # ---------------------------------------------------------------- the replays
 
 
-def replay_fixes(document: dict, options, request: ChildRequest, stderr=None) -> None:
-    """Measure the fixes for an OOM and store them, ranked, in `document`."""
+def replay_fixes(document: dict, options, request: ChildRequest, stderr=None, pool: WarmPool | None = None) -> None:
+    """Measure the fixes for an OOM and store them, ranked, in `document`.
+    `pool`: warm children started earlier (one is made when not given)."""
     import sys
 
     stderr = stderr or sys.stderr
+    own_pool = pool is None
+    pool = pool or warm_pool(request)
     requested = parse_fix_names(options.fixes)
     singles, skipped = plan(document, requested)
     combinations = [name for name in (requested or []) if "+" in name]
     progress = Progress(stderr)
     progress.header("replaying the failing step with fixes (OOMDOC_REPLAY=1 is set in replays)")
-    log_dir = tempfile.mkdtemp(prefix="oomdoc-replays-")
-    replayer = Replayer(document, options, request, progress, log_dir)
+    replayer = Replayer(document, options, request, progress, pool)
     device = document.get("device") or {}
     entries: list[dict] = []
     search = None
@@ -310,7 +327,8 @@ def replay_fixes(document: dict, options, request: ChildRequest, stderr=None) ->
         document.setdefault("notes", []).append(f"Replays failed ({type(exc).__name__}: {exc}); no fixes were measured.")
         document["fixes"], document["max_batch_size"] = [], None
     finally:
-        shutil.rmtree(log_dir, ignore_errors=True)
+        if own_pool:
+            pool.close()
 
 
 def fix_request(name: str, device: dict) -> tuple[dict, dict, dict]:
@@ -327,11 +345,8 @@ def fix_request(name: str, device: dict) -> tuple[dict, dict, dict]:
     if "expandable_segments" in parts:
         conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
         env["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(p for p in (conf, "expandable_segments:True") if p)
-    if "lighter_optimizer" in parts:
-        from oomdoc.replay.apply import lighter_optimizer_name
-
-        fix["optimizer"] = lighter_optimizer_name()
-        context["optimizer"] = fix["optimizer"]
+    # lighter_optimizer: the child picks the optimizer its torch has (the
+    # parent does not import torch) and records it.
     return fix, env, context
 
 
@@ -372,6 +387,7 @@ def replay_single(replayer: Replayer, name: str, device: dict, skipped: list) ->
             if wrapped:
                 context.update(blocks_path=wrapped[0]["path"], blocks_class=wrapped[0]["class"], blocks_count=wrapped[0]["count"])
         elif part == "lighter_optimizer":
+            context["optimizer"] = record.get("optimizer")
             replaced = sorted(set(record.get("replaced") or []))
             details.append(f"measured torch.optim.{record.get('optimizer')} in place of {', '.join(replaced)}")
         elif part == "expandable_segments":
@@ -585,6 +601,7 @@ def finish(document, replayer, entries, search, batch_info, skipped, progress) -
         "reference_step_s": reference_s,
         "reference": reference_text,
         "skipped": skipped,
+        "runs": [replay.timing() for replay in replayer.replays],
     }
     if search is not None:
         summary["batch_search"] = {

@@ -1,5 +1,5 @@
-"""Runs out of memory normally; in a replay (OOMDOC_REPLAY=1) it hangs after
-its first step, so that --replay-timeout has something to kill."""
+"""Runs out of memory normally; in a replay (OOMDOC_REPLAY=1) it hangs before
+its first step, whatever the fix, so that --replay-timeout has something to kill."""
 
 import os
 import time
@@ -9,11 +9,11 @@ import torch
 model = torch.nn.Sequential(torch.nn.Linear(64, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 64))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 batch = 4096
+if os.environ.get("OOMDOC_REPLAY"):
+    time.sleep(3600)
 for step in range(3):
     x = torch.randn(batch, 64)
     loss = model(x).pow(2).mean()
     loss.backward()
     optimizer.step()
     optimizer.zero_grad()
-    if os.environ.get("OOMDOC_REPLAY"):
-        time.sleep(3600)
