@@ -187,12 +187,15 @@ def run_session(options: RunOptions, stderr=None) -> int:
         # script runs: most runs that get here end in the OOM they are about.
         pool = warm_pool(request)
     try:
+        new_parent = not path.parent.exists()
         artifact_dir.mkdir(parents=True, exist_ok=True)
         result = run_child(request)
         try:
             raise_child_usage_error(result)
         except UsageError:
             remove_if_empty(artifact_dir)
+            if new_parent:
+                remove_if_empty(path.parent)  # a refused run leaves nothing behind
             raise
         document = build_snapshot(options, result.capture, result.exit_code)
 

@@ -59,6 +59,11 @@ def test_the_ranked_list_and_the_report(replayed):
     assert replay["baseline_need_estimated"] and replay["baseline_need_bytes"] > document["device"]["capacity_bytes"]
     assert [s["name"] for s in replay["skipped"]][:2] == ["empty_cache", "expandable_segments"]
     assert len(replay["batch_search"]["trials"]) <= 4
+    # Each replay's child was started (Python, `import torch`) while the one
+    # before it ran, and says where its time went.
+    runs = replay["runs"]
+    assert len(runs) == replay["replays"] and all(run["warm"] for run in runs)
+    assert all(run["script_s"] > 0 and run["startup_s"] > 0 for run in runs)
 
     stderr = result.stderr
     assert "OOMDOC_REPLAY=1" in stderr

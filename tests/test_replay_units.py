@@ -210,3 +210,61 @@ def test_snapshot_validation_of_fixes():
     document["fixes"][0]["step_time_ratio"] = "fast"
     with pytest.raises(SnapshotError, match="step_time_ratio"):
         validate(document)
+
+
+# ------------------------------------------------ children share compiled bytecode
+
+
+def _package(tmp_path, compiled: bool):
+    package = tmp_path / "site" / "torchlike"
+    package.mkdir(parents=True)
+    origin = package / "__init__.py"
+    origin.write_text("x = 1\n")
+    if compiled:
+        import py_compile
+
+        py_compile.compile(str(origin))
+    return str(origin)
+
+
+def test_children_that_cannot_write_bytecode_share_a_cache_of_oomdocs(tmp_path):
+    from oomdoc.runner import bytecode_cache_env
+
+    origin = _package(tmp_path, compiled=False)
+    cache = tmp_path / "cache"
+    env = bytecode_cache_env({"PYTHONDONTWRITEBYTECODE": "1"}, origin=origin, cache_root=str(cache))
+    assert env == {"PYTHONPYCACHEPREFIX": str(cache)} and cache.is_dir()
+
+
+def test_bytecode_is_left_alone_when_it_is_there_or_can_be_written(tmp_path):
+    from oomdoc.runner import bytecode_cache_env
+
+    compiled = _package(tmp_path / "a", compiled=True)
+    assert bytecode_cache_env({"PYTHONDONTWRITEBYTECODE": "1"}, origin=compiled, cache_root=str(tmp_path / "c")) == {}
+    uncompiled = _package(tmp_path / "b", compiled=False)
+    assert bytecode_cache_env({}, origin=uncompiled, cache_root=str(tmp_path / "c")) == {}  # Python writes it itself
+    chosen = {"PYTHONDONTWRITEBYTECODE": "1", "PYTHONPYCACHEPREFIX": "/somewhere"}
+    assert bytecode_cache_env(chosen, origin=uncompiled, cache_root=str(tmp_path / "c")) == {}
+    assert not (tmp_path / "c").exists()
+
+
+def test_child_env_drops_dont_write_bytecode_only_with_a_cache(tmp_path, monkeypatch):
+    from oomdoc import runner
+
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    monkeypatch.delenv("PYTHONPYCACHEPREFIX", raising=False)
+    monkeypatch.setattr(runner, "bytecode_cache_env", lambda env: {"PYTHONPYCACHEPREFIX": str(tmp_path)})
+    env = runner.child_env("cpu", {})
+    assert "PYTHONDONTWRITEBYTECODE" not in env and env["PYTHONPYCACHEPREFIX"] == str(tmp_path)
+    monkeypatch.setattr(runner, "bytecode_cache_env", lambda env: {})
+    assert runner.child_env("cpu", {})["PYTHONDONTWRITEBYTECODE"] == "1"
+
+
+def test_the_parent_never_imports_torch():
+    # `oomdoc run` and `check` leave torch to the children: seconds saved per run.
+    import subprocess
+    import sys
+
+    code = ("import sys, oomdoc.cli, oomdoc.session, oomdoc.runner, oomdoc.check, oomdoc.replay.orchestrate;"
+            "sys.exit('torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0

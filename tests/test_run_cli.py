@@ -243,3 +243,17 @@ def test_ctrl_c_reaches_the_script_and_the_capture_is_kept(tmp_path):
     assert "KeyboardInterrupt" in stderr
     document = load_json(tmp_path / "s.json")
     assert document["outcome"] == "interrupted"
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize("command", ["run", "check"])
+def test_device_cuda_without_cuda_is_a_one_line_usage_error(tmp_path, command):
+    # The child decides `--device` (the parent does not import torch); its
+    # refusal is still oomdoc's usage error, and nothing is left behind.
+    args = [command, "--device", "cuda", SCRIPTS / "run_exit.py", "0"]
+    if command == "check":
+        args[1:1] = ["--baseline", tmp_path / "baseline.json", "--update-baseline"]
+    result = run_oomdoc(args, cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count("\n") == 1 and "CUDA is not available" in result.stderr
+    assert not (tmp_path / ".oomdoc").exists() and not (tmp_path / "baseline.json").exists()
