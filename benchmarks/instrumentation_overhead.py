@@ -2,9 +2,11 @@
 
 Runs the GPT example plainly and under `oomdoc run` (same arguments, a batch
 that fits), alternating several times, and compares the median step time the
-script itself prints (it waits for the GPU each step). Prints a table.
+script itself prints (it waits for the GPU each step, or every N steps with
+--sync-every N, as scripts that do not read the loss each step). Prints a table.
 
     python benchmarks/instrumentation_overhead.py                 # CUDA, reference GPT
+    python benchmarks/instrumentation_overhead.py --sync-every 10 --steps 100 --warmup 10
     python benchmarks/instrumentation_overhead.py --device cpu --preset tiny --batch-size 8
 Target on CUDA: under 3% per step.
 """
@@ -47,10 +49,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=25)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--sync-every", type=int, default=1,
+                        help="the script waits for the GPU every N steps only (each sample is then an N-step mean)")
     args = parser.parse_args()
 
     script = [str(ROOT / "examples" / "gpt_train.py"), "--preset", args.preset,
-              "--batch-size", str(args.batch_size), "--steps", str(args.steps)]
+              "--batch-size", str(args.batch_size), "--steps", str(args.steps), "--sync-every", str(args.sync_every)]
     plain_env_prefix = [] if args.device == "cuda" else ["env", "CUDA_VISIBLE_DEVICES="]
     variants = {
         "python (plain)": (plain_env_prefix, None),

@@ -150,16 +150,16 @@ class WarmChild:
         return self.process
 
     def discard(self) -> None:
-        """End an unused child: closing the pipe tells it there is no work."""
+        """End an unused child at once: it holds no work and nothing to save,
+        and waiting for it to finish importing torch would only delay the end
+        of the run."""
         try:
             os.close(self._write_fd)
         except OSError:
             pass
-        try:
-            self.process.wait(timeout=5)
-        except subprocess.TimeoutExpired:
+        if self.process.poll() is None:
             self.process.kill()
-            self.process.wait()
+        self.process.wait()
         try:
             os.unlink(self.log_path)
         except OSError:

@@ -5,6 +5,7 @@ which blocks checkpointing wraps, snapshot validation of fixes."""
 from __future__ import annotations
 
 import io
+import os
 
 import pytest
 import torch.nn as nn
@@ -268,3 +269,17 @@ def test_the_parent_never_imports_torch():
     code = ("import sys, oomdoc.cli, oomdoc.session, oomdoc.runner, oomdoc.check, oomdoc.replay.orchestrate;"
             "sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_an_unused_warm_child_is_ended_at_once():
+    # Closing the pool must not wait for the spare to finish importing torch.
+    import signal
+
+    from oomdoc.runner import WarmPool
+
+    pool = WarmPool("cpu", {"OOMDOC_REPLAY": "1"})
+    pool.fill()
+    spare = pool.spare
+    pool.close()
+    assert spare.process.returncode == -signal.SIGKILL
+    assert pool.spare is None and not os.path.exists(pool.log_dir)
