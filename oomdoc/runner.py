@@ -17,7 +17,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-from oomdoc.capture import CONFIG_ENV, CONFIG_FD_ENV
+from oomdoc.capture import CONFIG_ENV, CONFIG_FD_ENV, STARTED_ENV
 
 
 @dataclass
@@ -125,6 +125,7 @@ class WarmChild:
         read_fd, self._write_fd = os.pipe()
         env = child_env(device, extra_env)
         env[CONFIG_FD_ENV] = str(read_fd)
+        env[STARTED_ENV] = repr(time.time())
         try:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "oomdoc.capture.child"],
@@ -231,6 +232,7 @@ def run_child(request: ChildRequest, pool: WarmPool | None = None) -> ChildResul
             else:
                 env = child_env(request.device, request.extra_env)
                 env[CONFIG_ENV] = config_path
+                env[STARTED_ENV] = repr(time.time())
                 output = open(request.output_path, "wb") if request.output_path else None
                 process = subprocess.Popen(
                     [sys.executable, "-m", "oomdoc.capture.child"],

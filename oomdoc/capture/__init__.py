@@ -9,3 +9,6 @@ CONFIG_ENV = "OOMDOC_CHILD_CONFIG"
 # A warm child (started before its work is known) reads the configuration
 # file's path from the pipe whose descriptor this variable names.
 CONFIG_FD_ENV = "OOMDOC_CHILD_CONFIG_FD"
+# When the parent started the child (seconds since the epoch): the child's
+# start-up is measured from it, on the same clock as the child's own times.
+STARTED_ENV = "OOMDOC_CHILD_STARTED"

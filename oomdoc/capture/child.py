@@ -25,7 +25,7 @@ import torch
 
 from oomdoc.capture.backends import CudaBackend, OutOfMemoryError, SimulatedBackend
 from oomdoc.capture.tracker import StopRun, Tracker
-from oomdoc.capture import CONFIG_ENV, CONFIG_FD_ENV
+from oomdoc.capture import CONFIG_ENV, CONFIG_FD_ENV, STARTED_ENV
 from oomdoc.snapshot import dumps, write_atomic
 
 
@@ -119,7 +119,14 @@ def _exit_code_of(exc: SystemExit) -> int:
     return 1
 
 
+_STARTED: float | None = None  # from the parent (STARTED_ENV), read in main()
+
+
 def _process_started() -> float:
+    """When this process started. The parent's word first: psutil's creation
+    time is counted from the boot time in whole seconds, up to a second off."""
+    if _STARTED is not None:
+        return _STARTED
     try:
         return psutil.Process().create_time()
     except Exception:
@@ -290,6 +297,14 @@ def _wait_for_work(descriptor: int) -> tuple[str | None, float]:
 
     import oomdoc.replay.apply  # noqa: F401
 
+    try:
+        # Constructing any torch.optim optimizer imports TorchDynamo (and with
+        # it sympy and ~800 modules: as long as `import torch` itself); done
+        # here, while the previous replay runs, it is off the replay's path.
+        import torch._dynamo  # noqa: F401
+    except Exception:
+        pass
+
     imported_at = time.time()
     try:
         with os.fdopen(descriptor, encoding="utf-8") as pipe:
@@ -300,7 +315,12 @@ def _wait_for_work(descriptor: int) -> tuple[str | None, float]:
 
 
 def main() -> None:
+    global _STARTED
     imported_at = time.time()
+    try:
+        _STARTED = float(os.environ.pop(STARTED_ENV))
+    except (KeyError, ValueError):
+        _STARTED = None
     descriptor = os.environ.pop(CONFIG_FD_ENV, None)
     if descriptor is not None:
         config_path, imported_at = _wait_for_work(int(descriptor))
