@@ -10,6 +10,7 @@ from pathlib import Path
 
 import oomdoc
 from oomdoc import report
+from oomdoc.capture import CUDA_UNAVAILABLE
 from oomdoc.errors import UsageError
 from oomdoc.runner import ChildRequest, run_child
 from oomdoc.snapshot import SCHEMA_VERSION, default_snapshot_path, utc_now, write_snapshot
@@ -58,9 +59,6 @@ def resolve_device(requested: str) -> str:
     if requested == "cuda" and not available:
         raise UsageError(CUDA_UNAVAILABLE)
     return "cuda" if available else "cpu"
-
-
-CUDA_UNAVAILABLE = "--device cuda: CUDA is not available on this machine (use --device cpu for the simulated device)"
 
 
 def device_of(capture: dict | None, requested: str) -> str:

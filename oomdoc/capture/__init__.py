@@ -12,3 +12,6 @@ CONFIG_FD_ENV = "OOMDOC_CHILD_CONFIG_FD"
 # When the parent started the child (seconds since the epoch): the child's
 # start-up is measured from it, on the same clock as the child's own times.
 STARTED_ENV = "OOMDOC_CHILD_STARTED"
+# The one-line usage error for `--device cuda` on a machine without CUDA,
+# raised by the child (which decides the device) or by the parent.
+CUDA_UNAVAILABLE = "--device cuda: CUDA is not available on this machine (use --device cpu for the simulated device)"

@@ -25,7 +25,7 @@ import torch
 
 from oomdoc.capture.backends import CudaBackend, OutOfMemoryError, SimulatedBackend
 from oomdoc.capture.tracker import StopRun, Tracker
-from oomdoc.capture import CONFIG_ENV, CONFIG_FD_ENV, STARTED_ENV
+from oomdoc.capture import CONFIG_ENV, CONFIG_FD_ENV, CUDA_UNAVAILABLE, STARTED_ENV
 from oomdoc.snapshot import dumps, write_atomic
 
 
@@ -50,7 +50,7 @@ def resolve_device(requested: str) -> str:
     if torch.cuda.is_available():
         return "cuda"
     if requested == "cuda":
-        raise DeviceUnavailable("--device cuda: CUDA is not available on this machine (use --device cpu for the simulated device)")
+        raise DeviceUnavailable(CUDA_UNAVAILABLE)
     return "cpu"
 
 
