@@ -10,7 +10,7 @@ from pathlib import Path
 
 import oomdoc
 from oomdoc import report
-from oomdoc.capture import CUDA_UNAVAILABLE
+from oomdoc.capture import CUDA_UNAVAILABLE, choose_device
 from oomdoc.errors import UsageError
 from oomdoc.runner import ChildRequest, run_child
 from oomdoc.snapshot import SCHEMA_VERSION, default_snapshot_path, utc_now, write_snapshot
@@ -55,10 +55,10 @@ def resolve_device(requested: str) -> str:
         warnings.simplefilter("ignore")
         import torch
 
-    available = torch.cuda.is_available()
-    if requested == "cuda" and not available:
+    device = choose_device(requested, torch.cuda.is_available())
+    if device is None:
         raise UsageError(CUDA_UNAVAILABLE)
-    return "cuda" if available else "cpu"
+    return device
 
 
 def device_of(capture: dict | None, requested: str) -> str:

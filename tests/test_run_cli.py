@@ -257,3 +257,13 @@ def test_device_cuda_without_cuda_is_a_one_line_usage_error(tmp_path, command):
     assert result.returncode == 2, result.stderr
     assert result.stderr.count("\n") == 1 and "CUDA is not available" in result.stderr
     assert not (tmp_path / ".oomdoc").exists() and not (tmp_path / "baseline.json").exists()
+
+
+@pytest.mark.parametrize("requested, cuda_available, expected", [
+    ("cpu", True, "cpu"), ("cpu", False, "cpu"), ("auto", True, "cuda"), ("auto", False, "cpu"),
+    ("cuda", True, "cuda"), ("cuda", False, None),
+])
+def test_one_rule_for_what_device_means(requested, cuda_available, expected):
+    from oomdoc.capture import choose_device
+
+    assert choose_device(requested, cuda_available) == expected

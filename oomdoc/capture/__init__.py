@@ -2,6 +2,8 @@
 script (hooks, step detection, device backends). It produces the `capture`
 part of a snapshot; the parent adds the rest and writes the file."""
 
+from __future__ import annotations
+
 # The parent names the child's configuration file in this variable, so that
 # nothing is added to the script's own argv. Kept here, free of torch imports,
 # so the parent can validate its arguments before paying for `import torch`.
@@ -15,3 +17,14 @@ STARTED_ENV = "OOMDOC_CHILD_STARTED"
 # The one-line usage error for `--device cuda` on a machine without CUDA,
 # raised by the child (which decides the device) or by the parent.
 CUDA_UNAVAILABLE = "--device cuda: CUDA is not available on this machine (use --device cpu for the simulated device)"
+
+
+def choose_device(requested: str, cuda_available: bool) -> str | None:
+    """What `--device auto|cuda|cpu` means on this machine: `cuda`, or `cpu`
+    (the simulated device); None when CUDA is asked for and missing. One rule
+    for the child, which decides, and for parent-side callers."""
+    if requested == "cpu":
+        return "cpu"
+    if cuda_available:
+        return "cuda"
+    return None if requested == "cuda" else "cpu"

@@ -25,7 +25,7 @@ import torch
 
 from oomdoc.capture.backends import CudaBackend, OutOfMemoryError, SimulatedBackend
 from oomdoc.capture.tracker import StopRun, Tracker
-from oomdoc.capture import CONFIG_ENV, CONFIG_FD_ENV, CUDA_UNAVAILABLE, STARTED_ENV
+from oomdoc.capture import CONFIG_ENV, CONFIG_FD_ENV, CUDA_UNAVAILABLE, STARTED_ENV, choose_device
 from oomdoc.snapshot import dumps, write_atomic
 
 
@@ -45,13 +45,10 @@ def resolve_device(requested: str) -> str:
     """`auto`: CUDA when this machine has it, else the simulated device
     (`cpu`). Decided here rather than in the parent, which then never needs
     to import torch."""
-    if requested == "cpu":
-        return "cpu"
-    if torch.cuda.is_available():
-        return "cuda"
-    if requested == "cuda":
+    device = choose_device(requested, requested != "cpu" and torch.cuda.is_available())
+    if device is None:
         raise DeviceUnavailable(CUDA_UNAVAILABLE)
-    return "cpu"
+    return device
 
 
 def make_backend(config: dict):
