@@ -104,6 +104,13 @@ def bytecode_cache_env(env: dict[str, str], origin: str | None = None, cache_roo
     return {"PYTHONPYCACHEPREFIX": root}
 
 
+def start_child(env: dict[str, str], **popen) -> subprocess.Popen:
+    """Start a capture child, stamped with when it started (its start-up is
+    timed from this, see STARTED_ENV)."""
+    env[STARTED_ENV] = repr(time.time())
+    return subprocess.Popen([sys.executable, "-m", "oomdoc.capture.child"], env=env, **popen)
+
+
 def _env_key(device: str, extra_env: dict[str, str]) -> tuple:
     return device, tuple(sorted(extra_env.items()))
 
@@ -125,13 +132,9 @@ class WarmChild:
         read_fd, self._write_fd = os.pipe()
         env = child_env(device, extra_env)
         env[CONFIG_FD_ENV] = str(read_fd)
-        env[STARTED_ENV] = repr(time.time())
         try:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "oomdoc.capture.child"],
-                env=env, stdout=descriptor, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                pass_fds=(read_fd,),
-            )
+            self.process = start_child(env, stdout=descriptor, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                       pass_fds=(read_fd,))
         finally:
             os.close(read_fd)
             os.close(descriptor)
@@ -232,15 +235,9 @@ def run_child(request: ChildRequest, pool: WarmPool | None = None) -> ChildResul
             else:
                 env = child_env(request.device, request.extra_env)
                 env[CONFIG_ENV] = config_path
-                env[STARTED_ENV] = repr(time.time())
                 output = open(request.output_path, "wb") if request.output_path else None
-                process = subprocess.Popen(
-                    [sys.executable, "-m", "oomdoc.capture.child"],
-                    env=env,
-                    stdout=output,
-                    stderr=subprocess.STDOUT if output else None,
-                    stdin=subprocess.DEVNULL if output else None,
-                )
+                process = start_child(env, stdout=output, stderr=subprocess.STDOUT if output else None,
+                                      stdin=subprocess.DEVNULL if output else None)
 
             def forward(signum, frame):
                 if process.poll() is None:
