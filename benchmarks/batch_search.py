@@ -55,7 +55,11 @@ class Trials:
         fix = {"name": "smaller_batch", "batch_mode": "argv", "batch_size": batch_size}
         replay = self.replayer.run(fix, f"batch {batch_size}", args=args)
         self.wall_s += replay.wall_s
-        run = batch_model.observe(replay.capture, batch_size) if replay.capture else batch_model.BatchRun(batch_size, False, inconclusive=True)
+        run = (
+            batch_model.observe(replay.capture, batch_size)
+            if replay.capture
+            else batch_model.BatchRun(batch_size, False, inconclusive=True)
+        )
         run.wall_s = replay.wall_s
         return run
 
@@ -100,11 +104,24 @@ def binary(trials: Trials, limit: int = 4096) -> tuple[int, bool]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
-    parser.add_argument("--device-memory", default=None, help="default 16GiB on CUDA, 192MiB on the simulated device")
-    parser.add_argument("--preset", default=None, help="default reference on CUDA, tiny on the simulated device")
-    parser.add_argument("--batch-size", type=int, default=None, help="the failing batch size (default 32 on CUDA, 64 on CPU)")
+    parser.add_argument(
+        "--device-memory",
+        default=None,
+        help="default 16GiB on CUDA, 192MiB on the simulated device",
+    )
+    parser.add_argument(
+        "--preset", default=None, help="default reference on CUDA, tiny on the simulated device"
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="the failing batch size (default 32 on CUDA, 64 on CPU)",
+    )
     parser.add_argument("--strategies", default="oomdoc,doubling,halving,0.9,binary")
-    parser.add_argument("--full-run", action="store_true", help="also time `oomdoc run` with every fix it measures")
+    parser.add_argument(
+        "--full-run", action="store_true", help="also time `oomdoc run` with every fix it measures"
+    )
     args = parser.parse_args()
 
     device = resolve_device(args.device)
@@ -116,15 +133,22 @@ def main() -> None:
     progress = Progress(sys.stderr)
 
     # The failing run, as `oomdoc run` captures it.
-    request = ChildRequest(target=SCRIPT, args=[*base_args, "--batch-size", str(failing)], device=device,
-                           capacity_bytes=capacity, output_path=os.devnull)
+    request = ChildRequest(
+        target=SCRIPT,
+        args=[*base_args, "--batch-size", str(failing)],
+        device=device,
+        capacity_bytes=capacity,
+        output_path=os.devnull,
+    )
     started = time.perf_counter()
     baseline = run_child(request)
     baseline_s = time.perf_counter() - started
     options = RunOptions(target=SCRIPT, args=request.args, device=device, capacity_bytes=capacity)
     document = build_snapshot(options, baseline.capture, baseline.exit_code)
     if document["outcome"] != "oom":
-        sys.exit(f"batch size {failing} did not run out of memory ({document['outcome']}): pick a larger --batch-size")
+        sys.exit(
+            f"batch size {failing} did not run out of memory ({document['outcome']}): pick a larger --batch-size"
+        )
 
     rows = []
     for strategy in [s.strip() for s in args.strategies.split(",") if s.strip()]:
@@ -134,7 +158,12 @@ def main() -> None:
         if strategy == "oomdoc":
             observed = batch_model.observe(document, failing)
             result = batch_model.search_max_batch(
-                failing, capacity, [observed], trials.run, probe=batch_model.first_probe_for(document, failing))
+                failing,
+                capacity,
+                [observed],
+                trials.run,
+                probe=batch_model.first_probe_for(document, failing),
+            )
             found, exact = result.max_batch_size or 0, result.exact
         elif strategy == "doubling":
             found, exact = doubling(trials)
@@ -148,18 +177,27 @@ def main() -> None:
             pool.close()
             sys.exit(f"unknown strategy {strategy!r}")
         pool.close()
-        rows.append([strategy, trials.count, found, "yes" if exact else "no", f"{trials.wall_s:.1f}"])
+        rows.append(
+            [strategy, trials.count, found, "yes" if exact else "no", f"{trials.wall_s:.1f}"]
+        )
 
     truth = next((row[2] for row in rows if row[3] == "yes"), None)
     for row in rows:
         row.insert(3, "" if truth is None else ("yes" if row[2] == truth else f"no ({truth})"))
     what = f"{preset} GPT, batch {failing} fails, capacity {args.device_memory or ('16GiB' if on_cuda else '192MiB')}, {device}"
     print(f"\nLargest batch size that fits: {what} (failing run {baseline_s:.1f} s, not counted)")
-    print(tabulate(rows, headers=["strategy", "trials", "max batch", "right", "proven exact", "trials wall s"],
-                   colalign=("left", "right", "right", "left", "left", "right")))
+    print(
+        tabulate(
+            rows,
+            headers=["strategy", "trials", "max batch", "right", "proven exact", "trials wall s"],
+            colalign=("left", "right", "right", "left", "left", "right"),
+        )
+    )
 
     if args.full_run:
-        full_run(device, args.device_memory or ("16GiB" if on_cuda else "192MiB"), base_args, failing)
+        full_run(
+            device, args.device_memory or ("16GiB" if on_cuda else "192MiB"), base_args, failing
+        )
 
 
 def full_run(device: str, memory: str, base_args: list[str], failing: int) -> None:
@@ -170,24 +208,71 @@ def full_run(device: str, memory: str, base_args: list[str], failing: int) -> No
 
     with tempfile.TemporaryDirectory() as directory:
         snapshot = os.path.join(directory, "run.json")
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
-        command = [sys.executable, "-m", "oomdoc", "run", "--device", device, "--device-memory", memory, "-o", snapshot,
-                   SCRIPT, *base_args, "--batch-size", str(failing)]
+        env = dict(
+            os.environ,
+            PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
+        )
+        command = [
+            sys.executable,
+            "-m",
+            "oomdoc",
+            "run",
+            "--device",
+            device,
+            "--device-memory",
+            memory,
+            "-o",
+            snapshot,
+            SCRIPT,
+            *base_args,
+            "--batch-size",
+            str(failing),
+        ]
         started = time.perf_counter()
         completed = subprocess.run(command, env=env, capture_output=True, text=True)
         wall_s = time.perf_counter() - started
         document = json.loads(Path(snapshot).read_text())
     replay = document.get("replay") or {}
-    print(f"\nWhole `oomdoc run` (capture + {replay.get('replays')} replays + report): {wall_s:.1f} s, "
-          f"replays {replay.get('total_s')} s, {len(document.get('fixes') or [])} fixes measured, exit {completed.returncode}")
-    print(tabulate([[f["rank"], f["name"], f.get("fits"), f.get("peak_allocated_bytes"), f.get("step_time_ratio"), f.get("replay_s")]
-                    for f in document.get("fixes") or []],
-                   headers=["rank", "fix", "fits", "peak bytes", "step time", "replay s"]))
+    print(
+        f"\nWhole `oomdoc run` (capture + {replay.get('replays')} replays + report): {wall_s:.1f} s, "
+        f"replays {replay.get('total_s')} s, {len(document.get('fixes') or [])} fixes measured, exit {completed.returncode}"
+    )
+    print(
+        tabulate(
+            [
+                [
+                    f["rank"],
+                    f["name"],
+                    f.get("fits"),
+                    f.get("peak_allocated_bytes"),
+                    f.get("step_time_ratio"),
+                    f.get("replay_s"),
+                ]
+                for f in document.get("fixes") or []
+            ],
+            headers=["rank", "fix", "fits", "peak bytes", "step time", "replay s"],
+        )
+    )
     for skipped in replay.get("skipped") or []:
         print(f"not tried: {skipped['name']}: {skipped['reason']}")
     # Where each replay's time went (seconds; see oomdoc.capture.child.timing_summary).
-    columns = ["label", "outcome", "warm", "wall_s", "startup_s", "waited_s", "setup_s", "script_s", "capture_s"]
-    print(tabulate([[run.get(column) for column in columns] for run in replay.get("runs") or []], headers=columns))
+    columns = [
+        "label",
+        "outcome",
+        "warm",
+        "wall_s",
+        "startup_s",
+        "waited_s",
+        "setup_s",
+        "script_s",
+        "capture_s",
+    ]
+    print(
+        tabulate(
+            [[run.get(column) for column in columns] for run in replay.get("runs") or []],
+            headers=columns,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -33,10 +33,14 @@ def step_times(output: str, warmup: int) -> list[float]:
 
 
 def run(command: list[str]) -> str:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    )
     result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT)
     if result.returncode != 0:
-        sys.exit(f"command failed ({result.returncode}): {' '.join(command)}\n{result.stderr[-3000:]}")
+        sys.exit(
+            f"command failed ({result.returncode}): {' '.join(command)}\n{result.stderr[-3000:]}"
+        )
     return result.stdout
 
 
@@ -49,12 +53,25 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=25)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--sync-every", type=int, default=1,
-                        help="the script waits for the GPU every N steps only (each sample is then an N-step mean)")
+    parser.add_argument(
+        "--sync-every",
+        type=int,
+        default=1,
+        help="the script waits for the GPU every N steps only (each sample is then an N-step mean)",
+    )
     args = parser.parse_args()
 
-    script = [str(ROOT / "examples" / "gpt_train.py"), "--preset", args.preset,
-              "--batch-size", str(args.batch_size), "--steps", str(args.steps), "--sync-every", str(args.sync_every)]
+    script = [
+        str(ROOT / "examples" / "gpt_train.py"),
+        "--preset",
+        args.preset,
+        "--batch-size",
+        str(args.batch_size),
+        "--steps",
+        str(args.steps),
+        "--sync-every",
+        str(args.sync_every),
+    ]
     plain_env_prefix = [] if args.device == "cuda" else ["env", "CUDA_VISIBLE_DEVICES="]
     variants = {
         "python (plain)": (plain_env_prefix, None),
@@ -67,8 +84,15 @@ def main() -> None:
             for position, (name, (prefix, oomdoc_options)) in enumerate(variants.items()):
                 command = prefix + [sys.executable]
                 if oomdoc_options is not None:
-                    command += ["-m", "oomdoc", "run", "--device", args.device,
-                                "-o", os.path.join(tmp, f"run{repeat}-{position}.json")]
+                    command += [
+                        "-m",
+                        "oomdoc",
+                        "run",
+                        "--device",
+                        args.device,
+                        "-o",
+                        os.path.join(tmp, f"run{repeat}-{position}.json"),
+                    ]
                     if args.device_memory:
                         command += ["--device-memory", args.device_memory]
                 times[name] += step_times(run(command + script), args.warmup)
@@ -83,7 +107,9 @@ def main() -> None:
     overhead = 100.0 * (statistics.median(times["oomdoc run"]) - plain) / plain
     target = 3.0 if args.device == "cuda" else None
     if target is not None:
-        print(f"target: < {target:.0f}% per step on CUDA -> {'met' if overhead < target else 'NOT met'}")
+        print(
+            f"target: < {target:.0f}% per step on CUDA -> {'met' if overhead < target else 'NOT met'}"
+        )
 
 
 if __name__ == "__main__":

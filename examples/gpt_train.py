@@ -57,7 +57,9 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x):
         batch, seq, width = x.shape
         q, k, v = self.qkv(x).split(width, dim=2)
-        q, k, v = (t.view(batch, seq, self.heads, width // self.heads).transpose(1, 2) for t in (q, k, v))
+        q, k, v = (
+            t.view(batch, seq, self.heads, width // self.heads).transpose(1, 2) for t in (q, k, v)
+        )
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.proj(y.transpose(1, 2).reshape(batch, seq, width))
 
@@ -68,7 +70,9 @@ class Block(nn.Module):
         self.ln1 = nn.LayerNorm(width)
         self.attn = CausalSelfAttention(width, heads)
         self.ln2 = nn.LayerNorm(width)
-        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+        self.mlp = nn.Sequential(
+            nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)
+        )
 
     def forward(self, x):
         x = x + self.attn(self.ln1(x))
@@ -107,11 +111,19 @@ def main():
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--checkpoint-dir", default=None, help="save the model here at the end")
-    parser.add_argument("--sync-every", type=int, default=1,
-                        help="read the loss (and wait for the GPU) every N steps only; the time printed is per step")
+    parser.add_argument(
+        "--sync-every",
+        type=int,
+        default=1,
+        help="read the loss (and wait for the GPU) every N steps only; the time printed is per step",
+    )
     # The fixes oomdoc replays, written by hand, to compare with the replays.
-    parser.add_argument("--autocast", choices=["bf16", "fp16"], default=None, help="mixed precision by hand")
-    parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing by hand")
+    parser.add_argument(
+        "--autocast", choices=["bf16", "fp16"], default=None, help="mixed precision by hand"
+    )
+    parser.add_argument(
+        "--checkpointing", action="store_true", help="activation checkpointing by hand"
+    )
     args = parser.parse_args()
 
     config = PRESETS[args.preset]
@@ -128,7 +140,9 @@ def main():
     last = time.perf_counter()
     for step, (tokens, targets) in enumerate(loader):
         tokens, targets = tokens.to(device), targets.to(device)
-        with torch.autocast(device_type=device, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+        with torch.autocast(
+            device_type=device, dtype=autocast_dtype, enabled=autocast_dtype is not None
+        ):
             logits = model(tokens)
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
         loss.backward()
@@ -138,7 +152,10 @@ def main():
             continue  # no sync: the next batch is loaded while the GPU works
         loss_value = loss.item()  # waits for the GPU, so the step time below is real
         now = time.perf_counter()
-        print(f"step {step}: loss {loss_value:.4f} ({1000 * (now - last) / args.sync_every:.1f} ms)", flush=True)
+        print(
+            f"step {step}: loss {loss_value:.4f} ({1000 * (now - last) / args.sync_every:.1f} ms)",
+            flush=True,
+        )
         last = now
 
     # Replays set OOMDOC_REPLAY=1: skip side effects such as checkpoints.

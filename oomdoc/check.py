@@ -30,7 +30,14 @@ import oomdoc
 from oomdoc import report
 from oomdoc.errors import UsageError
 from oomdoc.runner import run_child
-from oomdoc.session import RunOptions, build_snapshot, check_device_choice, check_target, child_request, raise_child_usage_error
+from oomdoc.session import (
+    RunOptions,
+    build_snapshot,
+    check_device_choice,
+    check_target,
+    child_request,
+    raise_child_usage_error,
+)
 from oomdoc.sizes import format_bytes
 from oomdoc.snapshot import CATEGORIES, SnapshotError, dumps, read_json_file, write_atomic
 
@@ -134,7 +141,11 @@ def _relative_location(location: dict | None, cwd: str) -> dict | None:
     if not location:
         return None
     filename = report.relative_path(location.get("file", ""), cwd)
-    return {"file": filename.replace(os.sep, "/"), "line": int(location.get("line", 0)), "function": location.get("function", "?")}
+    return {
+        "file": filename.replace(os.sep, "/"),
+        "line": int(location.get("line", 0)),
+        "function": location.get("function", "?"),
+    }
 
 
 def measurement(document: dict, steps_requested: int) -> dict:
@@ -146,14 +157,16 @@ def measurement(document: dict, steps_requested: int) -> dict:
     peak = document.get("peak") or {}
     sites = []
     for site in (document.get("top_allocations") or [])[:STORED_SITES]:
-        sites.append({
-            "bytes": int(site.get("bytes", 0)),
-            "count": int(site.get("count") or 1),
-            "category": site.get("category", "other"),
-            "location": _relative_location(site.get("location"), cwd),
-            "shape": site.get("shape"),
-            "dtype": site.get("dtype"),
-        })
+        sites.append(
+            {
+                "bytes": int(site.get("bytes", 0)),
+                "count": int(site.get("count") or 1),
+                "category": site.get("category", "other"),
+                "location": _relative_location(site.get("location"), cwd),
+                "shape": site.get("shape"),
+                "dtype": site.get("dtype"),
+            }
+        )
     sites.sort(key=lambda s: (-s["bytes"], _site_key(s)))
     return {
         "format": BASELINE_FORMAT,
@@ -174,7 +187,9 @@ def measurement(document: dict, steps_requested: int) -> dict:
         },
         # The snapshot's breakdown is one sampled moment; the maxima already
         # include it, but a capture without phases has only the breakdown.
-        "categories": {c: int(max(category_peaks.get(c, 0), breakdown.get(c, 0))) for c in CATEGORIES},
+        "categories": {
+            c: int(max(category_peaks.get(c, 0), breakdown.get(c, 0))) for c in CATEGORIES
+        },
         "top_allocations": sites,
     }
 
@@ -191,20 +206,32 @@ def read_baseline(path: str | os.PathLike) -> dict:
         if not condition:
             raise SnapshotError(f"{path}: {message}")
 
-    expect(isinstance(document, dict) and document.get("format") == BASELINE_FORMAT,
-           "not an oomdoc baseline (write one with oomdoc check --update-baseline)")
-    expect(document.get("version") == BASELINE_VERSION,
-           f"unknown baseline version {document.get('version')!r} (this oomdoc reads version {BASELINE_VERSION}; refresh it with --update-baseline)")
+    expect(
+        isinstance(document, dict) and document.get("format") == BASELINE_FORMAT,
+        "not an oomdoc baseline (write one with oomdoc check --update-baseline)",
+    )
+    expect(
+        document.get("version") == BASELINE_VERSION,
+        f"unknown baseline version {document.get('version')!r} (this oomdoc reads version {BASELINE_VERSION}; refresh it with --update-baseline)",
+    )
     peak = document.get("peak")
-    expect(isinstance(peak, dict) and _is_byte_count(peak.get("allocated_bytes")), "peak.allocated_bytes must be an integer")
+    expect(
+        isinstance(peak, dict) and _is_byte_count(peak.get("allocated_bytes")),
+        "peak.allocated_bytes must be an integer",
+    )
     categories = document.get("categories")
     expect(isinstance(categories, dict), "categories must be an object")
     for category in CATEGORIES:
-        expect(_is_byte_count(categories.get(category)), f"categories.{category} must be an integer")
+        expect(
+            _is_byte_count(categories.get(category)), f"categories.{category} must be an integer"
+        )
     expect(isinstance(document.get("device"), dict), "device must be an object")
     sites = document.get("top_allocations", [])
-    expect(isinstance(sites, list) and all(isinstance(s, dict) and _is_byte_count(s.get("bytes")) for s in sites),
-           "top_allocations must be a list of objects with integer bytes")
+    expect(
+        isinstance(sites, list)
+        and all(isinstance(s, dict) and _is_byte_count(s.get("bytes")) for s in sites),
+        "top_allocations must be a list of objects with integer bytes",
+    )
     return document
 
 
@@ -222,22 +249,43 @@ def allowed_growth(baseline_bytes: int, options: CheckOptions) -> int:
 
 
 def compare(baseline: dict, current: dict, options: CheckOptions) -> list[Comparison]:
-    quantities = [("peak allocated", baseline["peak"].get("allocated_bytes"), current["peak"]["allocated_bytes"])]
+    quantities = [
+        (
+            "peak allocated",
+            baseline["peak"].get("allocated_bytes"),
+            current["peak"]["allocated_bytes"],
+        )
+    ]
     if "cuda" in (current["device"]["kind"], (baseline.get("device") or {}).get("kind")):
         # On CUDA the cached-but-free memory is what runs out; on the simulated
         # device reserved is allocated.
-        quantities.append(("peak reserved", baseline["peak"].get("reserved_bytes"), current["peak"]["reserved_bytes"]))
+        quantities.append(
+            (
+                "peak reserved",
+                baseline["peak"].get("reserved_bytes"),
+                current["peak"]["reserved_bytes"],
+            )
+        )
     for category in CATEGORIES:
-        quantities.append((category, baseline["categories"].get(category), current["categories"][category]))
+        quantities.append(
+            (category, baseline["categories"].get(category), current["categories"][category])
+        )
     return [
-        Comparison(name=name, baseline=base, current=now, allowed_growth=allowed_growth(base or 0, options))
+        Comparison(
+            name=name, baseline=base, current=now, allowed_growth=allowed_growth(base or 0, options)
+        )
         for name, base, now in quantities
     ]
 
 
 def _site_key(site: dict) -> tuple:
     location = site.get("location") or {}
-    return (site.get("category", "other"), location.get("file", ""), int(location.get("line", 0)), location.get("function", ""))
+    return (
+        site.get("category", "other"),
+        location.get("file", ""),
+        int(location.get("line", 0)),
+        location.get("function", ""),
+    )
 
 
 def site_changes(baseline_sites: list[dict], current_sites: list[dict]) -> list[dict]:
@@ -247,12 +295,19 @@ def site_changes(baseline_sites: list[dict], current_sites: list[dict]) -> list[
     totals: dict[tuple, dict] = {}
     for side, sites in (("baseline", baseline_sites), ("current", current_sites)):
         for site in sites:
-            entry = totals.setdefault(_site_key(site), {
-                "category": site.get("category", "other"), "location": site.get("location"),
-                "baseline": 0, "current": 0,
-            })
+            entry = totals.setdefault(
+                _site_key(site),
+                {
+                    "category": site.get("category", "other"),
+                    "location": site.get("location"),
+                    "baseline": 0,
+                    "current": 0,
+                },
+            )
             entry[side] += int(site.get("bytes", 0))
-    changes = [dict(entry, change=entry["current"] - entry["baseline"]) for entry in totals.values()]
+    changes = [
+        dict(entry, change=entry["current"] - entry["baseline"]) for entry in totals.values()
+    ]
     changes = [entry for entry in changes if entry["change"]]
     changes.sort(key=lambda entry: (-abs(entry["change"]), _site_key(entry)))
     return changes
@@ -275,11 +330,17 @@ def mismatch_notes(baseline: dict, current: dict) -> list[str]:
             f"{format_bytes(device['capacity_bytes'])}"
         )
     if baseline.get("torch_version") != current["torch_version"]:
-        notes.append(f"the baseline was recorded with torch {baseline.get('torch_version')}, this check ran torch {current['torch_version']}")
+        notes.append(
+            f"the baseline was recorded with torch {baseline.get('torch_version')}, this check ran torch {current['torch_version']}"
+        )
     if baseline.get("command") != current["command"]:
-        notes.append(f"the baseline was recorded running `{' '.join(baseline.get('command') or [])}`, this check ran `{' '.join(current['command'])}`")
+        notes.append(
+            f"the baseline was recorded running `{' '.join(baseline.get('command') or [])}`, this check ran `{' '.join(current['command'])}`"
+        )
     if baseline.get("steps_run") != current["steps_run"]:
-        notes.append(f"the baseline measured {baseline.get('steps_run')} step(s), this check {current['steps_run']}")
+        notes.append(
+            f"the baseline measured {baseline.get('steps_run')} step(s), this check {current['steps_run']}"
+        )
     return notes
 
 
@@ -288,8 +349,14 @@ def mismatch_notes(baseline: dict, current: dict) -> list[str]:
 
 def comparison_rows(result: CheckResult) -> list[list[str]]:
     return [
-        [c.name, format_bytes(c.baseline) if c.baseline is not None else "-", format_bytes(c.current),
-         c.change_text(), f"+{format_bytes(c.allowed_growth)}", c.status()]
+        [
+            c.name,
+            format_bytes(c.baseline) if c.baseline is not None else "-",
+            format_bytes(c.current),
+            c.change_text(),
+            f"+{format_bytes(c.allowed_growth)}",
+            c.status(),
+        ]
         for c in result.comparisons
     ]
 
@@ -302,12 +369,15 @@ def site_change_rows(result: CheckResult) -> list[list[str]]:
     rows = []
     for entry in result.site_changes[:SHOWN_SITES]:
         change = entry["change"]
-        rows.append([
-            report.format_location(entry["location"]), entry["category"],
-            format_bytes(entry["baseline"]) if entry["baseline"] else "-",
-            format_bytes(entry["current"]) if entry["current"] else "-",
-            ("+" if change > 0 else "") + format_bytes(change),
-        ])
+        rows.append(
+            [
+                report.format_location(entry["location"]),
+                entry["category"],
+                format_bytes(entry["baseline"]) if entry["baseline"] else "-",
+                format_bytes(entry["current"]) if entry["current"] else "-",
+                ("+" if change > 0 else "") + format_bytes(change),
+            ]
+        )
     return rows
 
 
@@ -320,26 +390,38 @@ def verdict(result: CheckResult, options: CheckOptions) -> str:
     if result.oom:
         return f"FAIL: the script ran out of memory. {report.headline(document)}.{unwritten}"
     if options.update_baseline:
-        return (f"baseline written to {options.baseline_path}: peak {format_bytes(result.current['peak']['allocated_bytes'])} "
-                f"allocated over {result.current['steps_run']} step(s)")
+        return (
+            f"baseline written to {options.baseline_path}: peak {format_bytes(result.current['peak']['allocated_bytes'])} "
+            f"allocated over {result.current['steps_run']} step(s)"
+        )
     regressions = result.regressions
     if regressions:
         names = ", ".join(c.name for c in sorted(regressions, key=lambda c: -c.change))
         return f"FAIL: {names} grew beyond the {options.tolerance_text} tolerance (baseline {options.baseline_path})"
-    return (f"OK: peak {format_bytes(result.current['peak']['allocated_bytes'])} allocated; every quantity within "
-            f"{options.tolerance_text} of the baseline ({options.baseline_path})")
+    return (
+        f"OK: peak {format_bytes(result.current['peak']['allocated_bytes'])} allocated; every quantity within "
+        f"{options.tolerance_text} of the baseline ({options.baseline_path})"
+    )
 
 
-def _blocks(result: CheckResult, options: CheckOptions) -> list[tuple[str, list[str], list[list[str]]]]:
+def _blocks(
+    result: CheckResult, options: CheckOptions
+) -> list[tuple[str, list[str], list[list[str]]]]:
     """The tables of a check report as (title, headers, rows), shared by the
     text and Markdown renderings."""
     blocks = []
     if result.comparisons:
-        title = "Peak memory against the baseline" if not options.update_baseline else "Changes from the previous baseline"
+        title = (
+            "Peak memory against the baseline"
+            if not options.update_baseline
+            else "Changes from the previous baseline"
+        )
         blocks.append((title, COMPARISON_HEADERS, comparison_rows(result)))
     sites = site_change_rows(result)
     if sites and (result.failed or options.update_baseline):
-        blocks.append(("Allocation sites that differ from the baseline (at the peak)", SITE_HEADERS, sites))
+        blocks.append(
+            ("Allocation sites that differ from the baseline (at the peak)", SITE_HEADERS, sites)
+        )
     if result.measured and result.baseline is None:
         rows = [["peak allocated", format_bytes(result.current["peak"]["allocated_bytes"])]]
         rows += [[c, format_bytes(result.current["categories"][c])] for c in CATEGORIES]
@@ -351,7 +433,9 @@ def _all_notes(result: CheckResult) -> list[str]:
     notes = list(result.notes)
     shrank = [c.name for c in result.comparisons if c.shrank]
     if shrank and not result.failed:
-        notes.append(f"{', '.join(shrank)} shrank beyond the tolerance: refresh the baseline with --update-baseline to keep the gain")
+        notes.append(
+            f"{', '.join(shrank)} shrank beyond the tolerance: refresh the baseline with --update-baseline to keep the gain"
+        )
     return notes
 
 
@@ -368,7 +452,11 @@ def render_markdown(result: CheckResult, options: CheckOptions) -> str:
     command = " ".join(result.current.get("command") or [options.run.target])
     lines = [f"### oomdoc check: `{command}`", "", f"**{verdict(result, options)}**"]
     for title, headers, rows in _blocks(result, options):
-        lines += ["", f"#### {title}", tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True)]
+        lines += [
+            "",
+            f"#### {title}",
+            tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True),
+        ]
     for note in _all_notes(result):
         lines += ["", f"> {note}"]
     return "\n".join(lines) + "\n\n"
@@ -384,30 +472,57 @@ def junit_xml(result: CheckResult, options: CheckOptions) -> str:
         run_failure = verdict(result, options)
     cases.append(("run", run_failure, report.headline(result.document)))
     for comparison in result.comparisons:
-        failure = comparison.failure_message(options.tolerance_text) if comparison.grew and not options.update_baseline else None
-        detail = (f"baseline {comparison.baseline} bytes, current {comparison.current} bytes, "
-                  f"change {comparison.change} bytes, allowed growth {comparison.allowed_growth} bytes")
+        failure = (
+            comparison.failure_message(options.tolerance_text)
+            if comparison.grew and not options.update_baseline
+            else None
+        )
+        detail = (
+            f"baseline {comparison.baseline} bytes, current {comparison.current} bytes, "
+            f"change {comparison.change} bytes, allowed growth {comparison.allowed_growth} bytes"
+        )
         cases.append((comparison.name, failure, detail))
     failures = sum(1 for _name, failure, _detail in cases if failure)
-    suite = ElementTree.Element("testsuite", {
-        "name": suite_name, "tests": str(len(cases)), "failures": str(failures), "errors": "0",
-        "skipped": "0", "time": f"{result.wall_s:.3f}",
-    })
+    suite = ElementTree.Element(
+        "testsuite",
+        {
+            "name": suite_name,
+            "tests": str(len(cases)),
+            "failures": str(failures),
+            "errors": "0",
+            "skipped": "0",
+            "time": f"{result.wall_s:.3f}",
+        },
+    )
     properties = ElementTree.SubElement(suite, "properties")
-    for name, value in (("baseline", options.baseline_path), ("tolerance", options.tolerance_text),
-                        ("device", result.current["device"]["kind"]), ("torch_version", result.current["torch_version"])):
+    for name, value in (
+        ("baseline", options.baseline_path),
+        ("tolerance", options.tolerance_text),
+        ("device", result.current["device"]["kind"]),
+        ("torch_version", result.current["torch_version"]),
+    ):
         ElementTree.SubElement(properties, "property", {"name": name, "value": str(value)})
     for name, failure, detail in cases:
-        case = ElementTree.SubElement(suite, "testcase", {"classname": classname, "name": name, "time": "0"})
+        case = ElementTree.SubElement(
+            suite, "testcase", {"classname": classname, "name": name, "time": "0"}
+        )
         if failure:
-            element = ElementTree.SubElement(case, "failure", {"message": failure, "type": "oomdoc.MemoryRegression"})
+            element = ElementTree.SubElement(
+                case, "failure", {"message": failure, "type": "oomdoc.MemoryRegression"}
+            )
             element.text = detail
         else:
             ElementTree.SubElement(case, "system-out").text = detail
-    root = ElementTree.Element("testsuites", {"tests": suite.get("tests"), "failures": suite.get("failures")})
+    root = ElementTree.Element(
+        "testsuites", {"tests": suite.get("tests"), "failures": suite.get("failures")}
+    )
     root.append(suite)
     ElementTree.indent(root)
-    return '<?xml version="1.0" encoding="utf-8"?>\n' + ElementTree.tostring(root, encoding="unicode") + "\n"
+    return (
+        '<?xml version="1.0" encoding="utf-8"?>\n'
+        + ElementTree.tostring(root, encoding="unicode")
+        + "\n"
+    )
 
 
 # ---------------------------------------------------------------------- run
@@ -429,7 +544,9 @@ def measure(options: CheckOptions) -> tuple[dict, float]:
     return build_snapshot(run_options, result.capture, result.exit_code), result.wall_s
 
 
-def evaluate(document: dict, baseline: dict | None, options: CheckOptions, wall_s: float = 0.0) -> CheckResult:
+def evaluate(
+    document: dict, baseline: dict | None, options: CheckOptions, wall_s: float = 0.0
+) -> CheckResult:
     current = measurement(document, options.run.max_steps or 0)
     measured = document.get("outcome") in ("ok", "oom")
     comparisons, changes, notes = [], [], []
@@ -438,12 +555,27 @@ def evaluate(document: dict, baseline: dict | None, options: CheckOptions, wall_
         changes = site_changes(baseline.get("top_allocations") or [], current["top_allocations"])
         notes = mismatch_notes(baseline, current)
     if measured and document.get("device", {}).get("kind") == "simulated":
-        notes.append("on the simulated device every CPU tensor of the script counts, its dataset in memory included.")
-    if measured and document.get("device", {}).get("kind") == "cuda" and current["peak"]["allocated_bytes"] == 0:
+        notes.append(
+            "on the simulated device every CPU tensor of the script counts, its dataset in memory included."
+        )
+    if (
+        measured
+        and document.get("device", {}).get("kind") == "cuda"
+        and current["peak"]["allocated_bytes"] == 0
+    ):
         # A gate that measures nothing would pass forever: say so.
-        notes.append("the script allocated nothing on the GPU: does it move its model and data to CUDA?")
-    return CheckResult(document=document, current=current, baseline=baseline, comparisons=comparisons,
-                       site_changes=changes, notes=notes, wall_s=wall_s)
+        notes.append(
+            "the script allocated nothing on the GPU: does it move its model and data to CUDA?"
+        )
+    return CheckResult(
+        document=document,
+        current=current,
+        baseline=baseline,
+        comparisons=comparisons,
+        site_changes=changes,
+        notes=notes,
+        wall_s=wall_s,
+    )
 
 
 def run_check(options: CheckOptions, stderr=None) -> int:
@@ -451,7 +583,9 @@ def run_check(options: CheckOptions, stderr=None) -> int:
     baseline_path = Path(options.baseline_path)
     baseline, unreadable = None, None
     if not baseline_path.exists() and not options.update_baseline:
-        raise UsageError(f"--baseline {baseline_path}: no such file (create it with --update-baseline)")
+        raise UsageError(
+            f"--baseline {baseline_path}: no such file (create it with --update-baseline)"
+        )
     if baseline_path.exists():
         try:
             baseline = read_baseline(baseline_path)

@@ -21,6 +21,7 @@ app = typer.Typer(
     help="oomdoc: the out-of-memory doctor for PyTorch.",
 )
 
+
 @app.callback()
 def _root() -> None:
     """oomdoc: the out-of-memory doctor for PyTorch."""
@@ -41,22 +42,47 @@ def size_option(value: Optional[str], flag: str) -> Optional[int]:
 
 def check_script_token(target: str, command: str = "run") -> None:
     if target.startswith("-") and target != "-":
-        raise UsageError(f"no such option: {target} (options go before SCRIPT; see oomdoc {command} --help)")
+        raise UsageError(
+            f"no such option: {target} (options go before SCRIPT; see oomdoc {command} --help)"
+        )
 
 
 # The options shared by every command that runs a script (run, check), declared
 # once so that their names, defaults and help stay the same everywhere.
-ScriptArgument = Annotated[str, typer.Argument(metavar="SCRIPT", help="The training script (or, with -m, a module).")]
-ScriptArgs = Annotated[Optional[List[str]], typer.Argument(metavar="[ARGS]...", help="Passed to the script untouched.")]
-ModuleFlag = Annotated[bool, typer.Option("-m", help="Run SCRIPT as a module, as `python -m` does.")]
-DeviceOption = Annotated[str, typer.Option("--device", help="auto (CUDA when available), cuda, or cpu (the simulated device).")]
-DeviceMemoryOption = Annotated[Optional[str], typer.Option(
-    "--device-memory", metavar="SIZE",
-    help="Cap the device: 512MiB, 16GiB, 1.5GB or bytes. On CUDA a per-process memory fraction; on CPU the simulated device's capacity.",
-)]
+ScriptArgument = Annotated[
+    str, typer.Argument(metavar="SCRIPT", help="The training script (or, with -m, a module).")
+]
+ScriptArgs = Annotated[
+    Optional[List[str]], typer.Argument(metavar="[ARGS]...", help="Passed to the script untouched.")
+]
+ModuleFlag = Annotated[
+    bool, typer.Option("-m", help="Run SCRIPT as a module, as `python -m` does.")
+]
+DeviceOption = Annotated[
+    str,
+    typer.Option(
+        "--device", help="auto (CUDA when available), cuda, or cpu (the simulated device)."
+    ),
+]
+DeviceMemoryOption = Annotated[
+    Optional[str],
+    typer.Option(
+        "--device-memory",
+        metavar="SIZE",
+        help="Cap the device: 512MiB, 16GiB, 1.5GB or bytes. On CUDA a per-process memory fraction; on CPU the simulated device's capacity.",
+    ),
+]
 
 
-def script_run_options(command: str, target: str, args: Optional[List[str]], module: bool, device: str, device_memory: Optional[str], **extra):
+def script_run_options(
+    command: str,
+    target: str,
+    args: Optional[List[str]],
+    module: bool,
+    device: str,
+    device_memory: Optional[str],
+    **extra,
+):
     """The RunOptions of a command that runs SCRIPT, from the shared options."""
     from oomdoc.session import RunOptions
 
@@ -78,12 +104,34 @@ def run(
     module: ModuleFlag = False,
     device: DeviceOption = "auto",
     device_memory: DeviceMemoryOption = None,
-    output: Optional[str] = typer.Option(None, "-o", "--output", metavar="PATH", help="Where to write the snapshot (default .oomdoc/<script>-<UTC time>.json)."),
-    max_steps: Optional[int] = typer.Option(None, "--max-steps", min=1, help="Stop the script cleanly (exit 0) after N training steps."),
-    no_replay: bool = typer.Option(False, "--no-replay", help="Do not replay the failing step with fixes."),
-    fixes: Optional[str] = typer.Option(None, "--fixes", metavar="a,b", help="Only try these fixes (comma-separated)."),
-    replay_timeout: Optional[float] = typer.Option(None, "--replay-timeout", metavar="SECONDS", help="Kill a replay that runs longer than this."),
-    batch_arg: Optional[str] = typer.Option(None, "--batch-arg", metavar="FLAG", help="The script's batch-size flag, if not --batch-size/--batch_size/--bs/--per_device_train_batch_size."),
+    output: Optional[str] = typer.Option(
+        None,
+        "-o",
+        "--output",
+        metavar="PATH",
+        help="Where to write the snapshot (default .oomdoc/<script>-<UTC time>.json).",
+    ),
+    max_steps: Optional[int] = typer.Option(
+        None, "--max-steps", min=1, help="Stop the script cleanly (exit 0) after N training steps."
+    ),
+    no_replay: bool = typer.Option(
+        False, "--no-replay", help="Do not replay the failing step with fixes."
+    ),
+    fixes: Optional[str] = typer.Option(
+        None, "--fixes", metavar="a,b", help="Only try these fixes (comma-separated)."
+    ),
+    replay_timeout: Optional[float] = typer.Option(
+        None,
+        "--replay-timeout",
+        metavar="SECONDS",
+        help="Kill a replay that runs longer than this.",
+    ),
+    batch_arg: Optional[str] = typer.Option(
+        None,
+        "--batch-arg",
+        metavar="FLAG",
+        help="The script's batch-size flag, if not --batch-size/--batch_size/--bs/--per_device_train_batch_size.",
+    ),
 ) -> int:
     """Run SCRIPT under oomdoc: catch and explain an OOM, and measure fixes."""
     from oomdoc.replay.orchestrate import check_replay_options
@@ -91,7 +139,12 @@ def run(
 
     fix_names = check_replay_options(fixes, replay_timeout, batch_arg, replay=not no_replay)
     options = script_run_options(
-        "run", target, args, module, device, device_memory,
+        "run",
+        target,
+        args,
+        module,
+        device,
+        device_memory,
         output=output,
         max_steps=max_steps,
         replay=not no_replay,
@@ -107,15 +160,28 @@ SUGGEST_FORMATS = ("table", "json", "markdown")
 
 @app.command()
 def suggest(
-    snapshot: str = typer.Argument(..., metavar="SNAPSHOT", help="An oomdoc snapshot (.json), or PyTorch's memory snapshot (the _dump_snapshot() pickle, or _snapshot() saved as JSON)."),
-    output_format: str = typer.Option("table", "--format", metavar="table|json|markdown", help="table (default), json (one object) or markdown."),
-    top: int = typer.Option(5, "--top", metavar="N", min=1, help="Show at most N fixes and allocation sites."),
+    snapshot: str = typer.Argument(
+        ...,
+        metavar="SNAPSHOT",
+        help="An oomdoc snapshot (.json), or PyTorch's memory snapshot (the _dump_snapshot() pickle, or _snapshot() saved as JSON).",
+    ),
+    output_format: str = typer.Option(
+        "table",
+        "--format",
+        metavar="table|json|markdown",
+        help="table (default), json (one object) or markdown.",
+    ),
+    top: int = typer.Option(
+        5, "--top", metavar="N", min=1, help="Show at most N fixes and allocation sites."
+    ),
 ) -> int:
     """Diagnose a saved snapshot offline: what filled the device, why, and the fixes."""
     from oomdoc.suggest import run_suggest
 
     if output_format not in SUGGEST_FORMATS:
-        raise UsageError(f"--format must be one of {', '.join(SUGGEST_FORMATS)}, not {output_format!r}")
+        raise UsageError(
+            f"--format must be one of {', '.join(SUGGEST_FORMATS)}, not {output_format!r}"
+        )
     return run_suggest(snapshot, output_format, top)
 
 
@@ -123,11 +189,29 @@ def suggest(
 def check(
     target: ScriptArgument,
     args: ScriptArgs = None,
-    baseline: str = typer.Option(..., "--baseline", metavar="FILE", help="The baseline JSON to compare with (written by --update-baseline)."),
-    tolerance: str = typer.Option("5%", "--tolerance", metavar="5%|256MiB", help="How much each quantity may grow: a percentage of its baseline value, or a size."),
-    steps: int = typer.Option(3, "--steps", min=1, help="Training steps to run before stopping the script."),
-    update_baseline: bool = typer.Option(False, "--update-baseline", help="Write (or refresh) the baseline from this run instead of failing on growth."),
-    junit: Optional[str] = typer.Option(None, "--junit", metavar="FILE", help="Also write the comparison as JUnit XML."),
+    baseline: str = typer.Option(
+        ...,
+        "--baseline",
+        metavar="FILE",
+        help="The baseline JSON to compare with (written by --update-baseline).",
+    ),
+    tolerance: str = typer.Option(
+        "5%",
+        "--tolerance",
+        metavar="5%|256MiB",
+        help="How much each quantity may grow: a percentage of its baseline value, or a size.",
+    ),
+    steps: int = typer.Option(
+        3, "--steps", min=1, help="Training steps to run before stopping the script."
+    ),
+    update_baseline: bool = typer.Option(
+        False,
+        "--update-baseline",
+        help="Write (or refresh) the baseline from this run instead of failing on growth.",
+    ),
+    junit: Optional[str] = typer.Option(
+        None, "--junit", metavar="FILE", help="Also write the comparison as JUnit XML."
+    ),
     module: ModuleFlag = False,
     device: DeviceOption = "auto",
     device_memory: DeviceMemoryOption = None,
@@ -147,7 +231,9 @@ def check(
     except ValueError as exc:
         raise UsageError(f"--tolerance: {exc}") from None
     options = CheckOptions(
-        run=script_run_options("check", target, args, module, device, device_memory, max_steps=steps),
+        run=script_run_options(
+            "check", target, args, module, device, device_memory, max_steps=steps
+        ),
         baseline_path=baseline,
         tolerance_fraction=fraction,
         tolerance_bytes=absolute_bytes,

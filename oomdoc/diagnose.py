@@ -42,7 +42,15 @@ TIER_CONTEXT = 3
 CATEGORY_SHARE = 0.2
 
 # Adam-style optimizers keep two tensors per parameter (SGD with momentum one).
-_TWO_STATE_OPTIMIZERS = {"Adam", "AdamW", "Adamax", "NAdam", "RAdam", "FusedAdam", "DeepSpeedCPUAdam"}
+_TWO_STATE_OPTIMIZERS = {
+    "Adam",
+    "AdamW",
+    "Adamax",
+    "NAdam",
+    "RAdam",
+    "FusedAdam",
+    "DeepSpeedCPUAdam",
+}
 
 # Estimation constants, documented in README ("Estimated fixes").
 AUTOCAST_ACTIVATION_SAVING = 0.4  # matmul/conv outputs halve; norms, softmax, losses stay fp32
@@ -90,17 +98,25 @@ class Moment:
 
 
 def moment_of(document: dict) -> Moment:
-    breakdown = {category: max(0, _int(_dict(document.get("breakdown")).get(category))) for category in CATEGORIES}
+    breakdown = {
+        category: max(0, _int(_dict(document.get("breakdown")).get(category)))
+        for category in CATEGORIES
+    }
     total = sum(breakdown.values())
     oom = _dict(document.get("oom"))
-    capacity = _int(_dict(document.get("device")).get("capacity_bytes")) or _int(oom.get("capacity_bytes"))
+    capacity = _int(_dict(document.get("device")).get("capacity_bytes")) or _int(
+        oom.get("capacity_bytes")
+    )
     is_oom = document.get("outcome") == "oom" and bool(oom)
     if is_oom:
         needed = _int(oom.get("allocated_bytes"), total) + _int(oom.get("requested_bytes"))
     else:
         needed = _int(_dict(document.get("peak")).get("allocated_bytes"), total)
     label = {
-        "oom": "at the OOM", "peak": "at the peak", "end": "at the end", "snapshot": "in the snapshot",
+        "oom": "at the OOM",
+        "peak": "at the peak",
+        "end": "at the end",
+        "snapshot": "in the snapshot",
     }.get(_str(document.get("breakdown_at")), "at the end")
     return Moment(breakdown, total, needed, capacity, is_oom, label)
 
@@ -138,7 +154,9 @@ def _complete_steps(document: dict, steps: list[dict]) -> list[dict]:
     if document.get("step_unit") == "optimizer":
         return [step for step in steps if _int(step.get("optimizer_steps")) > 0]
     incomplete = _incomplete_step_index(document, steps)
-    return [step for step in steps if incomplete is None or _int(step.get("index"), -1) != incomplete]
+    return [
+        step for step in steps if incomplete is None or _int(step.get("index"), -1) != incomplete
+    ]
 
 
 def _steady_growth(document: dict, steps: list[dict], capacity: int):
@@ -147,7 +165,9 @@ def _steady_growth(document: dict, steps: list[dict], capacity: int):
 
     The first step is left out: gradients and optimizer state appear there.
     """
-    values = [_int(step.get("end_allocated_bytes"), -1) for step in _complete_steps(document, steps)[1:]]
+    values = [
+        _int(step.get("end_allocated_bytes"), -1) for step in _complete_steps(document, steps)[1:]
+    ]
     values = [value for value in values if value >= 0]
     if len(values) < 3:
         return None
@@ -173,7 +193,10 @@ def _eval_steps(document: dict, steps: list[dict]) -> tuple[list[dict], int]:
     # Some models are called twice per backward (two views, a GAN's
     # discriminator): the regular surplus of the training steps is not a bug.
     regular_surplus = min(
-        (max(0, _int(s.get("forward_calls_with_grad")) - _int(s.get("backward_calls"))) for s in complete_training),
+        (
+            max(0, _int(s.get("forward_calls_with_grad")) - _int(s.get("backward_calls")))
+            for s in complete_training
+        ),
         default=0,
     )
     found, passes = [], 0
@@ -218,12 +241,16 @@ def rule_grad_in_eval(document: dict, moment: Moment) -> dict | None:
         f"(step{'s' if len(indices) > 1 else ''} {_index_list(indices)})",
     ]
     if eval_mode:
-        evidence.append(f"{eval_mode} of them called a model in eval mode (model.eval()) with gradients enabled")
+        evidence.append(
+            f"{eval_mode} of them called a model in eval mode (model.eval()) with gradients enabled"
+        )
     if not any(_int(step.get("backward_calls")) > 0 for step in steps):
         evidence.append("the run never called backward")
     index_set = set(indices)
     held = [
-        graph for step in steps for graph in _list(step.get("retained_graphs"))
+        graph
+        for step in steps
+        for graph in _list(step.get("retained_graphs"))
         if isinstance(graph, dict) and _int(graph.get("from_step"), -1) in index_set
     ]
     if held:
@@ -274,8 +301,14 @@ def rule_leak(document: dict, moment: Moment) -> dict | None:
         for graph in _list(step.get("retained_graphs")):
             if not isinstance(graph, dict):
                 continue
-            key = (_str(graph.get("variable"), "?"), _str(graph.get("file"), "?"), _str(graph.get("function"), "?"))
-            entry = holders.setdefault(key, {"graph": graph, "steps": 0, "from_step": _int(graph.get("from_step"))})
+            key = (
+                _str(graph.get("variable"), "?"),
+                _str(graph.get("file"), "?"),
+                _str(graph.get("function"), "?"),
+            )
+            entry = holders.setdefault(
+                key, {"graph": graph, "steps": 0, "from_step": _int(graph.get("from_step"))}
+            )
             entry["steps"] += 1
             entry["from_step"] = min(entry["from_step"], _int(graph.get("from_step")))
     if not holders and growth is None:
@@ -291,7 +324,9 @@ def rule_leak(document: dict, moment: Moment) -> dict | None:
             f"over {count} steps ({format_bytes(per_step)} per step)"
         )
     if retained:
-        evidence.append(f"{format_bytes(retained)} made in the forward/backward of earlier steps was still alive at a step's end")
+        evidence.append(
+            f"{format_bytes(retained)} made in the forward/backward of earlier steps was still alive at a step's end"
+        )
     if holders:
         ranked = sorted(holders.values(), key=lambda entry: (-entry["steps"], entry["from_step"]))
         for entry in ranked[:3]:
@@ -359,7 +394,9 @@ def rule_fragmentation(document: dict, moment: Moment) -> dict | None:
         f"{format_bytes(unused)} cached but unused",
     ]
     if split_bytes:
-        evidence.append(f"{format_bytes(split_bytes)} in {split_blocks} inactive split block(s) (free pieces of partly used segments)")
+        evidence.append(
+            f"{format_bytes(split_bytes)} in {split_blocks} inactive split block(s) (free pieces of partly used segments)"
+        )
     largest = _int(allocator.get("largest_free_block_bytes"), -1)
     if decisive:
         line = (
@@ -384,8 +421,12 @@ def rule_fragmentation(document: dict, moment: Moment) -> dict | None:
     elif possibly_decisive:
         summary += " (this may have decided the OOM under the process's memory cap)"
     return _diagnosis(
-        "fragmentation", summary, evidence, split_bytes or unused,
-        tier=TIER_DECISIVE if decisive or possibly_decisive else TIER_BREAKDOWN, fixes=fixes,
+        "fragmentation",
+        summary,
+        evidence,
+        split_bytes or unused,
+        tier=TIER_DECISIVE if decisive or possibly_decisive else TIER_BREAKDOWN,
+        fixes=fixes,
     )
 
 
@@ -401,7 +442,10 @@ def rule_other_processes(document: dict, moment: Moment) -> dict | None:
     decisive = moment.is_oom and requested > 0 and total_used >= requested
     if not decisive and total_used < max(256 * MiB, total // 50):
         return None
-    shown = ", ".join(f"pid {pid}: {format_bytes(nbytes)}" for pid, nbytes in sorted(used, key=lambda x: -x[1])[:5])
+    shown = ", ".join(
+        f"pid {pid}: {format_bytes(nbytes)}"
+        for pid, nbytes in sorted(used, key=lambda x: -x[1])[:5]
+    )
     evidence = [f"{len(processes)} other process(es) on this GPU: {shown}"]
     if decisive:
         evidence.append(f"they hold more than the {format_bytes(requested)} the OOM asked for")
@@ -409,8 +453,14 @@ def rule_other_processes(document: dict, moment: Moment) -> dict | None:
         evidence.append(f"that is {_percent(total_used, total)} of the GPU's {format_bytes(total)}")
     summary = f"Other processes hold {format_bytes(total_used)} of this GPU"
     remedy = "nvidia-smi   # find them; stop them, or run on a free GPU:\nCUDA_VISIBLE_DEVICES=1 python train.py"
-    return _diagnosis("other_processes", summary, evidence, total_used,
-                      tier=TIER_DECISIVE if decisive else TIER_BREAKDOWN, remedy=remedy)
+    return _diagnosis(
+        "other_processes",
+        summary,
+        evidence,
+        total_used,
+        tier=TIER_DECISIVE if decisive else TIER_BREAKDOWN,
+        remedy=remedy,
+    )
 
 
 def rule_host_memory(document: dict, moment: Moment) -> dict | None:
@@ -423,20 +473,31 @@ def rule_host_memory(document: dict, moment: Moment) -> dict | None:
         return None
     rss = _int(host.get("process_rss_bytes"))
     killed = _int(document.get("exit_code")) in (137, -9) or (
-        document.get("outcome") in ("error", "interrupted") and _int(document.get("exit_code")) == 137
+        document.get("outcome") in ("error", "interrupted")
+        and _int(document.get("exit_code")) == 137
     )
-    evidence = [f"{format_bytes(available)} of {format_bytes(total)} host RAM available ({_percent(available, total)})"]
+    evidence = [
+        f"{format_bytes(available)} of {format_bytes(total)} host RAM available ({_percent(available, total)})"
+    ]
     if rss:
         evidence.append(f"the script's process used {format_bytes(rss)}")
     if killed:
-        evidence.append("the script was killed (exit status 137): the kernel's OOM killer ends a process when RAM runs out")
+        evidence.append(
+            "the script was killed (exit status 137): the kernel's OOM killer ends a process when RAM runs out"
+        )
     summary = "Host memory is nearly exhausted" + (" and the script was killed" if killed else "")
     remedy = (
         "DataLoader(..., num_workers=2)        # each worker holds its own copy of the dataset state\n"
         "torch.load(path, map_location='cpu', mmap=True)  # map checkpoints instead of reading them into RAM"
     )
-    return _diagnosis("host_memory", summary, evidence, total - available,
-                      tier=TIER_DECISIVE if killed else TIER_CONTEXT, remedy=remedy)
+    return _diagnosis(
+        "host_memory",
+        summary,
+        evidence,
+        total - available,
+        tier=TIER_DECISIVE if killed else TIER_CONTEXT,
+        remedy=remedy,
+    )
 
 
 _CATEGORY_KIND = {
@@ -475,23 +536,43 @@ def rules_breakdown(document: dict, moment: Moment) -> list[dict]:
             continue
         evidence = [
             f"{format_bytes(nbytes)} of {format_bytes(moment.total_bytes)} in use {moment.label}"
-            + (f" ({_percent(nbytes, moment.capacity_bytes)} of the {format_bytes(moment.capacity_bytes)} capacity)" if moment.capacity_bytes else "")
+            + (
+                f" ({_percent(nbytes, moment.capacity_bytes)} of the {format_bytes(moment.capacity_bytes)} capacity)"
+                if moment.capacity_bytes
+                else ""
+            )
         ]
         evidence += _category_evidence(document, category)
-        name = "Unattributed tensors" if category == "other" else category.replace("_", " ").capitalize()
+        name = (
+            "Unattributed tensors"
+            if category == "other"
+            else category.replace("_", " ").capitalize()
+        )
         summary = (
             f"{name}: {'the largest' if category == largest else 'a large'} share, "
             f"{_percent(nbytes, moment.total_bytes)} of the memory in use {moment.label}; {_CATEGORY_ADVICE[category]}"
         )
-        found.append(_diagnosis(_CATEGORY_KIND[category], summary, evidence, nbytes,
-                                tier=TIER_BREAKDOWN, fixes=_CATEGORY_FIXES[category]))
+        found.append(
+            _diagnosis(
+                _CATEGORY_KIND[category],
+                summary,
+                evidence,
+                nbytes,
+                tier=TIER_BREAKDOWN,
+                fixes=_CATEGORY_FIXES[category],
+            )
+        )
     return found
 
 
 def _category_evidence(document: dict, category: str) -> list[str]:
     evidence = []
     relative_to = _str(document.get("cwd")) or None
-    sites = [s for s in _list(document.get("top_allocations")) if isinstance(s, dict) and s.get("category") == category]
+    sites = [
+        s
+        for s in _list(document.get("top_allocations"))
+        if isinstance(s, dict) and s.get("category") == category
+    ]
     for site in sites[:2]:
         from oomdoc.report import format_location, tensor_description
 
@@ -524,7 +605,9 @@ def _category_evidence(document: dict, category: str) -> list[str]:
         for model in _list(document.get("models"))[:3]:
             model = _dict(model)
             if _int(model.get("parameters_bytes")):
-                evidence.append(f"{_str(model.get('class'), 'a model')} has {format_bytes(_int(model.get('parameters_bytes')))} of parameters")
+                evidence.append(
+                    f"{_str(model.get('class'), 'a model')} has {format_bytes(_int(model.get('parameters_bytes')))} of parameters"
+                )
     return evidence
 
 
@@ -535,7 +618,13 @@ def _repeated_blocks(model) -> list[dict]:
         block = _dict(block)
         count = _int(block.get("count"))
         if count >= 2:
-            blocks.append({"path": _str(block.get("path"), "?"), "class": _str(block.get("class"), "?"), "count": count})
+            blocks.append(
+                {
+                    "path": _str(block.get("path"), "?"),
+                    "class": _str(block.get("class"), "?"),
+                    "count": count,
+                }
+            )
     return sorted(blocks, key=lambda b: (b["path"].count("."), -b["count"]))
 
 
@@ -550,15 +639,21 @@ def diagnose(document: dict) -> list[dict]:
     kinds = {d["kind"] for d in found}
     if "grad_in_eval" in kinds and "leak" in kinds:
         # A leak of graphs made by evaluation passes is cured by no_grad.
-        eval_indices = {_int(step.get("index"), -1) for step in _eval_steps(document, _steps(document))[0]}
+        eval_indices = {
+            _int(step.get("index"), -1) for step in _eval_steps(document, _steps(document))[0]
+        }
         leak = next(d for d in found if d["kind"] == "leak")
         from_eval = any(
             _int(graph.get("from_step"), -1) in eval_indices
-            for step in _steps(document) for graph in _list(step.get("retained_graphs")) if isinstance(graph, dict)
+            for step in _steps(document)
+            for graph in _list(step.get("retained_graphs"))
+            if isinstance(graph, dict)
         )
         if from_eval:
             leak["_tier"] = TIER_BUG + 0.5
-            leak["evidence"].append("the leaked graphs come from the forward passes without torch.no_grad() (see grad_in_eval)")
+            leak["evidence"].append(
+                "the leaked graphs come from the forward passes without torch.no_grad() (see grad_in_eval)"
+            )
     found.sort(key=lambda d: (d["_tier"], -d["bytes"]))
     for d in found:
         d.pop("_tier")
@@ -588,29 +683,44 @@ def _fix_effects(document: dict, moment: Moment) -> dict[str, _Effect]:
             count = max(block["count"] for block in blocks)
             block = next(b for b in blocks if b["count"] == count)
             share = (count - 1) / (count + 1)
-            effects["checkpointing"] = _Effect(share, 0, (
-                f"with {count} x {block['class']} checkpointed, about each block's input and one block's "
-                "activations are kept: "
-                f"about {share:.0%} of {format_bytes(activations)} of activations saved; "
-                "the forward of each block runs again in backward"
-            ))
+            effects["checkpointing"] = _Effect(
+                share,
+                0,
+                (
+                    f"with {count} x {block['class']} checkpointed, about each block's input and one block's "
+                    "activations are kept: "
+                    f"about {share:.0%} of {format_bytes(activations)} of activations saved; "
+                    "the forward of each block runs again in backward"
+                ),
+            )
         activation_dtypes = {
-            _str(site.get("dtype")) for site in _list(document.get("top_allocations"))
-            if isinstance(site, dict) and site.get("category") == "activations" and site.get("dtype")
+            _str(site.get("dtype"))
+            for site in _list(document.get("top_allocations"))
+            if isinstance(site, dict)
+            and site.get("category") == "activations"
+            and site.get("dtype")
         }
         if not activation_dtypes or "float32" in activation_dtypes:
             weight_copy = int(AUTOCAST_WEIGHT_COPY * breakdown["parameters"])
-            effects["autocast"] = _Effect(AUTOCAST_ACTIVATION_SAVING, -weight_copy, (
-                f"about {AUTOCAST_ACTIVATION_SAVING:.0%} of {format_bytes(activations)} of activations saved "
-                f"(matmul outputs in 16 bits), less {format_bytes(weight_copy)} for the 16-bit weight copies autocast caches"
-            ))
+            effects["autocast"] = _Effect(
+                AUTOCAST_ACTIVATION_SAVING,
+                -weight_copy,
+                (
+                    f"about {AUTOCAST_ACTIVATION_SAVING:.0%} of {format_bytes(activations)} of activations saved "
+                    f"(matmul outputs in 16 bits), less {format_bytes(weight_copy)} for the 16-bit weight copies autocast caches"
+                ),
+            )
         needed_without = moment.needed_bytes - activations
-        detail = (f"half the batch and two accumulation steps: about {format_bytes(int(activations * SMALLER_BATCH_FACTOR))} "
-                  "of activations saved (activations grow linearly with the batch)")
+        detail = (
+            f"half the batch and two accumulation steps: about {format_bytes(int(activations * SMALLER_BATCH_FACTOR))} "
+            "of activations saved (activations grow linearly with the batch)"
+        )
         if moment.capacity_bytes and activations:
             ratio = (moment.capacity_bytes - needed_without) / activations
             if 0 < ratio < 1:
-                detail += f"; a batch up to about {math.floor(ratio * 100)}% of the current one would fit"
+                detail += (
+                    f"; a batch up to about {math.floor(ratio * 100)}% of the current one would fit"
+                )
             elif ratio <= 0:
                 detail += "; even without activations the rest does not fit"
         effects["smaller_batch"] = _Effect(SMALLER_BATCH_FACTOR, 0, detail)
@@ -619,16 +729,24 @@ def _fix_effects(document: dict, moment: Moment) -> dict[str, _Effect]:
     # Only when state was allocated at this moment: an OOM before the first
     # optimizer step is not helped by a lighter optimizer.
     if state > 0 and any(o in _TWO_STATE_OPTIMIZERS for o in optimizers):
-        effects["lighter_optimizer"] = _Effect(0.0, state // 2, (
-            f"SGD with momentum keeps one state tensor per parameter instead of two: about {format_bytes(state // 2)} saved"
-        ))
+        effects["lighter_optimizer"] = _Effect(
+            0.0,
+            state // 2,
+            (
+                f"SGD with momentum keeps one state tensor per parameter instead of two: about {format_bytes(state // 2)} saved"
+            ),
+        )
     if _dict(document.get("device")).get("kind") == "cuda":
         allocator = _dict(document.get("allocator"))
         split_bytes = _int(allocator.get("inactive_split_bytes"))
         if split_bytes > 0 and allocator.get("expandable_segments") is not True:
-            effects["expandable_segments"] = _Effect(0.0, split_bytes, (
-                f"segments that grow in place leave no split remainders: up to {format_bytes(split_bytes)} of inactive split blocks recovered"
-            ))
+            effects["expandable_segments"] = _Effect(
+                0.0,
+                split_bytes,
+                (
+                    f"segments that grow in place leave no split remainders: up to {format_bytes(split_bytes)} of inactive split blocks recovered"
+                ),
+            )
     return effects
 
 
@@ -637,7 +755,11 @@ def estimate_fixes(document: dict) -> list[dict]:
     that fit first, then the lower cost to training semantics, then to speed,
     then the larger saving. Pairs are added when no single fix fits."""
     steps = _steps(document)
-    if steps and not any(_int(step.get("backward_calls")) > 0 for step in steps) and _eval_steps(document, steps)[0]:
+    if (
+        steps
+        and not any(_int(step.get("backward_calls")) > 0 for step in steps)
+        and _eval_steps(document, steps)[0]
+    ):
         # An evaluation under autograd: the training fixes of the catalogue
         # do not apply; torch.no_grad() (the grad_in_eval remedy) does.
         return []
@@ -691,13 +813,19 @@ def rank_fixes(fixes: list[dict]) -> list[dict]:
 def fixes_for(document: dict) -> tuple[list[dict], bool]:
     """The fixes to show: those in the snapshot (measured by replays) when
     there are any, else estimates. Returns (fixes, measured)."""
-    recorded = [fix for fix in _list(document.get("fixes")) if isinstance(fix, dict) and isinstance(fix.get("name"), str)]
+    recorded = [
+        fix
+        for fix in _list(document.get("fixes"))
+        if isinstance(fix, dict) and isinstance(fix.get("name"), str)
+    ]
     if recorded:
         return recorded, any(fix.get("measured") is not False for fix in recorded)
     return estimate_fixes(document), False
 
 
-def analysis(document: dict, top: int = 5, source_format: str = "oomdoc", path: str | None = None) -> dict:
+def analysis(
+    document: dict, top: int = 5, source_format: str = "oomdoc", path: str | None = None
+) -> dict:
     """What `oomdoc suggest --format json` prints."""
     from oomdoc.report import headline
 
@@ -708,15 +836,22 @@ def analysis(document: dict, top: int = 5, source_format: str = "oomdoc", path: 
         "source_format": source_format,
         "headline": headline(document),
         "outcome": document.get("outcome"),
-        "device": {key: _dict(document.get("device")).get(key) for key in ("kind", "name", "capacity_bytes")},
+        "device": {
+            key: _dict(document.get("device")).get(key)
+            for key in ("kind", "name", "capacity_bytes")
+        },
         "needed_bytes": moment.needed_bytes,
         "breakdown": moment.breakdown,
         "breakdown_at": document.get("breakdown_at"),
         "diagnoses": diagnose(document),
         "fixes": fixes[:top],
         "fixes_measured": measured,
-        "max_batch_size": document.get("max_batch_size") if _int(document.get("max_batch_size"), -1) >= 0 else None,
-        "top_allocations": [site for site in _list(document.get("top_allocations")) if isinstance(site, dict)][:top],
+        "max_batch_size": document.get("max_batch_size")
+        if _int(document.get("max_batch_size"), -1) >= 0
+        else None,
+        "top_allocations": [
+            site for site in _list(document.get("top_allocations")) if isinstance(site, dict)
+        ][:top],
     }
     if document.get("oom"):
         result["oom"] = document.get("oom")

@@ -28,19 +28,25 @@ FIXES: dict[str, FixInfo] = {
         FixInfo(
             "expandable_segments",
             "Let the CUDA allocator grow segments instead of splitting them",
-            0, 0, ("other",),
+            0,
+            0,
+            ("other",),
             "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python train.py",
         ),
         FixInfo(
             "empty_cache",
             "Return cached blocks to the driver between steps",
-            0, 1, ("other",),
+            0,
+            1,
+            ("other",),
             "optimizer.step()\noptimizer.zero_grad(set_to_none=True)\ntorch.cuda.empty_cache()",
         ),
         FixInfo(
             "checkpointing",
             "Activation checkpointing of the repeated blocks",
-            0, 1, ("activations",),
+            0,
+            1,
+            ("activations",),
             "from torch.utils.checkpoint import checkpoint\n"
             "for block in model.blocks:\n"
             "    x = checkpoint(block, x, use_reentrant=False)",
@@ -48,7 +54,9 @@ FIXES: dict[str, FixInfo] = {
         FixInfo(
             "autocast",
             "Mixed precision with torch.autocast",
-            1, 0, ("activations",),
+            1,
+            0,
+            ("activations",),
             "with torch.autocast(device_type='cuda', dtype=torch.bfloat16):\n"
             "    loss = loss_fn(model(inputs), targets)\n"
             "loss.backward()",
@@ -56,14 +64,18 @@ FIXES: dict[str, FixInfo] = {
         FixInfo(
             "lighter_optimizer",
             "An optimizer with less state per parameter",
-            2, 0, ("optimizer_state",),
+            2,
+            0,
+            ("optimizer_state",),
             "optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)\n"
             "# or torch.optim.Adafactor(model.parameters(), lr=lr) (torch>=2.5), or bitsandbytes' 8-bit AdamW",
         ),
         FixInfo(
             "smaller_batch",
             "A smaller batch, with gradient accumulation to keep the effective batch",
-            2, 1, ("activations",),
+            2,
+            1,
+            ("activations",),
             "accumulation_steps = 2  # effective batch = batch_size * accumulation_steps\n"
             "for i, (x, y) in enumerate(loader):\n"
             "    loss = loss_fn(model(x), y) / accumulation_steps\n"
@@ -94,7 +106,14 @@ COMPATIBLE_PAIRS = {
 
 
 # The fixes a replay can measure, in the order they are tried.
-REPLAYABLE = ("smaller_batch", "autocast", "checkpointing", "empty_cache", "expandable_segments", "lighter_optimizer")
+REPLAYABLE = (
+    "smaller_batch",
+    "autocast",
+    "checkpointing",
+    "empty_cache",
+    "expandable_segments",
+    "lighter_optimizer",
+)
 CUDA_ONLY = ("empty_cache", "expandable_segments")
 
 
@@ -125,8 +144,9 @@ def render_snippet(name: str, context: dict | None = None) -> str:
         )
         if dtype == "float16":
             return (
-                "scaler = torch.amp.GradScaler()  # float16 needs loss scaling\n" + snippet +
-                "scaler.scale(loss).backward()\nscaler.step(optimizer)\nscaler.update()"
+                "scaler = torch.amp.GradScaler()  # float16 needs loss scaling\n"
+                + snippet
+                + "scaler.scale(loss).backward()\nscaler.step(optimizer)\nscaler.update()"
             )
         return snippet + "loss.backward()"
     if name == "checkpointing" and context.get("blocks_path"):

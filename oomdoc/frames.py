@@ -91,6 +91,9 @@ def pick_user_location(frames: list[dict]) -> dict | None:
             return location_dict(filename, frame.get("line", 0), frame.get("name", "?"))
         if fallback is None and filename and not filename.startswith("<"):
             real = os.path.realpath(filename)
-            if not (real.startswith(os.path.dirname(torch.__file__)) or real.startswith(os.path.dirname(oomdoc.__file__))):
+            if not (
+                real.startswith(os.path.dirname(torch.__file__))
+                or real.startswith(os.path.dirname(oomdoc.__file__))
+            ):
                 fallback = location_dict(filename, frame.get("line", 0), frame.get("name", "?"))
     return fallback

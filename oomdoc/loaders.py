@@ -86,7 +86,9 @@ def load_bytes(raw: bytes, origin: str = "<bytes>") -> LoadedSnapshot:
     if _maybe_old_protocol_pickle(raw):
         data = restricted_unpickle(raw, origin)
         return LoadedSnapshot(torch_snapshot_document(data, origin, "torch_pickle"), "torch_pickle")
-    raise SnapshotError(f"{origin}: neither JSON nor a pickle (an oomdoc snapshot or PyTorch's memory snapshot was expected)")
+    raise SnapshotError(
+        f"{origin}: neither JSON nor a pickle (an oomdoc snapshot or PyTorch's memory snapshot was expected)"
+    )
 
 
 def _from_json_value(data, origin: str) -> LoadedSnapshot:
@@ -106,14 +108,32 @@ def _from_json_value(data, origin: str) -> LoadedSnapshot:
 
 _NUMBER = (int, float)
 _OPTIONAL_TOP = {
-    "cwd": str, "breakdown_at": str, "step_unit": str, "error": dict, "peak": dict, "host": dict,
-    "allocator": dict, "artifacts": dict, "optimizers": list, "models": list, "notes": list,
-    "max_batch_size": int, "source": dict, "trace_before_oom": list,
+    "cwd": str,
+    "breakdown_at": str,
+    "step_unit": str,
+    "error": dict,
+    "peak": dict,
+    "host": dict,
+    "allocator": dict,
+    "artifacts": dict,
+    "optimizers": list,
+    "models": list,
+    "notes": list,
+    "max_batch_size": int,
+    "source": dict,
+    "trace_before_oom": list,
 }
 _OPTIONAL_PEAK = {"allocated_bytes": int, "reserved_bytes": int, "step": int, "phase": str}
 _OPTIONAL_SITE = {"count": int, "shape": list, "dtype": str}
-_OPTIONAL_FIX = {"peak_allocated_bytes": int, "saved_bytes": int, "fits": bool, "step_time_ratio": _NUMBER,
-                 "detail": str, "snippet": str, "measured": bool}
+_OPTIONAL_FIX = {
+    "peak_allocated_bytes": int,
+    "saved_bytes": int,
+    "fits": bool,
+    "step_time_ratio": _NUMBER,
+    "detail": str,
+    "snippet": str,
+    "measured": bool,
+}
 
 
 def _keep_typed(mapping: dict, types: dict) -> None:
@@ -137,8 +157,11 @@ def drop_odd_optional_fields(document: dict) -> dict:
         document["notes"] = [note for note in document["notes"] if isinstance(note, str)]
     if document.get("trace_before_oom"):
         document["trace_before_oom"] = [
-            event for event in document["trace_before_oom"]
-            if isinstance(event, dict) and isinstance(event.get("bytes"), int) and isinstance(event.get("action"), str)
+            event
+            for event in document["trace_before_oom"]
+            if isinstance(event, dict)
+            and isinstance(event.get("bytes"), int)
+            and isinstance(event.get("action"), str)
             and (event.get("location") is None or _is_location(event["location"]))
         ]
     device = document["device"]
@@ -149,14 +172,21 @@ def drop_odd_optional_fields(document: dict) -> dict:
         _keep_typed(site, _OPTIONAL_SITE)
     for fix in document.get("fixes") or []:
         _keep_typed(fix, _OPTIONAL_FIX)
-        if isinstance(fix.get("step_time_ratio"), float) and fix["step_time_ratio"] != fix["step_time_ratio"]:
+        if (
+            isinstance(fix.get("step_time_ratio"), float)
+            and fix["step_time_ratio"] != fix["step_time_ratio"]
+        ):
             fix["step_time_ratio"] = None
     return document
 
 
 def _is_location(value) -> bool:
-    return (isinstance(value, dict) and isinstance(value.get("file"), str)
-            and isinstance(value.get("function"), str) and isinstance(value.get("line"), int))
+    return (
+        isinstance(value, dict)
+        and isinstance(value.get("file"), str)
+        and isinstance(value.get("function"), str)
+        and isinstance(value.get("line"), int)
+    )
 
 
 def _looks_like_pickle(raw: bytes) -> bool:
@@ -202,7 +232,9 @@ def restricted_unpickle(raw: bytes, origin: str):
     except MemoryError:
         raise SnapshotError(f"{origin}: the pickle needs more memory than is available") from None
     except Exception as exc:  # malformed opcodes surface as many error types
-        raise SnapshotError(f"{origin}: corrupt pickle ({exc.__class__.__name__}: {str(exc)[:120]})") from None
+        raise SnapshotError(
+            f"{origin}: corrupt pickle ({exc.__class__.__name__}: {str(exc)[:120]})"
+        ) from None
     _check_plain(data, origin)
     return data
 
@@ -222,11 +254,15 @@ def _check_plain(data, origin: str) -> None:
         item = stack.pop()
         nodes += 1
         if nodes > MAX_PLAIN_NODES:
-            raise SnapshotError(f"{origin}: the pickle holds more than {MAX_PLAIN_NODES} values; refused")
+            raise SnapshotError(
+                f"{origin}: the pickle holds more than {MAX_PLAIN_NODES} values; refused"
+            )
         if type(item) in _PLAIN_LEAVES:
             continue
         if type(item) not in _PLAIN_CONTAINERS:
-            raise SnapshotError(f"{origin}: the pickle holds a {type(item).__name__}, not plain data; refused")
+            raise SnapshotError(
+                f"{origin}: the pickle holds a {type(item).__name__}, not plain data; refused"
+            )
         if id(item) in seen:
             continue
         seen.add(id(item))
@@ -294,18 +330,27 @@ class _Shape:
             self.fail(f"more than {MAX_FRAME_WORK} stack frames")
         result = []
         if value is not None:
-            self._frames_cache[id(value)] = (value, result)  # holds `value`, so its id is not reused
+            self._frames_cache[id(value)] = (
+                value,
+                result,
+            )  # holds `value`, so its id is not reused
         for position, frame in enumerate(raw):
             frame = self.dict_(frame, f"{where}[{position}]")
-            result.append({
-                "filename": self.str_(frame.get("filename"), f"{where}[{position}].filename", "?"),
-                "line": self.int_(frame.get("line"), f"{where}[{position}].line", 0),
-                "name": self.str_(frame.get("name"), f"{where}[{position}].name", "?"),
-            })
+            result.append(
+                {
+                    "filename": self.str_(
+                        frame.get("filename"), f"{where}[{position}].filename", "?"
+                    ),
+                    "line": self.int_(frame.get("line"), f"{where}[{position}].line", 0),
+                    "name": self.str_(frame.get("name"), f"{where}[{position}].name", "?"),
+                }
+            )
         return result
 
 
-_LIBRARY_PATH = re.compile(r"(^<)|([/\\](site|dist)-packages[/\\])|([/\\]lib[/\\]python\d[\d.]*[/\\])|(^\?\?$)")
+_LIBRARY_PATH = re.compile(
+    r"(^<)|([/\\](site|dist)-packages[/\\])|([/\\]lib[/\\]python\d[\d.]*[/\\])|(^\?\?$)"
+)
 
 
 def foreign_user_frame(frames: list[dict]) -> dict | None:
@@ -318,7 +363,11 @@ def foreign_user_frame(frames: list[dict]) -> dict | None:
         filename = frame.get("filename") or ""
         if not filename.endswith(".py"):
             continue  # C++ frames when stacks="all"
-        location = {"file": filename, "line": int(frame.get("line") or 0), "function": frame.get("name") or "?"}
+        location = {
+            "file": filename,
+            "line": int(frame.get("line") or 0),
+            "function": frame.get("name") or "?",
+        }
         if not _LIBRARY_PATH.search(filename):
             return location
         if fallback is None:
@@ -343,22 +392,40 @@ def infer_category(frames: list[dict]) -> str:
     names = " ".join(str(frame.get("name") or "") for frame in frames)
     if any(_frame_is(frame, "torch/optim/") for frame in frames):
         return "optimizer_state"
-    if "autograd::Engine" in names or "AccumulateGrad" in names or any(
-        _frame_is(frame, "torch/autograd/", ("backward", "grad", "_engine_run_backward"))
-        or _frame_is(frame, "torch/_tensor.py", ("backward",))
-        for frame in frames
+    if (
+        "autograd::Engine" in names
+        or "AccumulateGrad" in names
+        or any(
+            _frame_is(frame, "torch/autograd/", ("backward", "grad", "_engine_run_backward"))
+            or _frame_is(frame, "torch/_tensor.py", ("backward",))
+            for frame in frames
+        )
     ):
         return "gradients"
-    if any(_frame_is(frame, "torch/nn/modules/module.py", ("_apply", "to", "cuda", "load_state_dict", "_load_from_state_dict")) for frame in frames):
+    if any(
+        _frame_is(
+            frame,
+            "torch/nn/modules/module.py",
+            ("_apply", "to", "cuda", "load_state_dict", "_load_from_state_dict"),
+        )
+        for frame in frames
+    ):
         return "parameters"
-    if any(frame.get("name") in ("forward", "_call_impl", "_wrapped_call_impl") for frame in frames):
+    if any(
+        frame.get("name") in ("forward", "_call_impl", "_wrapped_call_impl") for frame in frames
+    ):
         return "activations"
     return "other"
 
 
 def infer_phase(frames: list[dict]) -> str | None:
     category = infer_category(frames)
-    return {"optimizer_state": "optimizer", "gradients": "backward", "activations": "forward", "parameters": "setup"}.get(category)
+    return {
+        "optimizer_state": "optimizer",
+        "gradients": "backward",
+        "activations": "forward",
+        "parameters": "setup",
+    }.get(category)
 
 
 def _choose_device(shape: _Shape, segments: list, traces: list) -> int:
@@ -371,7 +438,9 @@ def _choose_device(shape: _Shape, segments: list, traces: list) -> int:
     for position, segment in enumerate(segments):
         segment = shape.dict_(segment, f"segments[{position}]")
         device = shape.int_(segment.get("device"), f"segments[{position}].device", 0)
-        reserved[device] = reserved.get(device, 0) + shape.int_(segment.get("total_size"), f"segments[{position}].total_size", 0)
+        reserved[device] = reserved.get(device, 0) + shape.int_(
+            segment.get("total_size"), f"segments[{position}].total_size", 0
+        )
     return max(reserved, key=lambda d: (reserved[d], -d)) if reserved else 0
 
 
@@ -412,8 +481,14 @@ def torch_snapshot_document(data, origin: str, source_format: str) -> dict:
                 allocated += size
                 wanted = shape.int_(block.get("requested_size"), f"{b_where}.requested_size", size)
                 requested_live += wanted
-                blocks_live.append((size, wanted, shape.int_(block.get("address"), f"{b_where}.address", 0),
-                                    shape.frames(block.get("frames"), f"{b_where}.frames")))
+                blocks_live.append(
+                    (
+                        size,
+                        wanted,
+                        shape.int_(block.get("address"), f"{b_where}.address", 0),
+                        shape.frames(block.get("frames"), f"{b_where}.frames"),
+                    )
+                )
             elif state == "inactive":
                 largest_free_block = max(largest_free_block, size)
                 # An inactive block in a segment of several blocks is a
@@ -423,7 +498,9 @@ def torch_snapshot_document(data, origin: str, source_format: str) -> dict:
                     inactive_split_bytes += size
                     inactive_split_blocks += 1
 
-    trace = shape.list_(traces[device], f"device_traces[{device}]") if 0 <= device < len(traces) else []
+    trace = (
+        shape.list_(traces[device], f"device_traces[{device}]") if 0 <= device < len(traces) else []
+    )
     oom_entry, before = None, []
     oom_count = 0
     for position, entry in enumerate(trace):
@@ -434,17 +511,19 @@ def torch_snapshot_document(data, origin: str, source_format: str) -> dict:
     events_before = []
     if oom_entry is not None:
         position, entry = oom_entry
-        before = trace[max(0, position - TRACE_BEFORE_OOM):position]
+        before = trace[max(0, position - TRACE_BEFORE_OOM) : position]
         for offset, event in enumerate(before):
             where = f"device_traces[{device}][{position - len(before) + offset}]"
             event_frames = shape.frames(event.get("frames"), f"{where}.frames")
-            events_before.append({
-                "action": shape.str_(event.get("action"), f"{where}.action", "?"),
-                "bytes": shape.int_(event.get("size"), f"{where}.size", 0),
-                "address": shape.int_(event.get("addr"), f"{where}.addr", 0),
-                "location": foreign_user_frame(event_frames),
-                "category": infer_category(event_frames),
-            })
+            events_before.append(
+                {
+                    "action": shape.str_(event.get("action"), f"{where}.action", "?"),
+                    "bytes": shape.int_(event.get("size"), f"{where}.size", 0),
+                    "address": shape.int_(event.get("addr"), f"{where}.addr", 0),
+                    "location": foreign_user_frame(event_frames),
+                    "category": infer_category(event_frames),
+                }
+            )
 
     settings = data.get("allocator_settings")
     if isinstance(settings, dict) and settings.get("expandable_segments") is True:
@@ -453,18 +532,27 @@ def torch_snapshot_document(data, origin: str, source_format: str) -> dict:
     breakdown = {category: 0 for category in CATEGORIES}
     grouped: dict[tuple, dict] = {}
     judged: dict[int, tuple[str, dict | None]] = {}  # by stack: converted stacks are shared
-    for size, wanted, address, block_frames in blocks_live:
+    for size, _wanted, _address, block_frames in blocks_live:
         verdict = judged.get(id(block_frames))
         if verdict is None:
-            verdict = judged[id(block_frames)] = (infer_category(block_frames), foreign_user_frame(block_frames))
+            verdict = judged[id(block_frames)] = (
+                infer_category(block_frames),
+                foreign_user_frame(block_frames),
+            )
         category, location = verdict
         breakdown[category] += size
         key = (category, (location or {}).get("file"), (location or {}).get("line"))
         entry = grouped.get(key)
         if entry is None:
             entry = grouped[key] = {
-                "bytes": 0, "count": 0, "category": category, "location": location,
-                "shape": None, "dtype": None, "frames": block_frames[:8], "largest_block_bytes": 0,
+                "bytes": 0,
+                "count": 0,
+                "category": category,
+                "location": location,
+                "shape": None,
+                "dtype": None,
+                "frames": block_frames[:8],
+                "largest_block_bytes": 0,
             }
         entry["bytes"] += size
         entry["count"] += 1
@@ -496,9 +584,13 @@ def torch_snapshot_document(data, origin: str, source_format: str) -> dict:
             "message": f"CUDA out of memory: tried to allocate {requested} bytes with {device_free} bytes free on the device",
             "location": foreign_user_frame(oom_frames),
         }
-        notes.append("Capacity is taken as reserved memory plus what CUDA reported free at the OOM.")
+        notes.append(
+            "Capacity is taken as reserved memory plus what CUDA reported free at the OOM."
+        )
     if not trace:
-        notes.append("The snapshot has no allocation trace (record with torch.cuda.memory._record_memory_history() to see the events before an OOM).")
+        notes.append(
+            "The snapshot has no allocation trace (record with torch.cuda.memory._record_memory_history() to see the events before an OOM)."
+        )
 
     return {
         "schema_version": None,
@@ -520,7 +612,12 @@ def torch_snapshot_document(data, origin: str, source_format: str) -> dict:
         "oom": oom,
         "breakdown": breakdown,
         "breakdown_at": "snapshot",
-        "peak": {"allocated_bytes": allocated, "reserved_bytes": reserved, "step": None, "phase": None},
+        "peak": {
+            "allocated_bytes": allocated,
+            "reserved_bytes": reserved,
+            "step": None,
+            "phase": None,
+        },
         "steps": [],
         "top_allocations": top,
         "allocator": {

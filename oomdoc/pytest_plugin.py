@@ -55,27 +55,46 @@ class Measurement:
         from oomdoc import report
         from oomdoc.sizes import format_bytes
 
-        lines = [f"{nodeid} was limited to {format_bytes(self.limit_bytes)} of tensor memory "
-                 f"but its peak was {format_bytes(self.peak_bytes)}"
-                 + (" (every CPU tensor counts on oomdoc's simulated device)" if self.device == "simulated" else " (CUDA)")]
+        lines = [
+            f"{nodeid} was limited to {format_bytes(self.limit_bytes)} of tensor memory "
+            f"but its peak was {format_bytes(self.peak_bytes)}"
+            + (
+                " (every CPU tensor counts on oomdoc's simulated device)"
+                if self.device == "simulated"
+                else " (CUDA)"
+            )
+        ]
         if self.breakdown:
-            lines.append("At the peak: " + ", ".join(
-                f"{category} {format_bytes(nbytes)}" for category, nbytes in self.breakdown.items() if nbytes))
+            lines.append(
+                "At the peak: "
+                + ", ".join(
+                    f"{category} {format_bytes(nbytes)}"
+                    for category, nbytes in self.breakdown.items()
+                    if nbytes
+                )
+            )
         rows = report.site_rows({"top_allocations": self.sites, "cwd": rootdir}, SHOWN_SITES)
         if rows:
             moment = ""
             if self.sites_at_bytes is not None and self.sites_at_bytes != self.peak_bytes:
                 moment = f" (at {format_bytes(self.sites_at_bytes)})"
-            lines += ["", f"Top {len(rows)} allocation sites at the peak{moment}",
-                      tabulate(rows, headers=["bytes", "category", "location", "tensors"],
-                               colalign=("right", "left", "left", "left"), disable_numparse=True)]
+            lines += [
+                "",
+                f"Top {len(rows)} allocation sites at the peak{moment}",
+                tabulate(
+                    rows,
+                    headers=["bytes", "category", "location", "tensors"],
+                    colalign=("right", "left", "left", "left"),
+                    disable_numparse=True,
+                ),
+            ]
         return "\n".join(lines)
 
 
 # ------------------------------------------------------------------ CPU
 
 
-_active_backends: "weakref.WeakSet" = weakref.WeakSet()
+_active_backends: weakref.WeakSet = weakref.WeakSet()
 
 
 def _disable_in_forked_child() -> None:
@@ -127,7 +146,8 @@ def _limit_backend_class():
             if self._live > self.high_water:
                 self.high_water = self._live
                 if self._live > self.limit_bytes and (
-                    self.sites_at_bytes is None or self._live > self.sites_at_bytes * (1 + SITE_RECORD_STEP)
+                    self.sites_at_bytes is None
+                    or self._live > self.sites_at_bytes * (1 + SITE_RECORD_STEP)
                 ):
                     self._record_sites()
 
@@ -194,8 +214,9 @@ class CudaMeter:
         cuda.synchronize(self.device_index)
         cuda.reset_peak_memory_stats(self.device_index)
         try:
-            cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python",
-                                               max_entries=self.HISTORY_ENTRIES)
+            cuda.memory._record_memory_history(
+                enabled="all", context="alloc", stacks="python", max_entries=self.HISTORY_ENTRIES
+            )
             self.recording = True
         except Exception:
             self.recording = False
@@ -253,7 +274,9 @@ def sites_at_trace_peak(trace: list[dict]) -> list[dict]:
         location = frames.pick_user_location(event.get("frames") or [])
         key = ((location or {}).get("file"), (location or {}).get("line"))
         # No category: without the test's tensors at hand it is not known on CUDA.
-        entry = grouped.setdefault(key, {"bytes": 0, "count": 0, "location": location, "shape": None, "dtype": None})
+        entry = grouped.setdefault(
+            key, {"bytes": 0, "count": 0, "location": location, "shape": None, "dtype": None}
+        )
         entry["bytes"] += int(event.get("size") or 0)
         entry["count"] += 1
     return sorted(grouped.values(), key=lambda entry: entry["bytes"], reverse=True)
@@ -268,16 +291,22 @@ _LIMIT = pytest.StashKey[int]()
 
 def pytest_addoption(parser) -> None:
     group = parser.getgroup("oomdoc", "oomdoc memory limits")
-    group.addoption("--oomdoc-device", choices=("auto", "cpu", "cuda"), default=None,
-                    help="Where @pytest.mark.oomdoc_limit measures: cpu (oomdoc's simulated device), cuda, "
-                         "or auto (CUDA when available; the default).")
-    parser.addini("oomdoc_device", "Default for --oomdoc-device (auto, cpu or cuda).", default="auto")
+    group.addoption(
+        "--oomdoc-device",
+        choices=("auto", "cpu", "cuda"),
+        default=None,
+        help="Where @pytest.mark.oomdoc_limit measures: cpu (oomdoc's simulated device), cuda, "
+        "or auto (CUDA when available; the default).",
+    )
+    parser.addini(
+        "oomdoc_device", "Default for --oomdoc-device (auto, cpu or cuda).", default="auto"
+    )
 
 
 def pytest_configure(config) -> None:
     config.addinivalue_line(
         "markers",
-        f"{MARKER}(size): fail the test when its peak tensor memory exceeds size, e.g. \"1.5GiB\" or \"512MiB\" (oomdoc).",
+        f'{MARKER}(size): fail the test when its peak tensor memory exceeds size, e.g. "1.5GiB" or "512MiB" (oomdoc).',
     )
 
 
@@ -298,7 +327,10 @@ def _limit_of(marker) -> int:
     from oomdoc.sizes import parse_size
 
     if len(marker.args) != 1 or marker.kwargs:
-        pytest.fail(f"@pytest.mark.{MARKER} takes one size, e.g. @pytest.mark.{MARKER}(\"1.5GiB\")", pytrace=False)
+        pytest.fail(
+            f'@pytest.mark.{MARKER} takes one size, e.g. @pytest.mark.{MARKER}("1.5GiB")',
+            pytrace=False,
+        )
     try:
         return parse_size(marker.args[0])
     except ValueError as exc:
@@ -318,7 +350,11 @@ def pytest_pyfunc_call(pyfuncitem):
     if limit_bytes is None:
         yield
         return
-    meter = CudaMeter(limit_bytes) if _device(pyfuncitem.config) == "cuda" else SimulatedMeter(limit_bytes)
+    meter = (
+        CudaMeter(limit_bytes)
+        if _device(pyfuncitem.config) == "cuda"
+        else SimulatedMeter(limit_bytes)
+    )
     meter.start()
     try:
         yield
@@ -346,5 +382,9 @@ def pytest_runtest_makereport(item, call):
 @pytest.hookimpl(hookwrapper=True, trylast=True)
 def pytest_report_teststatus(report, config):
     outcome = yield
-    if report.when == "call" and report.failed and any(title == SECTION_TITLE for title, _ in report.sections):
+    if (
+        report.when == "call"
+        and report.failed
+        and any(title == SECTION_TITLE for title, _ in report.sections)
+    ):
         outcome.force_result(("failed", "M", "MEMORY LIMIT"))

@@ -47,10 +47,14 @@ def headline(document: dict) -> str:
     if outcome == "oom" and document.get("oom"):
         oom = document["oom"]
         step, phase = oom.get("step"), oom.get("phase")
-        where = " ".join(part for part in (
-            f"in step {step}" if step is not None else "",
-            f"during {phase}" if phase else "",
-        ) if part)
+        where = " ".join(
+            part
+            for part in (
+                f"in step {step}" if step is not None else "",
+                f"during {phase}" if phase else "",
+            )
+            if part
+        )
         return (
             f"OOM{' ' + where if where else ''}: tried to allocate {format_bytes(oom.get('requested_bytes'))} "
             f"with {format_bytes(oom.get('allocated_bytes'))} of {format_bytes(capacity)} in use"
@@ -84,7 +88,10 @@ def breakdown_rows(document: dict) -> list[list[str]]:
     breakdown = document.get("breakdown") or {}
     capacity = (document.get("device") or {}).get("capacity_bytes") or 0
     total = sum(int(breakdown.get(c, 0)) for c in CATEGORIES)
-    rows = [[c, format_bytes(breakdown.get(c, 0)), _percent(breakdown.get(c, 0), capacity)] for c in CATEGORIES]
+    rows = [
+        [c, format_bytes(breakdown.get(c, 0)), _percent(breakdown.get(c, 0), capacity)]
+        for c in CATEGORIES
+    ]
     rows.append(["total", format_bytes(total), _percent(total, capacity)])
     return rows
 
@@ -93,12 +100,14 @@ def site_rows(document: dict, limit: int = 5) -> list[list[str]]:
     relative_to = document.get("cwd")
     rows = []
     for site in (document.get("top_allocations") or [])[:limit]:
-        rows.append([
-            format_bytes(site.get("bytes")),
-            site.get("category", "?"),
-            format_location(site.get("location"), relative_to),
-            tensor_description(site),
-        ])
+        rows.append(
+            [
+                format_bytes(site.get("bytes")),
+                site.get("category", "?"),
+                format_location(site.get("location"), relative_to),
+                tensor_description(site),
+            ]
+        )
     return rows
 
 
@@ -107,7 +116,11 @@ def tensor_description(site: dict) -> str:
     shape = site.get("shape")
     shape_text = "x".join(str(d) for d in shape) if isinstance(shape, list) and shape else ""
     count = site.get("count") if isinstance(site.get("count"), int) else 1
-    kind = " ".join(p for p in (shape_text, site.get("dtype") if isinstance(site.get("dtype"), str) else "") if p)
+    kind = " ".join(
+        p
+        for p in (shape_text, site.get("dtype") if isinstance(site.get("dtype"), str) else "")
+        if p
+    )
     if not kind:  # the CUDA allocator knows blocks, not shapes
         return f"{count} block" + ("s" if count > 1 else "")
     return (f"{count} x " if count > 1 else "") + kind
@@ -115,8 +128,14 @@ def tensor_description(site: dict) -> str:
 
 def _breakdown_title(document: dict) -> str:
     device = document.get("device") or {}
-    what = "the simulated device" if device.get("kind") == "simulated" else (device.get("name") or "the GPU")
-    moment = {"oom": "at the OOM", "peak": "at the peak", "snapshot": "in the snapshot"}.get(document.get("breakdown_at"), "at the end")
+    what = (
+        "the simulated device"
+        if device.get("kind") == "simulated"
+        else (device.get("name") or "the GPU")
+    )
+    moment = {"oom": "at the OOM", "peak": "at the peak", "snapshot": "in the snapshot"}.get(
+        document.get("breakdown_at"), "at the end"
+    )
     return f"What filled {what} ({moment})"
 
 
@@ -128,12 +147,24 @@ def render_text(document: dict, snapshot_path: str | None = None, top: int = 5) 
         lines.append(f"  at {format_location(oom['location'], document.get('cwd'))}")
     lines.append("")
     lines.append(_breakdown_title(document))
-    lines.append(tabulate(breakdown_rows(document), headers=["category", "bytes", "% of capacity"], colalign=("left", "right", "right")))
+    lines.append(
+        tabulate(
+            breakdown_rows(document),
+            headers=["category", "bytes", "% of capacity"],
+            colalign=("left", "right", "right"),
+        )
+    )
     sites = site_rows(document, top)
     if sites:
         lines.append("")
         lines.append(f"Top {len(sites)} allocation sites")
-        lines.append(tabulate(sites, headers=["bytes", "category", "location", "tensors"], colalign=("right", "left", "left", "left")))
+        lines.append(
+            tabulate(
+                sites,
+                headers=["bytes", "category", "location", "tensors"],
+                colalign=("right", "left", "left", "left"),
+            )
+        )
     lines.extend(_trace_lines(document))
     lines.extend(diagnosis_lines(document))
     lines.extend(fix_lines(document, top))
@@ -144,7 +175,9 @@ def render_text(document: dict, snapshot_path: str | None = None, top: int = 5) 
         lines.append(f"Snapshot: {snapshot_path}")
         torch_snapshot = (document.get("artifacts") or {}).get("torch_snapshot_file")
         if torch_snapshot:
-            lines.append(f"PyTorch memory snapshot (drag into https://pytorch.org/memory_viz): {torch_snapshot}")
+            lines.append(
+                f"PyTorch memory snapshot (drag into https://pytorch.org/memory_viz): {torch_snapshot}"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -152,7 +185,9 @@ def _notes(document: dict) -> list[str]:
     notes = []
     device = document.get("device") or {}
     if device.get("kind") == "simulated":
-        notes.append("on the simulated device every CPU tensor of the script counts against the capacity.")
+        notes.append(
+            "on the simulated device every CPU tensor of the script counts against the capacity."
+        )
     notes.extend(document.get("notes") or [])
     return notes
 
@@ -163,15 +198,25 @@ def render_markdown(document: dict, top: int = 5) -> str:
     if document.get("outcome") == "oom" and oom.get("location"):
         lines += [f"at `{format_location(oom['location'], document.get('cwd'))}`", ""]
     lines.append(f"### {_breakdown_title(document)}")
-    lines.append(tabulate(breakdown_rows(document), headers=["category", "bytes", "% of capacity"], tablefmt="github"))
+    lines.append(
+        tabulate(
+            breakdown_rows(document),
+            headers=["category", "bytes", "% of capacity"],
+            tablefmt="github",
+        )
+    )
     sites = site_rows(document, top)
     if sites:
         lines += ["", "### Top allocation sites"]
-        lines.append(tabulate(sites, headers=["bytes", "category", "location", "tensors"], tablefmt="github"))
+        lines.append(
+            tabulate(sites, headers=["bytes", "category", "location", "tensors"], tablefmt="github")
+        )
     trace = _trace_rows(document)
     if trace:
         lines += ["", "### Allocator events before the OOM"]
-        lines.append(tabulate(trace, headers=["action", "bytes", "category", "location"], tablefmt="github"))
+        lines.append(
+            tabulate(trace, headers=["action", "bytes", "category", "location"], tablefmt="github")
+        )
     diagnoses = diagnose(document)
     if diagnoses:
         lines += ["", "### Diagnosis"]
@@ -180,7 +225,12 @@ def render_markdown(document: dict, top: int = 5) -> str:
             for line in item["evidence"]:
                 lines.append(f"   - {line}")
             if item.get("remedy"):
-                lines += ["", "   ```python", *[f"   {code}" for code in item["remedy"].splitlines()], "   ```"]
+                lines += [
+                    "",
+                    "   ```python",
+                    *[f"   {code}" for code in item["remedy"].splitlines()],
+                    "   ```",
+                ]
     fixes, measured = _shown_fixes(document)
     if fixes and measured:
         lines += ["", f"### {_fixes_title(measured)}"]
@@ -238,7 +288,9 @@ def _bug_first_note(document: dict) -> list[str]:
     wastes as needed: say so above them."""
     diagnoses = diagnose(document)
     if diagnoses and diagnoses[0]["kind"] in BUG_KINDS:
-        return [f"fix the {diagnoses[0]['kind']} above first; these fixes treat the memory it wastes as needed."]
+        return [
+            f"fix the {diagnoses[0]['kind']} above first; these fixes treat the memory it wastes as needed."
+        ]
     return []
 
 
@@ -254,14 +306,22 @@ def fix_rows(fixes: list[dict]) -> list[list[str]]:
     for fix in fixes:
         ratio = fix.get("step_time_ratio")
         fits = fix.get("fits")
-        rows.append([
-            fix.get("name", "?"),
-            format_bytes(fix.get("peak_allocated_bytes")) if isinstance(fix.get("peak_allocated_bytes"), int) else "?",
-            format_bytes(fix.get("saved_bytes")) if isinstance(fix.get("saved_bytes"), int) else "?",
-            "yes" if fits is True else ("no" if fits is False else "?"),
-            f"{ratio:.2f}x" if isinstance(ratio, (int, float)) and not isinstance(ratio, bool) else "-",
-            "measured" if fix.get("measured") is not False else "estimated",
-        ])
+        rows.append(
+            [
+                fix.get("name", "?"),
+                format_bytes(fix.get("peak_allocated_bytes"))
+                if isinstance(fix.get("peak_allocated_bytes"), int)
+                else "?",
+                format_bytes(fix.get("saved_bytes"))
+                if isinstance(fix.get("saved_bytes"), int)
+                else "?",
+                "yes" if fits is True else ("no" if fits is False else "?"),
+                f"{ratio:.2f}x"
+                if isinstance(ratio, (int, float)) and not isinstance(ratio, bool)
+                else "-",
+                "measured" if fix.get("measured") is not False else "estimated",
+            ]
+        )
     return rows
 
 
@@ -309,16 +369,26 @@ def measured_fix_rows(document: dict, fixes: list[dict]) -> list[list[str]]:
             peak_text = "-"
         else:
             peak_text = format_bytes(peak) if fits else f"> {format_bytes(peak)}"
-        fits_text = "yes" if fits else {"timeout": "timed out", "error": "failed"}.get(fix.get("outcome"), "no")
-        rows.append([
-            str(fix.get("rank", position)),
-            fix.get("name", "?"),
-            peak_text,
-            format_bytes(saved) if isinstance(saved, int) else "-",
-            _percent(saved, need) if isinstance(saved, int) and isinstance(need, int) and need else "-",
-            fits_text,
-            f"{ratio:.2f}x" if isinstance(ratio, (int, float)) and not isinstance(ratio, bool) else "-",
-        ])
+        fits_text = (
+            "yes"
+            if fits
+            else {"timeout": "timed out", "error": "failed"}.get(fix.get("outcome"), "no")
+        )
+        rows.append(
+            [
+                str(fix.get("rank", position)),
+                fix.get("name", "?"),
+                peak_text,
+                format_bytes(saved) if isinstance(saved, int) else "-",
+                _percent(saved, need)
+                if isinstance(saved, int) and isinstance(need, int) and need
+                else "-",
+                fits_text,
+                f"{ratio:.2f}x"
+                if isinstance(ratio, (int, float)) and not isinstance(ratio, bool)
+                else "-",
+            ]
+        )
     return rows
 
 
@@ -326,34 +396,52 @@ def measured_fix_lines(document: dict, fixes: list[dict], markdown: bool = False
     """The ranked table of replayed fixes, what they are measured against,
     the fixes not tried and why, then every fix's detail and snippet."""
     replay = document.get("replay") or {}
-    lines = [tabulate(measured_fix_rows(document, fixes), headers=MEASURED_FIX_HEADERS, tablefmt="github" if markdown else "simple",
-                      colalign=("right", "left", "right", "right", "right", "left", "right"))]
+    lines = [
+        tabulate(
+            measured_fix_rows(document, fixes),
+            headers=MEASURED_FIX_HEADERS,
+            tablefmt="github" if markdown else "simple",
+            colalign=("right", "left", "right", "right", "right", "left", "right"),
+        )
+    ]
     need = replay.get("baseline_need_bytes")
     batch = (replay.get("batch_search") or {}).get("original_batch_size")
     at = f" at batch size {batch}" if batch else ""
     if isinstance(need, int) and need:
         capacity = format_bytes((document.get("device") or {}).get("capacity_bytes"))
         if replay.get("baseline_need_estimated"):
-            lines.append(f"Need of the failing run{at}: {format_bytes(need)} (ESTIMATE from the batch-size model); capacity {capacity}")
+            lines.append(
+                f"Need of the failing run{at}: {format_bytes(need)} (ESTIMATE from the batch-size model); capacity {capacity}"
+            )
         else:
-            lines.append(f"Need of the failing run{at}: at least {format_bytes(need)} (what it held when it failed); capacity {capacity}")
+            lines.append(
+                f"Need of the failing run{at}: at least {format_bytes(need)} (what it held when it failed); capacity {capacity}"
+            )
     maximum = document.get("max_batch_size")
     if isinstance(maximum, int) and maximum > 0:
-        lines.append(f"Largest batch size that fits: {maximum} (measured: {maximum + 1} ran out of memory)")
+        lines.append(
+            f"Largest batch size that fits: {maximum} (measured: {maximum + 1} ran out of memory)"
+        )
     if replay.get("reference_step_s"):
         lines.append(f"Step time relative to {replay.get('reference')}")
     for skipped in replay.get("skipped") or []:
         lines.append(f"not tried: {skipped.get('name')}: {skipped.get('reason')}")
     if replay:
-        lines.append(f"{replay.get('replays', 0)} replays in {replay.get('total_s', 0):.1f} s "
-                     f"(each ran {replay.get('max_steps', 2)} steps with OOMDOC_REPLAY=1)")
+        lines.append(
+            f"{replay.get('replays', 0)} replays in {replay.get('total_s', 0):.1f} s "
+            f"(each ran {replay.get('max_steps', 2)} steps with OOMDOC_REPLAY=1)"
+        )
     for position, fix in enumerate(fixes, start=1):
         lines.append("")
         header = f"{fix.get('rank', position)}. {fix.get('name')}: {fix.get('detail') or fix.get('title') or ''}"
         lines.append(f"**{header}**" if markdown else header)
         snippet = fix.get("snippet")
         if isinstance(snippet, str) and snippet:
-            lines += ["```python", snippet, "```"] if markdown else ["    " + line for line in snippet.splitlines()]
+            lines += (
+                ["```python", snippet, "```"]
+                if markdown
+                else ["    " + line for line in snippet.splitlines()]
+            )
     return lines
 
 
@@ -361,12 +449,16 @@ def _trace_rows(document: dict) -> list[list[str]]:
     relative_to = document.get("cwd")
     rows = []
     for event in document.get("trace_before_oom") or []:
-        rows.append([
-            event.get("action", "?"),
-            format_bytes(event.get("bytes")),
-            event.get("category", "?"),
-            format_location(event.get("location"), relative_to) if event.get("location") else "(no Python stack)",
-        ])
+        rows.append(
+            [
+                event.get("action", "?"),
+                format_bytes(event.get("bytes")),
+                event.get("category", "?"),
+                format_location(event.get("location"), relative_to)
+                if event.get("location")
+                else "(no Python stack)",
+            ]
+        )
     return rows
 
 
@@ -374,5 +466,12 @@ def _trace_lines(document: dict) -> list[str]:
     rows = _trace_rows(document)
     if not rows:
         return []
-    return ["", "Allocator events just before the OOM (oldest first)",
-            tabulate(rows, headers=["action", "bytes", "category", "location"], colalign=("left", "right", "left", "left"))]
+    return [
+        "",
+        "Allocator events just before the OOM (oldest first)",
+        tabulate(
+            rows,
+            headers=["action", "bytes", "category", "location"],
+            colalign=("left", "right", "left", "left"),
+        ),
+    ]

@@ -58,7 +58,9 @@ def child_env(device: str, extra_env: dict[str, str]) -> dict[str, str]:
     # child even though sys.path[0] becomes the script's directory.
     package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     if package_root not in site.getsitepackages():
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (package_root, env.get("PYTHONPATH", "")) if p
+        )
     cache = bytecode_cache_env(env)
     if cache:
         env.pop("PYTHONDONTWRITEBYTECODE", None)
@@ -66,7 +68,9 @@ def child_env(device: str, extra_env: dict[str, str]) -> dict[str, str]:
     return env
 
 
-def bytecode_cache_env(env: dict[str, str], origin: str | None = None, cache_root: str | None = None) -> dict[str, str]:
+def bytecode_cache_env(
+    env: dict[str, str], origin: str | None = None, cache_root: str | None = None
+) -> dict[str, str]:
     """What a child needs so that it does not recompile torch from source.
 
     A child that may not write bytecode (PYTHONDONTWRITEBYTECODE, or a
@@ -93,10 +97,14 @@ def bytecode_cache_env(env: dict[str, str], origin: str | None = None, cache_roo
     if os.path.exists(compiled):
         return {}
     cache_dir = os.path.dirname(compiled)
-    writable = os.access(cache_dir if os.path.isdir(cache_dir) else os.path.dirname(origin), os.W_OK)
+    writable = os.access(
+        cache_dir if os.path.isdir(cache_dir) else os.path.dirname(origin), os.W_OK
+    )
     if writable and not env.get("PYTHONDONTWRITEBYTECODE"):
         return {}  # the first child writes torch's bytecode where Python looks for it
-    root = cache_root or os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "oomdoc", "pycache")
+    root = cache_root or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "oomdoc", "pycache"
+    )
     try:
         os.makedirs(root, exist_ok=True)
     except OSError:
@@ -133,8 +141,13 @@ class WarmChild:
         env = child_env(device, extra_env)
         env[CONFIG_FD_ENV] = str(read_fd)
         try:
-            self.process = start_child(env, stdout=descriptor, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                       pass_fds=(read_fd,))
+            self.process = start_child(
+                env,
+                stdout=descriptor,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                pass_fds=(read_fd,),
+            )
         finally:
             os.close(read_fd)
             os.close(descriptor)
@@ -236,8 +249,12 @@ def run_child(request: ChildRequest, pool: WarmPool | None = None) -> ChildResul
                 env = child_env(request.device, request.extra_env)
                 env[CONFIG_ENV] = config_path
                 output = open(request.output_path, "wb") if request.output_path else None
-                process = start_child(env, stdout=output, stderr=subprocess.STDOUT if output else None,
-                                      stdin=subprocess.DEVNULL if output else None)
+                process = start_child(
+                    env,
+                    stdout=output,
+                    stderr=subprocess.STDOUT if output else None,
+                    stdin=subprocess.DEVNULL if output else None,
+                )
 
             def forward(signum, frame):
                 if process.poll() is None:
@@ -277,5 +294,11 @@ def run_child(request: ChildRequest, pool: WarmPool | None = None) -> ChildResul
                 capture = None
         if capture is not None and request.artifact_dir is None:
             capture["artifacts"] = {}  # the files died with the temporary directory
-        return ChildResult(exit_code=returncode, capture=capture, wall_s=wall_s, timed_out=timed_out,
-                           signal_name=signal_name, warm=warm is not None)
+        return ChildResult(
+            exit_code=returncode,
+            capture=capture,
+            wall_s=wall_s,
+            timed_out=timed_out,
+            signal_name=signal_name,
+            warm=warm is not None,
+        )

@@ -98,7 +98,9 @@ def output_path(options: RunOptions) -> Path:
     if options.output:
         path = Path(options.output)
         if path.exists():
-            raise UsageError(f"-o/--output: {path} already exists (oomdoc never overwrites a snapshot)")
+            raise UsageError(
+                f"-o/--output: {path} already exists (oomdoc never overwrites a snapshot)"
+            )
         if path.is_dir():
             raise UsageError(f"-o/--output: {path} is a directory")
         return path
@@ -108,7 +110,11 @@ def output_path(options: RunOptions) -> Path:
 def build_snapshot(options: RunOptions, capture: dict | None, exit_code: int) -> dict:
     """The snapshot document: the child's capture plus what only the parent knows."""
     device = device_of(capture, options.device)
-    command = ["-m", options.target, *options.args] if options.is_module else [options.target, *options.args]
+    command = (
+        ["-m", options.target, *options.args]
+        if options.is_module
+        else [options.target, *options.args]
+    )
     document = {
         "schema_version": SCHEMA_VERSION,
         "oomdoc_version": oomdoc.__version__,
@@ -125,18 +131,28 @@ def build_snapshot(options: RunOptions, capture: dict | None, exit_code: int) ->
     }
     if capture is None:
         # The child died before it could write anything (killed, crashed).
-        document.update({
-            "device": {"kind": "cuda" if device == "cuda" else "simulated", "name": "unknown",
-                       "capacity_bytes": int(options.capacity_bytes or 0)},
-            "outcome": "interrupted" if exit_code in (130, 137, 143) else "error",
-            "exit_code": int(exit_code),
-            "oom": None,
-            "breakdown": {c: 0 for c in ("parameters", "gradients", "optimizer_state", "activations", "other")},
-            "breakdown_at": "none",
-            "steps": [],
-            "top_allocations": [],
-            "notes": ["The script's process ended without writing its capture (it was killed or crashed)."],
-        })
+        document.update(
+            {
+                "device": {
+                    "kind": "cuda" if device == "cuda" else "simulated",
+                    "name": "unknown",
+                    "capacity_bytes": int(options.capacity_bytes or 0),
+                },
+                "outcome": "interrupted" if exit_code in (130, 137, 143) else "error",
+                "exit_code": int(exit_code),
+                "oom": None,
+                "breakdown": {
+                    c: 0
+                    for c in ("parameters", "gradients", "optimizer_state", "activations", "other")
+                },
+                "breakdown_at": "none",
+                "steps": [],
+                "top_allocations": [],
+                "notes": [
+                    "The script's process ended without writing its capture (it was killed or crashed)."
+                ],
+            }
+        )
     else:
         document.update(capture)
         document["exit_code"] = int(exit_code)

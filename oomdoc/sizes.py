@@ -36,11 +36,15 @@ def parse_size(text: str) -> int:
     """
     match = _SIZE_RE.match(str(text))
     if not match:
-        raise ValueError(f"invalid size {text!r}: expected a number with an optional unit, e.g. 512MiB, 16GiB, 1.5GB")
+        raise ValueError(
+            f"invalid size {text!r}: expected a number with an optional unit, e.g. 512MiB, 16GiB, 1.5GB"
+        )
     number, unit = match.groups()
     factor = _UNITS.get(unit.lower())
     if factor is None:
-        raise ValueError(f"invalid size {text!r}: unknown unit {unit!r} (use B, kB, MB, GB, TB, KiB, MiB, GiB or TiB)")
+        raise ValueError(
+            f"invalid size {text!r}: unknown unit {unit!r} (use B, kB, MB, GB, TB, KiB, MiB, GiB or TiB)"
+        )
     value = float(number) * factor
     if value < 1:
         raise ValueError(f"invalid size {text!r}: must be at least one byte")

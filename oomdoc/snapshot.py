@@ -94,12 +94,16 @@ def read_limited_bytes(path: str | os.PathLike) -> bytes:
             raise SnapshotError(f"{path}: is a directory, not a snapshot file")
         size = path.stat().st_size
         if size > MAX_SNAPSHOT_BYTES:
-            raise SnapshotError(f"{path}: file is {size} bytes, larger than the {MAX_SNAPSHOT_BYTES} bytes a snapshot may be")
+            raise SnapshotError(
+                f"{path}: file is {size} bytes, larger than the {MAX_SNAPSHOT_BYTES} bytes a snapshot may be"
+            )
         with open(path, "rb") as handle:
             # Read one byte past the limit: a file that grew after stat() is refused too.
             raw = handle.read(MAX_SNAPSHOT_BYTES + 1)
     except OSError as exc:
-        raise SnapshotError(f"{path}: cannot read ({exc.strerror or exc.__class__.__name__})") from None
+        raise SnapshotError(
+            f"{path}: cannot read ({exc.strerror or exc.__class__.__name__})"
+        ) from None
     if len(raw) > MAX_SNAPSHOT_BYTES:
         raise SnapshotError(f"{path}: larger than the {MAX_SNAPSHOT_BYTES} bytes a snapshot may be")
     return raw
@@ -113,8 +117,13 @@ def parse_json_bytes(raw: bytes, origin: str) -> Any:
     """Parse JSON text; NaN/Infinity and out-of-range numbers are refused."""
     try:
         return json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
-    except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, int digit limits
-        raise SnapshotError(f"{origin}: not valid JSON ({exc.__class__.__name__}: {str(exc)[:120]})") from None
+    except (
+        ValueError,
+        RecursionError,
+    ) as exc:  # JSONDecodeError, UnicodeDecodeError, int digit limits
+        raise SnapshotError(
+            f"{origin}: not valid JSON ({exc.__class__.__name__}: {str(exc)[:120]})"
+        ) from None
 
 
 def read_json_file(path: str | os.PathLike) -> Any:
@@ -172,11 +181,16 @@ def validate(document: Any) -> None:
     for key in ("oomdoc_version", "created_at", "torch_version"):
         _expect(isinstance(document.get(key), str), f"{key} must be a string")
     command = document.get("command")
-    _expect(isinstance(command, list) and all(isinstance(a, str) for a in command), "command must be a list of strings")
+    _expect(
+        isinstance(command, list) and all(isinstance(a, str) for a in command),
+        "command must be a list of strings",
+    )
 
     device = document.get("device")
     _expect(isinstance(device, dict), "device must be an object")
-    _expect(device.get("kind") in DEVICE_KINDS, f"device.kind must be one of {', '.join(DEVICE_KINDS)}")
+    _expect(
+        device.get("kind") in DEVICE_KINDS, f"device.kind must be one of {', '.join(DEVICE_KINDS)}"
+    )
     _expect(isinstance(device.get("name"), str), "device.name must be a string")
     _check_int(device, "capacity_bytes", "device")
 
@@ -213,7 +227,10 @@ def validate(document: Any) -> None:
         _expect(isinstance(step, dict), f"{where} must be an object")
         for key in ("index", "peak_allocated_bytes", "peak_reserved_bytes", "end_allocated_bytes"):
             _check_int(step, key, where)
-        _expect(step.get("peak_phase") in PHASES, f"{where}.peak_phase must be one of {', '.join(PHASES)}")
+        _expect(
+            step.get("peak_phase") in PHASES,
+            f"{where}.peak_phase must be one of {', '.join(PHASES)}",
+        )
 
     top = document.get("top_allocations")
     _expect(isinstance(top, list), "top_allocations must be a list")
@@ -221,7 +238,10 @@ def validate(document: Any) -> None:
         where = f"top_allocations[{position}]"
         _expect(isinstance(site, dict), f"{where} must be an object")
         _check_int(site, "bytes", where)
-        _expect(site.get("category") in CATEGORIES, f"{where}.category must be one of {', '.join(CATEGORIES)}")
+        _expect(
+            site.get("category") in CATEGORIES,
+            f"{where}.category must be one of {', '.join(CATEGORIES)}",
+        )
         _check_location(site.get("location"), f"{where}.location")
 
     fixes = document.get("fixes", [])
@@ -234,8 +254,14 @@ def validate(document: Any) -> None:
         _check_int(fix, "saved_bytes", where, optional=True)
         _expect(isinstance(fix.get("fits", False), bool), f"{where}.fits must be true or false")
         ratio = fix.get("step_time_ratio")
-        _expect(ratio is None or (isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and ratio >= 0),
-                f"{where}.step_time_ratio must be a non-negative number or null")
+        _expect(
+            ratio is None
+            or (isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and ratio >= 0),
+            f"{where}.step_time_ratio must be a non-negative number or null",
+        )
         for key in ("detail", "snippet"):
-            _expect(fix.get(key) is None or isinstance(fix.get(key), str), f"{where}.{key} must be a string")
+            _expect(
+                fix.get(key) is None or isinstance(fix.get(key), str),
+                f"{where}.{key} must be a string",
+            )
     _check_int(document, "max_batch_size", "snapshot", optional=True)

@@ -34,7 +34,12 @@ def run_oomdoc(args, *, cwd=None, env=None, timeout=300, input=None) -> subproce
     """Run the oomdoc CLI; returns the CompletedProcess with text output."""
     return subprocess.run(
         [sys.executable, "-m", "oomdoc", *[str(a) for a in args]],
-        cwd=cwd, env=oomdoc_env(env), capture_output=True, text=True, timeout=timeout, input=input,
+        cwd=cwd,
+        env=oomdoc_env(env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        input=input,
     )
 
 

@@ -17,10 +17,24 @@ from oomdoc.snapshot import CATEGORIES, SnapshotError
 MiB = 1024**2
 
 
-def make_document(*, activations=10 * MiB, peak=None, outcome="ok", kind="simulated", torch_version="2.13.0",
-                  command=("train.py", "--batch-size", "8"), sites=None, cwd="/repo") -> dict:
-    categories = {"parameters": 4 * MiB, "gradients": 4 * MiB, "optimizer_state": 8 * MiB,
-                  "activations": activations, "other": MiB}
+def make_document(
+    *,
+    activations=10 * MiB,
+    peak=None,
+    outcome="ok",
+    kind="simulated",
+    torch_version="2.13.0",
+    command=("train.py", "--batch-size", "8"),
+    sites=None,
+    cwd="/repo",
+) -> dict:
+    categories = {
+        "parameters": 4 * MiB,
+        "gradients": 4 * MiB,
+        "optimizer_state": 8 * MiB,
+        "activations": activations,
+        "other": MiB,
+    }
     document = {
         "torch_version": torch_version,
         "cwd": cwd,
@@ -33,14 +47,32 @@ def make_document(*, activations=10 * MiB, peak=None, outcome="ok", kind="simula
         "breakdown": dict(categories, gradients=0),
         "category_peaks": categories,
         "breakdown_at": "peak",
-        "peak": {"allocated_bytes": peak or sum(categories.values()), "reserved_bytes": peak or sum(categories.values()),
-                 "step": 2, "phase": "forward"},
+        "peak": {
+            "allocated_bytes": peak or sum(categories.values()),
+            "reserved_bytes": peak or sum(categories.values()),
+            "step": 2,
+            "phase": "forward",
+        },
         "steps": [{}, {}, {}],
-        "top_allocations": sites if sites is not None else [
-            {"bytes": activations, "count": 3, "category": "activations",
-             "location": {"file": f"{cwd}/train.py", "line": 20, "function": "forward"}, "shape": [8, 1024], "dtype": "float32"},
-            {"bytes": 8 * MiB, "count": 2, "category": "optimizer_state",
-             "location": {"file": f"{cwd}/train.py", "line": 30, "function": "main"}, "shape": [1024, 1024], "dtype": "float32"},
+        "top_allocations": sites
+        if sites is not None
+        else [
+            {
+                "bytes": activations,
+                "count": 3,
+                "category": "activations",
+                "location": {"file": f"{cwd}/train.py", "line": 20, "function": "forward"},
+                "shape": [8, 1024],
+                "dtype": "float32",
+            },
+            {
+                "bytes": 8 * MiB,
+                "count": 2,
+                "category": "optimizer_state",
+                "location": {"file": f"{cwd}/train.py", "line": 30, "function": "main"},
+                "shape": [1024, 1024],
+                "dtype": "float32",
+            },
         ],
     }
     return document
@@ -51,9 +83,15 @@ def options(tmp_path=None, tolerance="5%", update=False, **kwargs) -> check.Chec
 
     fraction, absolute = parse_tolerance(tolerance)
     baseline_path = str((tmp_path or ".") / "baseline.json") if tmp_path else "baseline.json"
-    return check.CheckOptions(run=RunOptions(target="train.py", args=[], max_steps=3), baseline_path=baseline_path,
-                              tolerance_fraction=fraction, tolerance_bytes=absolute, tolerance_text=tolerance,
-                              update_baseline=update, **kwargs)
+    return check.CheckOptions(
+        run=RunOptions(target="train.py", args=[], max_steps=3),
+        baseline_path=baseline_path,
+        tolerance_fraction=fraction,
+        tolerance_bytes=absolute,
+        tolerance_text=tolerance,
+        update_baseline=update,
+        **kwargs,
+    )
 
 
 def baseline_of(document) -> dict:
@@ -63,10 +101,20 @@ def baseline_of(document) -> dict:
 def test_measurement_takes_each_category_at_its_own_maximum_and_relative_locations():
     document = make_document()
     measured = check.measurement(document, 3)
-    assert measured["categories"]["gradients"] == 4 * MiB  # from category_peaks, not the sampled breakdown
-    assert measured["top_allocations"][0]["location"] == {"file": "train.py", "line": 20, "function": "forward"}
+    assert (
+        measured["categories"]["gradients"] == 4 * MiB
+    )  # from category_peaks, not the sampled breakdown
+    assert measured["top_allocations"][0]["location"] == {
+        "file": "train.py",
+        "line": 20,
+        "function": "forward",
+    }
     assert measured["steps_run"] == 3 and measured["steps"] == 3
-    assert measured["device"] == {"kind": "simulated", "name": "simulated device", "capacity_bytes": 1024 * MiB}
+    assert measured["device"] == {
+        "kind": "simulated",
+        "name": "simulated device",
+        "capacity_bytes": 1024 * MiB,
+    }
 
 
 def test_measurement_without_category_peaks_falls_back_to_the_breakdown():
@@ -80,7 +128,9 @@ def test_baseline_text_is_sorted_and_stable():
     assert text == check.baseline_text(json.loads(text))
     keys = list(json.loads(text).keys())
     assert keys == sorted(keys)
-    assert "created_at" not in text  # no timestamps: a refreshed baseline only diffs where memory changed
+    assert (
+        "created_at" not in text
+    )  # no timestamps: a refreshed baseline only diffs where memory changed
 
 
 def test_within_tolerance_passes_and_growth_beyond_it_fails():
@@ -97,10 +147,14 @@ def test_within_tolerance_passes_and_growth_beyond_it_fails():
 
 def test_absolute_tolerance_applies_to_every_quantity():
     baseline = baseline_of(make_document(activations=10 * MiB))
-    result = check.evaluate(make_document(activations=13 * MiB), baseline, options(tolerance="4MiB"))
+    result = check.evaluate(
+        make_document(activations=13 * MiB), baseline, options(tolerance="4MiB")
+    )
     assert not result.failed
     assert all(c.allowed_growth == 4 * MiB for c in result.comparisons)
-    result = check.evaluate(make_document(activations=15 * MiB), baseline, options(tolerance="4MiB"))
+    result = check.evaluate(
+        make_document(activations=15 * MiB), baseline, options(tolerance="4MiB")
+    )
     assert [c.name for c in result.regressions] == ["peak allocated", "activations"]
 
 
@@ -122,8 +176,15 @@ def test_shrinking_passes_and_suggests_refreshing_the_baseline():
 def test_an_oom_fails_even_without_growth():
     baseline = baseline_of(make_document())
     document = make_document(outcome="oom")
-    document["oom"] = {"step": 1, "phase": "forward", "requested_bytes": MiB, "allocated_bytes": 30 * MiB,
-                       "reserved_bytes": 30 * MiB, "message": "", "location": None}
+    document["oom"] = {
+        "step": 1,
+        "phase": "forward",
+        "requested_bytes": MiB,
+        "allocated_bytes": 30 * MiB,
+        "reserved_bytes": 30 * MiB,
+        "message": "",
+        "location": None,
+    }
     result = check.evaluate(document, baseline, options())
     assert result.failed and not result.regressions
     assert "ran out of memory" in check.render_text(result, options())
@@ -139,7 +200,12 @@ def test_a_failed_script_compares_nothing_and_fails():
 
 
 def test_reserved_is_compared_on_cuda_only():
-    names = [c.name for c in check.evaluate(make_document(), baseline_of(make_document()), options()).comparisons]
+    names = [
+        c.name
+        for c in check.evaluate(
+            make_document(), baseline_of(make_document()), options()
+        ).comparisons
+    ]
     assert names == ["peak allocated", *CATEGORIES]
     cuda = make_document(kind="cuda")
     names = [c.name for c in check.evaluate(cuda, baseline_of(cuda), options()).comparisons]
@@ -148,7 +214,9 @@ def test_reserved_is_compared_on_cuda_only():
 
 def test_different_device_torch_and_arguments_are_said():
     baseline = baseline_of(make_document(kind="cuda", torch_version="2.5.0"))
-    result = check.evaluate(make_document(command=("train.py", "--batch-size", "16")), baseline, options())
+    result = check.evaluate(
+        make_document(command=("train.py", "--batch-size", "16")), baseline, options()
+    )
     text = "\n".join(result.notes)
     assert "recorded on a cuda device" in text and "simulated" in text
     assert "torch 2.5.0" in text and "torch 2.13.0" in text
@@ -162,7 +230,11 @@ def test_site_changes_match_by_line_not_shape():
     changes = check.site_changes(baseline, current)
     assert len(changes) == 1
     assert changes[0]["change"] == 2 * MiB and changes[0]["location"]["line"] == 20
-    new_site = {"bytes": MiB, "category": "other", "location": {"file": "x.py", "line": 1, "function": "f"}}
+    new_site = {
+        "bytes": MiB,
+        "category": "other",
+        "location": {"file": "x.py", "line": 1, "function": "f"},
+    }
     changes = check.site_changes(baseline, current + [new_site])
     assert [c["change"] for c in changes] == [2 * MiB, MiB]
 
@@ -174,7 +246,11 @@ def test_junit_has_one_case_per_quantity_and_failures_with_messages():
     suite = root.find("testsuite")
     names = [case.get("name") for case in suite.iter("testcase")]
     assert names == ["run", "peak allocated", *CATEGORIES]
-    failed = {case.get("name"): case.find("failure") for case in suite.iter("testcase") if case.find("failure") is not None}
+    failed = {
+        case.get("name"): case.find("failure")
+        for case in suite.iter("testcase")
+        if case.find("failure") is not None
+    }
     assert set(failed) == {"peak allocated", "activations"}
     assert "activations grew by +3.00 MiB" in failed["activations"].get("message")
     assert suite.get("failures") == "2" and suite.get("tests") == str(len(names))
@@ -188,12 +264,18 @@ def test_markdown_summary_has_github_tables():
     assert "#### Allocation sites that differ from the baseline" in markdown
 
 
-@pytest.mark.parametrize("content, message", [
-    ("{", "not valid JSON"),
-    ('{"format": "something-else"}', "not an oomdoc baseline"),
-    ('{"format": "oomdoc-baseline", "version": 99}', "unknown baseline version 99"),
-    ('{"format": "oomdoc-baseline", "version": 1, "peak": {"allocated_bytes": "1"}}', "peak.allocated_bytes"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("{", "not valid JSON"),
+        ('{"format": "something-else"}', "not an oomdoc baseline"),
+        ('{"format": "oomdoc-baseline", "version": 99}', "unknown baseline version 99"),
+        (
+            '{"format": "oomdoc-baseline", "version": 1, "peak": {"allocated_bytes": "1"}}',
+            "peak.allocated_bytes",
+        ),
+    ],
+)
 def test_bad_baseline_files_are_one_line_errors(tmp_path, content, message):
     path = tmp_path / "baseline.json"
     path.write_text(content)
@@ -220,19 +302,25 @@ def test_the_ci_examples_parse_as_oomdoc_check_commands(example):
     import shlex
 
     import typer
-
     from conftest import EXAMPLES
+
     from oomdoc.cli import app
 
     text = (EXAMPLES / "ci" / example).read_text()
-    commands = [re.sub(r"\s*\n\s*#?\s*", " ", found) for found in re.findall(r"oomdoc check (.*?train\.py[^\n]*)", text, re.S)]
+    commands = [
+        re.sub(r"\s*\n\s*#?\s*", " ", found)
+        for found in re.findall(r"oomdoc check (.*?train\.py[^\n]*)", text, re.S)
+    ]
     assert len(commands) == 2, commands  # the one that makes the baseline, and the check
     group = typer.main.get_command(app)
     command = group.get_command(None, "check")
     for line in commands:
         context = command.make_context("check", shlex.split(line))
         assert context.params["baseline"] == "memory-baseline.json"
-        assert context.params["target"] == "train.py" and list(context.params["args"]) == ["--batch-size", "32"]
+        assert context.params["target"] == "train.py" and list(context.params["args"]) == [
+            "--batch-size",
+            "32",
+        ]
     assert context.params["junit"] == "oomdoc-check.xml" and context.params["steps"] == 3
     assert not context.params["update_baseline"]
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pickle
 
 import pytest
+from suggest_builders import GiB, MiB, oom_document, oomdoc_document, step, torch_snapshot
 
 from oomdoc.diagnose import analysis, diagnose, estimate_fixes, fixes_for
 from oomdoc.loaders import load_bytes
 from oomdoc.report import render_markdown, render_text
-from suggest_builders import GiB, MiB, oom_document, oomdoc_document, step, torch_snapshot
 
 
 def kinds(document) -> list[str]:
@@ -23,11 +23,19 @@ def find(document, kind) -> dict | None:
 
 # --------------------------------------------------------------------- leak
 
-TOTAL_LOSS = {"variable": "total_loss", "file": "/work/train.py", "line": 30, "function": "main", "from_step": 0}
+TOTAL_LOSS = {
+    "variable": "total_loss",
+    "file": "/work/train.py",
+    "line": 30,
+    "function": "main",
+    "from_step": 0,
+}
 
 
 def test_leak_from_a_retained_graph_is_first_and_named():
-    steps = [step(0, end=400 * MiB)] + [step(i, end=400 * MiB, retained_graphs=[TOTAL_LOSS]) for i in range(1, 6)]
+    steps = [step(0, end=400 * MiB)] + [
+        step(i, end=400 * MiB, retained_graphs=[TOTAL_LOSS]) for i in range(1, 6)
+    ]
     document = oomdoc_document(steps=steps)
     diagnosis = diagnose(document)[0]
     assert diagnosis["kind"] == "leak"
@@ -45,12 +53,16 @@ def test_leak_from_steady_growth_alone():
     assert kinds(oomdoc_document(steps=steps))[0] == "leak"
 
 
-@pytest.mark.parametrize("ends", [
-    [400 * MiB] * 8,  # flat
-    [100 * MiB, 400 * MiB] + [400 * MiB] * 6,  # warm-up growth in step 0 only (grads, optimizer state)
-    [400 * MiB + (i % 2) * 64 * MiB for i in range(8)],  # up and down
-    [400 * MiB + i * 1024 for i in range(8)],  # a few bytes: noise, not a leak
-])
+@pytest.mark.parametrize(
+    "ends",
+    [
+        [400 * MiB] * 8,  # flat
+        [100 * MiB, 400 * MiB]
+        + [400 * MiB] * 6,  # warm-up growth in step 0 only (grads, optimizer state)
+        [400 * MiB + (i % 2) * 64 * MiB for i in range(8)],  # up and down
+        [400 * MiB + i * 1024 for i in range(8)],  # a few bytes: noise, not a leak
+    ],
+)
 def test_no_leak_without_growth_or_retained_graph(ends):
     steps = [step(i, end=end) for i, end in enumerate(ends)]
     assert "leak" not in kinds(oomdoc_document(steps=steps))
@@ -65,8 +77,18 @@ def test_too_few_steps_is_not_a_leak():
 
 
 def eval_steps(count, **kwargs):
-    return [step(i, end=50 * MiB, with_grad=1, backward=0, optimizer_steps=0, peak_phase="forward", **kwargs)
-            for i in range(count)]
+    return [
+        step(
+            i,
+            end=50 * MiB,
+            with_grad=1,
+            backward=0,
+            optimizer_steps=0,
+            peak_phase="forward",
+            **kwargs,
+        )
+        for i in range(count)
+    ]
 
 
 def test_pure_evaluation_under_autograd():
@@ -78,8 +100,14 @@ def test_pure_evaluation_under_autograd():
 
 
 def test_evaluation_that_ooms_in_its_first_forward():
-    document = oom_document(allocated=900 * MiB, requested=200 * MiB, phase="forward",
-                            steps=eval_steps(1), optimizers=[], step_unit="module")
+    document = oom_document(
+        allocated=900 * MiB,
+        requested=200 * MiB,
+        phase="forward",
+        steps=eval_steps(1),
+        optimizers=[],
+        step_unit="module",
+    )
     assert kinds(document)[0] == "grad_in_eval"
     assert estimate_fixes(document) == []  # no training fix applies; no_grad does
     assert "Fixes" not in render_text(document)
@@ -117,13 +145,30 @@ def test_training_step_that_oomed_before_its_backward_is_not_evaluation():
 
 def test_evaluation_with_no_grad_is_fine():
     steps = [step(i, end=50 * MiB, with_grad=0, backward=0, optimizer_steps=0) for i in range(5)]
-    assert "grad_in_eval" not in kinds(oomdoc_document(steps=steps, optimizers=[], step_unit="module"))
+    assert "grad_in_eval" not in kinds(
+        oomdoc_document(steps=steps, optimizers=[], step_unit="module")
+    )
 
 
 def test_graphs_kept_by_evaluation_put_grad_in_eval_before_leak():
-    collected = {"variable": "outputs", "file": "/work/eval.py", "line": 9, "function": "main", "from_step": 0}
-    steps = [step(i, end=50 * MiB + i * 20 * MiB, with_grad=1, backward=0, optimizer_steps=0,
-                  retained_graphs=[collected] if i else []) for i in range(6)]
+    collected = {
+        "variable": "outputs",
+        "file": "/work/eval.py",
+        "line": 9,
+        "function": "main",
+        "from_step": 0,
+    }
+    steps = [
+        step(
+            i,
+            end=50 * MiB + i * 20 * MiB,
+            with_grad=1,
+            backward=0,
+            optimizer_steps=0,
+            retained_graphs=[collected] if i else [],
+        )
+        for i in range(6)
+    ]
     document = oomdoc_document(steps=steps, optimizers=[], step_unit="module")
     assert kinds(document)[:2] == ["grad_in_eval", "leak"]
     assert any("`outputs`" in line for line in find(document, "grad_in_eval")["evidence"])
@@ -134,16 +179,28 @@ def test_graphs_kept_by_evaluation_put_grad_in_eval_before_leak():
 
 def cuda_document(allocator, **kwargs):
     return oom_document(
-        allocated=allocator["allocated_bytes"], requested=kwargs.pop("requested", 512 * MiB),
-        capacity=16 * GiB, allocator=allocator,
-        device={"kind": "cuda", "name": "NVIDIA H100", "capacity_bytes": 16 * GiB, "total_bytes": 80 * GiB},
+        allocated=allocator["allocated_bytes"],
+        requested=kwargs.pop("requested", 512 * MiB),
+        capacity=16 * GiB,
+        allocator=allocator,
+        device={
+            "kind": "cuda",
+            "name": "NVIDIA H100",
+            "capacity_bytes": 16 * GiB,
+            "total_bytes": 80 * GiB,
+        },
         **kwargs,
     )
 
 
 def test_fragmentation_that_decided_the_oom():
-    allocator = {"reserved_bytes": 15 * GiB, "allocated_bytes": 12 * GiB, "inactive_split_bytes": 3 * GiB,
-                 "inactive_split_blocks": 180, "segments": 40}
+    allocator = {
+        "reserved_bytes": 15 * GiB,
+        "allocated_bytes": 12 * GiB,
+        "inactive_split_bytes": 3 * GiB,
+        "inactive_split_blocks": 180,
+        "segments": 40,
+    }
     document = cuda_document(allocator)
     document["oom"]["free_bytes"] = 100 * MiB
     diagnosis = diagnose(document)[0]
@@ -155,8 +212,13 @@ def test_fragmentation_that_decided_the_oom():
 
 
 def test_no_fragmentation_when_reserved_is_used():
-    allocator = {"reserved_bytes": 15 * GiB, "allocated_bytes": 15 * GiB - 20 * MiB, "inactive_split_bytes": 20 * MiB,
-                 "inactive_split_blocks": 3, "segments": 40}
+    allocator = {
+        "reserved_bytes": 15 * GiB,
+        "allocated_bytes": 15 * GiB - 20 * MiB,
+        "inactive_split_bytes": 20 * MiB,
+        "inactive_split_blocks": 3,
+        "segments": 40,
+    }
     document = cuda_document(allocator)
     document["oom"]["free_bytes"] = 100 * MiB
     assert "fragmentation" not in kinds(document)
@@ -167,24 +229,37 @@ def test_pytorch_snapshot_fragmentation_decides_only_when_cached_pieces_cover_th
     # A PyTorch snapshot of a process capped with set_per_process_memory_fraction:
     # the driver's free memory ignores the cap, so it cannot show that the
     # memory was there; only cached-but-unused pieces can.
-    allocator = {"reserved_bytes": 854 * MiB, "allocated_bytes": 836 * MiB, "inactive_split_bytes": 18 * MiB,
-                 "inactive_split_blocks": 4, "segments": 20}
+    allocator = {
+        "reserved_bytes": 854 * MiB,
+        "allocated_bytes": 836 * MiB,
+        "inactive_split_bytes": 18 * MiB,
+        "inactive_split_blocks": 4,
+        "segments": 20,
+    }
     document = cuda_document(allocator, requested=256 * MiB)
     document["oom"]["free_bytes"] = 77 * GiB
     document["source"] = {"format": "torch_pickle", "path": "x.pickle"}
     assert "fragmentation" not in kinds(document)
     # As tests/scripts/suggest_make_torch_snapshot.py makes on a GPU: 256 MiB
     # in split pieces, a 600 MiB request under a 1 GiB cap.
-    allocator.update(reserved_bytes=512 * MiB, allocated_bytes=256 * MiB, inactive_split_bytes=256 * MiB,
-                     inactive_split_blocks=16)
+    allocator.update(
+        reserved_bytes=512 * MiB,
+        allocated_bytes=256 * MiB,
+        inactive_split_bytes=256 * MiB,
+        inactive_split_blocks=16,
+    )
     document = cuda_document(allocator, requested=600 * MiB)
     document["oom"]["free_bytes"] = 77 * GiB
     document["source"] = {"format": "torch_pickle", "path": "x.pickle"}
     diagnosis = diagnose(document)[0]
     assert diagnosis["kind"] == "fragmentation"
     assert "may have decided the OOM" in diagnosis["summary"]
-    allocator.update(reserved_bytes=1100 * MiB, allocated_bytes=836 * MiB, inactive_split_bytes=264 * MiB,
-                     inactive_split_blocks=9)
+    allocator.update(
+        reserved_bytes=1100 * MiB,
+        allocated_bytes=836 * MiB,
+        inactive_split_bytes=264 * MiB,
+        inactive_split_blocks=9,
+    )
     document = cuda_document(allocator, requested=256 * MiB)
     document["oom"]["free_bytes"] = 77 * GiB
     document["source"] = {"format": "torch_pickle", "path": "x.pickle"}
@@ -193,8 +268,13 @@ def test_pytorch_snapshot_fragmentation_decides_only_when_cached_pieces_cover_th
 
 
 def test_expandable_segments_already_on_leaves_empty_cache():
-    allocator = {"reserved_bytes": 15 * GiB, "allocated_bytes": 10 * GiB, "inactive_split_bytes": 5 * GiB,
-                 "inactive_split_blocks": 10, "expandable_segments": True}
+    allocator = {
+        "reserved_bytes": 15 * GiB,
+        "allocated_bytes": 10 * GiB,
+        "inactive_split_bytes": 5 * GiB,
+        "inactive_split_blocks": 10,
+        "expandable_segments": True,
+    }
     diagnosis = find(cuda_document(allocator), "fragmentation")
     assert diagnosis["fixes"] == ["empty_cache"]
 
@@ -204,7 +284,10 @@ def test_expandable_segments_already_on_leaves_empty_cache():
 
 def test_other_processes_holding_the_memory():
     document = cuda_document({"reserved_bytes": 10 * GiB, "allocated_bytes": 10 * GiB})
-    document["device"]["other_processes"] = [{"pid": 4242, "used_bytes": 6 * GiB}, {"pid": 7, "used_bytes": None}]
+    document["device"]["other_processes"] = [
+        {"pid": 4242, "used_bytes": 6 * GiB},
+        {"pid": 7, "used_bytes": None},
+    ]
     diagnosis = diagnose(document)[0]
     assert diagnosis["kind"] == "other_processes"
     assert "pid 4242: 6.00 GiB" in diagnosis["evidence"][0]
@@ -212,7 +295,9 @@ def test_other_processes_holding_the_memory():
 
 
 def test_small_other_processes_are_not_diagnosed():
-    document = cuda_document({"reserved_bytes": 10 * GiB, "allocated_bytes": 10 * GiB}, requested=1 * GiB)
+    document = cuda_document(
+        {"reserved_bytes": 10 * GiB, "allocated_bytes": 10 * GiB}, requested=1 * GiB
+    )
     document["device"]["other_processes"] = [{"pid": 1, "used_bytes": 100 * MiB}]
     assert "other_processes" not in kinds(document)
     document["device"]["other_processes"] = []
@@ -223,11 +308,14 @@ def test_small_other_processes_are_not_diagnosed():
 
 
 def test_host_memory_pressure():
-    document = oomdoc_document(host={"total_bytes": 32 * GiB, "available_bytes": 512 * MiB, "process_rss_bytes": 30 * GiB})
+    document = oomdoc_document(
+        host={"total_bytes": 32 * GiB, "available_bytes": 512 * MiB, "process_rss_bytes": 30 * GiB}
+    )
     diagnosis = find(document, "host_memory")
     assert diagnosis is not None and diagnosis["bytes"] == 32 * GiB - 512 * MiB
-    killed = oomdoc_document(outcome="error", exit_code=137,
-                             host={"total_bytes": 32 * GiB, "available_bytes": 512 * MiB})
+    killed = oomdoc_document(
+        outcome="error", exit_code=137, host={"total_bytes": 32 * GiB, "available_bytes": 512 * MiB}
+    )
     assert kinds(killed)[0] == "host_memory"
 
 
@@ -239,13 +327,22 @@ def test_host_with_room_is_not_diagnosed():
 # ------------------------------------------------------------ the breakdown
 
 
-@pytest.mark.parametrize("dominant, fixes", [
-    ("activations", ["checkpointing", "autocast", "smaller_batch"]),
-    ("optimizer_state", ["lighter_optimizer"]),
-    ("parameters", []),
-])
+@pytest.mark.parametrize(
+    "dominant, fixes",
+    [
+        ("activations", ["checkpointing", "autocast", "smaller_batch"]),
+        ("optimizer_state", ["lighter_optimizer"]),
+        ("parameters", []),
+    ],
+)
 def test_the_dominant_category_comes_first_with_its_fixes(dominant, fixes):
-    breakdown = {"parameters": 50 * MiB, "gradients": 50 * MiB, "optimizer_state": 50 * MiB, "activations": 50 * MiB, "other": 0}
+    breakdown = {
+        "parameters": 50 * MiB,
+        "gradients": 50 * MiB,
+        "optimizer_state": 50 * MiB,
+        "activations": 50 * MiB,
+        "other": 0,
+    }
     breakdown[dominant] = 800 * MiB
     diagnosis = diagnose(oomdoc_document(breakdown=breakdown))[0]
     assert diagnosis["kind"] == dominant
@@ -254,12 +351,20 @@ def test_the_dominant_category_comes_first_with_its_fixes(dominant, fixes):
 
 
 def test_small_categories_are_not_diagnosed():
-    breakdown = {"parameters": 10 * MiB, "gradients": 10 * MiB, "optimizer_state": 20 * MiB, "activations": 900 * MiB, "other": 1}
+    breakdown = {
+        "parameters": 10 * MiB,
+        "gradients": 10 * MiB,
+        "optimizer_state": 20 * MiB,
+        "activations": 900 * MiB,
+        "other": 1,
+    }
     assert kinds(oomdoc_document(breakdown=breakdown)) == ["activations"]
 
 
 def test_bugs_come_before_the_breakdown():
-    steps = [step(0, end=400 * MiB)] + [step(i, end=400 * MiB, retained_graphs=[TOTAL_LOSS]) for i in range(1, 6)]
+    steps = [step(0, end=400 * MiB)] + [
+        step(i, end=400 * MiB, retained_graphs=[TOTAL_LOSS]) for i in range(1, 6)
+    ]
     order = kinds(oom_document(allocated=900 * MiB, requested=200 * MiB, steps=steps))
     assert order[0] == "leak" and "activations" in order
 
@@ -268,9 +373,17 @@ def test_bugs_come_before_the_breakdown():
 
 
 def test_estimated_fixes_are_labelled_ranked_and_arithmetic():
-    document = oom_document(allocated=900 * MiB, requested=200 * MiB,
-                            breakdown={"parameters": 100 * MiB, "gradients": 100 * MiB, "optimizer_state": 200 * MiB,
-                                       "activations": 500 * MiB, "other": 0})
+    document = oom_document(
+        allocated=900 * MiB,
+        requested=200 * MiB,
+        breakdown={
+            "parameters": 100 * MiB,
+            "gradients": 100 * MiB,
+            "optimizer_state": 200 * MiB,
+            "activations": 500 * MiB,
+            "other": 0,
+        },
+    )
     fixes, measured = fixes_for(document)
     assert measured is False and all(fix["measured"] is False for fix in fixes)
     by_name = {fix["name"]: fix for fix in fixes}
@@ -290,9 +403,18 @@ def test_estimated_fixes_are_labelled_ranked_and_arithmetic():
 
 
 def test_pairs_are_estimated_when_no_single_fix_fits():
-    document = oom_document(allocated=1000 * MiB, requested=350 * MiB, models=[],
-                            breakdown={"parameters": 100 * MiB, "gradients": 100 * MiB, "optimizer_state": 200 * MiB,
-                                       "activations": 600 * MiB, "other": 0})
+    document = oom_document(
+        allocated=1000 * MiB,
+        requested=350 * MiB,
+        models=[],
+        breakdown={
+            "parameters": 100 * MiB,
+            "gradients": 100 * MiB,
+            "optimizer_state": 200 * MiB,
+            "activations": 600 * MiB,
+            "other": 0,
+        },
+    )
     fixes = estimate_fixes(document)
     pair = next(fix for fix in fixes if fix["name"] == "autocast+smaller_batch")
     # Activation fixes compound: 600 MiB * (1 - 0.6 * 0.5), less the weight copies.
@@ -302,14 +424,30 @@ def test_pairs_are_estimated_when_no_single_fix_fits():
 
 
 def test_measured_fixes_are_shown_as_measured():
-    measured = [{"name": "autocast", "peak_allocated_bytes": 700 * MiB, "saved_bytes": 400 * MiB, "fits": True,
-                 "step_time_ratio": 0.8, "detail": "replayed step 0", "snippet": "x", "measured": True}]
-    document = oom_document(allocated=900 * MiB, requested=200 * MiB, fixes=measured, max_batch_size=48)
+    measured = [
+        {
+            "name": "autocast",
+            "peak_allocated_bytes": 700 * MiB,
+            "saved_bytes": 400 * MiB,
+            "fits": True,
+            "step_time_ratio": 0.8,
+            "detail": "replayed step 0",
+            "snippet": "x",
+            "measured": True,
+        }
+    ]
+    document = oom_document(
+        allocated=900 * MiB, requested=200 * MiB, fixes=measured, max_batch_size=48
+    )
     result = analysis(document)
     assert result["fixes"] == measured and result["fixes_measured"] is True
     assert result["max_batch_size"] == 48
     text = render_text(document)
-    assert "measured by replaying" in text and "0.80x" in text and "estimated" not in text.split("measured by replaying")[1]
+    assert (
+        "measured by replaying" in text
+        and "0.80x" in text
+        and "estimated" not in text.split("measured by replaying")[1]
+    )
 
 
 def test_estimates_rendered_through_the_same_table():
@@ -336,4 +474,6 @@ def test_torch_snapshot_diagnosis():
     names = [fix["name"] for fix in estimate_fixes(document)]
     assert "expandable_segments" in names
     text = render_text(document)
-    assert "Allocator events just before the OOM" in text and "/home/me/train.py:42 in forward" in text
+    assert (
+        "Allocator events just before the OOM" in text and "/home/me/train.py:42 in forward" in text
+    )

@@ -10,11 +10,11 @@ import pickletools
 from pathlib import Path
 
 import pytest
+from suggest_builders import USER_FORWARD, USER_OPTIMIZER, MiB, oomdoc_document, torch_snapshot
 
 from oomdoc import loaders
 from oomdoc.loaders import foreign_user_frame, infer_category, load_bytes, load_snapshot
 from oomdoc.snapshot import MAX_SNAPSHOT_BYTES, SnapshotError
-from suggest_builders import MiB, USER_FORWARD, USER_OPTIMIZER, oomdoc_document, torch_snapshot
 
 H100_PICKLE = Path(__file__).parent / "data" / "h100_oom_snapshot.pickle"
 
@@ -75,8 +75,11 @@ def test_torch_pickle_is_converted(protocol):
     assert oom["location"] == {"file": "/home/me/train.py", "line": 42, "function": "forward"}
     assert document["device"]["capacity_bytes"] == 2064 * MiB
     assert document["breakdown"] == {
-        "parameters": 400 * MiB, "gradients": 0, "optimizer_state": 800 * MiB,
-        "activations": 300 * MiB, "other": 64 * MiB,
+        "parameters": 400 * MiB,
+        "gradients": 0,
+        "optimizer_state": 800 * MiB,
+        "activations": 300 * MiB,
+        "other": 64 * MiB,
     }
     top = document["top_allocations"]
     assert [site["bytes"] for site in top] == sorted((site["bytes"] for site in top), reverse=True)
@@ -87,7 +90,11 @@ def test_torch_pickle_is_converted(protocol):
     # The events just before the OOM, oldest first, with where they came from.
     events = document["trace_before_oom"]
     assert [event["action"] for event in events] == [
-        "segment_alloc", "alloc", "alloc", "free_requested", "free_completed",
+        "segment_alloc",
+        "alloc",
+        "alloc",
+        "free_requested",
+        "free_completed",
     ]
     assert events[1]["bytes"] == 200 * MiB and events[1]["location"]["file"] == "/home/me/train.py"
 
@@ -122,28 +129,52 @@ def test_categories_from_frames():
     assert infer_category(USER_OPTIMIZER) == "optimizer_state"
     assert infer_category(USER_FORWARD) == "activations"
     assert infer_category([]) == "other"
-    assert infer_category([{"filename": "/x/site-packages/torch/_tensor.py", "line": 1, "name": "backward"}]) == "gradients"
-    assert infer_category([{"filename": "??", "line": 0, "name": "torch::autograd::Engine::evaluate_function"}]) == "gradients"
+    assert (
+        infer_category(
+            [{"filename": "/x/site-packages/torch/_tensor.py", "line": 1, "name": "backward"}]
+        )
+        == "gradients"
+    )
+    assert (
+        infer_category(
+            [{"filename": "??", "line": 0, "name": "torch::autograd::Engine::evaluate_function"}]
+        )
+        == "gradients"
+    )
 
 
 def test_user_frame_is_found_by_path_shape():
     frames = [
         {"filename": "<frozen runpy>", "line": 1, "name": "x"},
-        {"filename": "/opt/conda/lib/python3.11/site-packages/torch/nn/modules/module.py", "line": 2, "name": "y"},
+        {
+            "filename": "/opt/conda/lib/python3.11/site-packages/torch/nn/modules/module.py",
+            "line": 2,
+            "name": "y",
+        },
         {"filename": "/home/a/model.py", "line": 3, "name": "forward"},
     ]
-    assert foreign_user_frame(frames) == {"file": "/home/a/model.py", "line": 3, "function": "forward"}
+    assert foreign_user_frame(frames) == {
+        "file": "/home/a/model.py",
+        "line": 3,
+        "function": "forward",
+    }
     assert foreign_user_frame(frames[:2])["line"] == 2  # falls back to the innermost Python frame
     assert foreign_user_frame([]) is None
 
 
-@pytest.mark.parametrize("mutate, message", [
-    (lambda d: d.__setitem__("segments", "nope"), "segments is a str"),
-    (lambda d: d["segments"][0].__setitem__("total_size", "big"), "total_size is a str"),
-    (lambda d: d["segments"][2]["blocks"][0].__setitem__("frames", [7]), "frames\\[0\\] is a int"),
-    (lambda d: d["device_traces"][0].append("x"), "is a str, not a dict"),
-    (lambda d: d["segments"][0].__setitem__("total_size", 2**70), "out of range"),
-])
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda d: d.__setitem__("segments", "nope"), "segments is a str"),
+        (lambda d: d["segments"][0].__setitem__("total_size", "big"), "total_size is a str"),
+        (
+            lambda d: d["segments"][2]["blocks"][0].__setitem__("frames", [7]),
+            "frames\\[0\\] is a int",
+        ),
+        (lambda d: d["device_traces"][0].append("x"), "is a str, not a dict"),
+        (lambda d: d["segments"][0].__setitem__("total_size", 2**70), "out of range"),
+    ],
+)
 def test_torch_snapshot_of_the_wrong_shape_is_named(mutate, message):
     data = torch_snapshot()
     mutate(data)
@@ -166,8 +197,10 @@ def test_real_h100_pickle_is_read():
     assert document["device"]["capacity_bytes"] >= allocator["reserved_bytes"]
     assert document["top_allocations"] and document["top_allocations"][0]["bytes"] > 0
     assert document["trace_before_oom"]
-    assert any(site["location"] and site["location"]["file"].endswith("make_h100_snapshot.py")
-               for site in document["top_allocations"])
+    assert any(
+        site["location"] and site["location"]["file"].endswith("make_h100_snapshot.py")
+        for site in document["top_allocations"]
+    )
     assert document["breakdown"]["optimizer_state"] > 0 or document["breakdown"]["parameters"] > 0
 
 
@@ -192,23 +225,28 @@ def test_hostile_pickle_is_refused_without_running(tmp_path):
     pickle.loads(pickle.dumps(CreatesFile(str(probe))))
     assert probe.exists()
 
-    with pytest.raises(SnapshotError, match=r"refused: the pickle asks for pathlib.*nothing in it was run"):
+    with pytest.raises(
+        SnapshotError, match=r"refused: the pickle asks for pathlib.*nothing in it was run"
+    ):
         load_snapshot(write(tmp_path, "evil.pickle", raw))
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("raw", [
-    # protocol 0 GLOBAL + REDUCE: os.system('touch ...')
-    b"cos\nsystem\n(S'echo hostile'\ntR.",
-    # protocol 0 INST opcode
-    b"(S'echo hostile'\nios\nsystem\n.",
-    # protocol 4 STACK_GLOBAL builtins.eval
-    pickle.dumps(eval, protocol=4),
-    # a persistent id
-    b"\x80\x02P0\n.",
-    # an extension code (copyreg's registry) is a global lookup too
-    b"\x80\x02\x82\x01.",
-])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        # protocol 0 GLOBAL + REDUCE: os.system('touch ...')
+        b"cos\nsystem\n(S'echo hostile'\ntR.",
+        # protocol 0 INST opcode
+        b"(S'echo hostile'\nios\nsystem\n.",
+        # protocol 4 STACK_GLOBAL builtins.eval
+        pickle.dumps(eval, protocol=4),
+        # a persistent id
+        b"\x80\x02P0\n.",
+        # an extension code (copyreg's registry) is a global lookup too
+        b"\x80\x02\x82\x01.",
+    ],
+)
 def test_every_way_to_reach_code_is_refused(raw, tmp_path):
     with pytest.raises(SnapshotError, match="refused|corrupt"):
         load_bytes(raw, "evil")
@@ -224,13 +262,16 @@ def test_plain_data_walk():
     loaders._check_plain(cyclic, "x")  # a cycle terminates
 
 
-@pytest.mark.parametrize("raw, message", [
-    (b"", "empty file"),
-    (b"hello world", "neither JSON nor a pickle"),
-    (b"\x00\x01\x02garbage", "neither JSON nor a pickle"),
-    (b'{"schema_version": 1, "oomdoc_version"', "not valid JSON"),
-    (b"\xff\xfe{}", "neither JSON nor a pickle"),
-])
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        (b"", "empty file"),
+        (b"hello world", "neither JSON nor a pickle"),
+        (b"\x00\x01\x02garbage", "neither JSON nor a pickle"),
+        (b'{"schema_version": 1, "oomdoc_version"', "not valid JSON"),
+        (b"\xff\xfe{}", "neither JSON nor a pickle"),
+    ],
+)
 def test_bad_bytes_are_named(raw, message):
     with pytest.raises(SnapshotError, match=message):
         load_bytes(raw, "f")
@@ -239,9 +280,13 @@ def test_bad_bytes_are_named(raw, message):
 def test_shared_references_cannot_blow_up_the_walk():
     """A pickle shares one list among many parents for a few bytes each; the
     converter must not walk segments x blocks (or traces x entries) in full."""
-    blocks = [{"size": 512, "state": "active_allocated", "frames": [USER_FORWARD[0]] * 10_000}] * 5_000
-    data = {"segments": [{"device": 0, "total_size": 512, "blocks": blocks}] * 1_000,
-            "device_traces": [[{"action": "alloc", "size": 1}] * 10_000] * 10_000}
+    blocks = [
+        {"size": 512, "state": "active_allocated", "frames": [USER_FORWARD[0]] * 10_000}
+    ] * 5_000
+    data = {
+        "segments": [{"device": 0, "total_size": 512, "blocks": blocks}] * 1_000,
+        "device_traces": [[{"action": "alloc", "size": 1}] * 10_000] * 10_000,
+    }
     raw = pickle.dumps(data, protocol=4)
     assert len(raw) < 1024**2
     with pytest.raises(SnapshotError, match="more than .* blocks"):

@@ -4,13 +4,13 @@
 from __future__ import annotations
 
 import gc
-import os
 import importlib.metadata
+import os
 
 import pytest
 import torch
-
 from conftest import REPO_ROOT
+
 from oomdoc import pytest_plugin
 
 pytest_plugins = ["pytester"]
@@ -19,14 +19,20 @@ pytest_plugins = ["pytester"]
 def plugin_args(device: str = "cpu") -> list[str]:
     """Load the plugin by module unless its pytest11 entry point (an installed
     oomdoc) already does; loading it twice under two names is an error."""
-    installed = any(ep.value == "oomdoc.pytest_plugin" for ep in importlib.metadata.entry_points(group="pytest11"))
+    installed = any(
+        ep.value == "oomdoc.pytest_plugin"
+        for ep in importlib.metadata.entry_points(group="pytest11")
+    )
     return ["--oomdoc-device", device] + ([] if installed else ["-p", "oomdoc.pytest_plugin"])
 
 
 @pytest.fixture
 def pytester(pytester, monkeypatch):
     """pytester whose runs see this checkout's oomdoc."""
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p))
+    monkeypatch.setenv(
+        "PYTHONPATH",
+        os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p),
+    )
     return pytester
 
 
@@ -36,7 +42,7 @@ def run(pytester, *args):
     return pytester.runpytest_subprocess(*args)
 
 
-TESTS = '''
+TESTS = """
 import pytest
 import torch
 import torch.nn as nn
@@ -67,30 +73,37 @@ def test_model_over_the_limit():
 
 def test_unmarked():
     torch.zeros(4096, 4096)
-'''
+"""
 
 
 def test_over_the_limit_fails_with_sites_and_under_passes(pytester):
     pytester.makepyfile(test_memory=TESTS)
     result = run(pytester, *plugin_args(), "-p", "no:cacheprovider")
     result.assert_outcomes(passed=2, failed=2)
-    result.stdout.fnmatch_lines(["test_memory.py M.M.*"])  # memory failures show as M, as with pytest-memray
-    result.stdout.fnmatch_lines([
-        "*test_memory.py::test_over_the_limit was limited to 4.00 MiB of tensor memory but its peak was 8.00 MiB*",
-        "*Top * allocation sites at the peak*",
-        "*8.00 MiB*test_memory.py:15 in test_over_the_limit*2048x1024 float32*",
-    ])
-    result.stdout.fnmatch_lines([
-        "*test_model_over_the_limit was limited to 3.00 MiB*",
-        "At the peak: parameters *activations*",
-        "8.00 MiB  activations  test_memory.py:9 in make_activations  2 x 1024x1024 float32",
-    ])
+    result.stdout.fnmatch_lines(
+        ["test_memory.py M.M.*"]
+    )  # memory failures show as M, as with pytest-memray
+    result.stdout.fnmatch_lines(
+        [
+            "*test_memory.py::test_over_the_limit was limited to 4.00 MiB of tensor memory but its peak was 8.00 MiB*",
+            "*Top * allocation sites at the peak*",
+            "*8.00 MiB*test_memory.py:15 in test_over_the_limit*2048x1024 float32*",
+        ]
+    )
+    result.stdout.fnmatch_lines(
+        [
+            "*test_model_over_the_limit was limited to 3.00 MiB*",
+            "At the peak: parameters *activations*",
+            "8.00 MiB  activations  test_memory.py:9 in make_activations  2 x 1024x1024 float32",
+        ]
+    )
     assert "test_under_the_limit was limited" not in result.stdout.str()
     assert "test_unmarked was limited" not in result.stdout.str()
 
 
 def test_a_bad_limit_is_a_setup_error(pytester):
-    pytester.makepyfile(test_bad='''
+    pytester.makepyfile(
+        test_bad="""
 import pytest
 
 @pytest.mark.oomdoc_limit("lots")
@@ -100,10 +113,13 @@ def test_bad():
 @pytest.mark.oomdoc_limit()
 def test_no_size():
     pass
-''')
+"""
+    )
     result = run(pytester, *plugin_args(), "-p", "no:cacheprovider")
     result.assert_outcomes(errors=2)
-    result.stdout.fnmatch_lines(["*oomdoc_limit: invalid size 'lots'*", "*oomdoc_limit takes one size*"])
+    result.stdout.fnmatch_lines(
+        ["*oomdoc_limit: invalid size 'lots'*", "*oomdoc_limit takes one size*"]
+    )
 
 
 def test_the_cpu_meter_counts_repeatably_and_uninstalls_everything():
@@ -116,7 +132,9 @@ def test_the_cpu_meter_counts_repeatably_and_uninstalls_everything():
     def measure():
         meter = pytest_plugin.SimulatedMeter(limit_bytes=1024**2)
         meter.start()
-        model = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.ReLU(), torch.nn.Linear(512, 64))
+        model = torch.nn.Sequential(
+            torch.nn.Linear(64, 512), torch.nn.ReLU(), torch.nn.Linear(512, 64)
+        )
         model(torch.randn(256, 64)).sum().backward()
         del model
         return meter.stop()
@@ -134,9 +152,16 @@ def test_the_cpu_meter_counts_repeatably_and_uninstalls_everything():
 
 def test_sites_at_the_peak_of_a_cuda_trace():
     """The CUDA path's trace replay, on a trace written out here."""
+
     def frames(line):
-        return [{"filename": os.path.join(os.path.dirname(torch.__file__), "nn", "functional.py"), "line": 1, "name": "linear"},
-                {"filename": "/project/test_model.py", "line": line, "name": "test_model"}]
+        return [
+            {
+                "filename": os.path.join(os.path.dirname(torch.__file__), "nn", "functional.py"),
+                "line": 1,
+                "name": "linear",
+            },
+            {"filename": "/project/test_model.py", "line": line, "name": "test_model"},
+        ]
 
     trace = [
         {"action": "free_requested", "addr": 99, "size": 512},  # allocated before recording began
@@ -150,5 +175,8 @@ def test_sites_at_the_peak_of_a_cuda_trace():
     ]
     sites = pytest_plugin.sites_at_trace_peak(trace)
     # The peak is after the third alloc: 1000 + 3000 + 3000 live.
-    assert [(site["location"]["line"], site["bytes"], site["count"]) for site in sites] == [(11, 6000, 2), (10, 1000, 1)]
+    assert [(site["location"]["line"], site["bytes"], site["count"]) for site in sites] == [
+        (11, 6000, 2),
+        (10, 1000, 1),
+    ]
     assert pytest_plugin.sites_at_trace_peak([]) == []

@@ -80,14 +80,25 @@ class Workload:
         steps: dict[int, dict] = {}
         slack = self.slack_bytes + self.slack_per_sample * b
         for index, phase, value, before in self.phases_from(b):
-            step = steps.setdefault(index, {
-                "index": index, "phase_peaks": {}, "forward_calls": 1, "duration_s": 0.1 * b + 1,
-                "peak_allocated_bytes": 0, "peak_reserved_bytes": 0,
-            })
+            step = steps.setdefault(
+                index,
+                {
+                    "index": index,
+                    "phase_peaks": {},
+                    "forward_calls": 1,
+                    "duration_s": 0.1 * b + 1,
+                    "peak_allocated_bytes": 0,
+                    "peak_reserved_bytes": 0,
+                },
+            )
             if index == 0 and phase == "forward":
                 step["start_allocated_bytes"] = self.params + self.input_bytes * b
             value = self._round(value)
-            need = value if self.constant_oom_need is None or phase != "forward" else max(value, self.constant_oom_need)
+            need = (
+                value
+                if self.constant_oom_need is None or phase != "forward"
+                else max(value, self.constant_oom_need)
+            )
             if need + slack > self.capacity:
                 # Out of memory partway through the phase: the record says
                 # what was allocated and what was asked for.
@@ -100,18 +111,29 @@ class Workload:
                 requested = chunk
                 step["phase_peaks"][phase] = allocated
                 return {
-                    "outcome": "oom", "step_unit": "optimizer" if index else "module",
+                    "outcome": "oom",
+                    "step_unit": "optimizer" if index else "module",
                     "steps": list(steps.values()),
-                    "oom": {"step": index, "phase": phase, "allocated_bytes": allocated, "requested_bytes": requested,
-                            "reserved_bytes": allocated + slack},
+                    "oom": {
+                        "step": index,
+                        "phase": phase,
+                        "allocated_bytes": allocated,
+                        "requested_bytes": requested,
+                        "reserved_bytes": allocated + slack,
+                    },
                     "peak": {"allocated_bytes": allocated, "reserved_bytes": allocated + slack},
                 }
             step["phase_peaks"][phase] = value
             step["peak_allocated_bytes"] = max(step["peak_allocated_bytes"], value)
             step["peak_reserved_bytes"] = max(step["peak_reserved_bytes"], value + slack)
         peak = max(s["peak_allocated_bytes"] for s in steps.values())
-        return {"outcome": "ok", "step_unit": "optimizer", "steps": list(steps.values()),
-                "oom": None, "peak": {"allocated_bytes": peak, "reserved_bytes": peak + slack}}
+        return {
+            "outcome": "ok",
+            "step_unit": "optimizer",
+            "steps": list(steps.values()),
+            "oom": None,
+            "peak": {"allocated_bytes": peak, "reserved_bytes": peak + slack},
+        }
 
     def true_max(self, upper: int) -> int:
         return max((b for b in range(1, upper) if self.fits(b)), default=0)
@@ -127,7 +149,9 @@ def run_search(workload: Workload, batch: int, **kwargs):
         calls.append(b)
         return observe(workload.capture(b), b)
 
-    result = search_max_batch(batch, workload.capacity, [baseline], trial, probe=first_probe(batch, completed), **kwargs)
+    result = search_max_batch(
+        batch, workload.capacity, [baseline], trial, probe=first_probe(batch, completed), **kwargs
+    )
     return result, calls
 
 
@@ -135,8 +159,13 @@ def run_search(workload: Workload, batch: int, **kwargs):
 # in round numbers: ~0.9 GB of parameters, ~0.6 GB of forward activations and
 # logits per sample, a foreach AdamW that briefly copies the parameters.
 GPT_LIKE = Workload(
-    params=870 * MiB, opt_state=1740 * MiB, opt_temp=870 * MiB,
-    act_forward=590 * MiB, act_backward=130 * MiB, input_bytes=8 * 1024, leftover=65 * MiB,
+    params=870 * MiB,
+    opt_state=1740 * MiB,
+    opt_temp=870 * MiB,
+    act_forward=590 * MiB,
+    act_backward=130 * MiB,
+    input_bytes=8 * 1024,
+    leftover=65 * MiB,
 )
 
 
@@ -172,9 +201,16 @@ def test_one_probe_predicts_from_the_first_step_slope():
 
 def test_cuda_like_rounding_and_fragmentation_stay_exact():
     workload = Workload(
-        params=870 * MiB, opt_state=1740 * MiB, opt_temp=870 * MiB,
-        act_forward=590 * MiB + 12345, act_backward=130 * MiB + 777, input_bytes=8 * 1024, leftover=65 * MiB,
-        granule=2 * MiB, slack_bytes=150 * MiB, slack_per_sample=9 * MiB,
+        params=870 * MiB,
+        opt_state=1740 * MiB,
+        opt_temp=870 * MiB,
+        act_forward=590 * MiB + 12345,
+        act_backward=130 * MiB + 777,
+        input_bytes=8 * 1024,
+        leftover=65 * MiB,
+        granule=2 * MiB,
+        slack_bytes=150 * MiB,
+        slack_per_sample=9 * MiB,
     )
     result, calls = run_search(workload, 32)
     assert result.exact and result.max_batch_size == workload.true_max(32)
@@ -184,8 +220,14 @@ def test_cuda_like_rounding_and_fragmentation_stay_exact():
 def test_constant_optimizer_peak_dominating_at_small_batch():
     """A model whose optimizer step needs most of the device: only a few samples fit."""
     workload = Workload(
-        params=2 * GiB, opt_state=4 * GiB, opt_temp=2 * GiB, act_forward=300 * MiB, act_backward=80 * MiB,
-        leftover=10 * MiB, capacity=16 * GiB, granule=2 * MiB,
+        params=2 * GiB,
+        opt_state=4 * GiB,
+        opt_temp=2 * GiB,
+        act_forward=300 * MiB,
+        act_backward=80 * MiB,
+        leftover=10 * MiB,
+        capacity=16 * GiB,
+        granule=2 * MiB,
     )
     result, calls = run_search(workload, 64)
     assert result.exact and result.max_batch_size == workload.true_max(64)
@@ -193,7 +235,9 @@ def test_constant_optimizer_peak_dominating_at_small_batch():
 
 
 def test_nothing_fits():
-    workload = Workload(params=1 * GiB, opt_state=2 * GiB, opt_temp=0, act_forward=20 * GiB, act_backward=10 * MiB)
+    workload = Workload(
+        params=1 * GiB, opt_state=2 * GiB, opt_temp=0, act_forward=20 * GiB, act_backward=10 * MiB
+    )
     result, calls = run_search(workload, 16)
     assert result.max_batch_size is None and not result.exact
     assert calls[-1] == 1
@@ -201,14 +245,22 @@ def test_nothing_fits():
 
 def test_optimizer_state_that_never_fits_stops_after_one_replay():
     """The first optimizer step needs more than the device whatever the batch."""
-    workload = Workload(params=6 * GiB, opt_state=12 * GiB, opt_temp=0, act_forward=100 * MiB, act_backward=10 * MiB)
+    workload = Workload(
+        params=6 * GiB, opt_state=12 * GiB, opt_temp=0, act_forward=100 * MiB, act_backward=10 * MiB
+    )
     result, calls = run_search(workload, 16)
     assert len(calls) == 1 and "does not decide" in result.stopped
 
 
 def test_an_oom_the_batch_size_does_not_change_stops_the_search():
-    workload = Workload(params=1 * GiB, opt_state=2 * GiB, opt_temp=0, act_forward=10 * MiB, act_backward=1 * MiB,
-                        constant_oom_need=20 * GiB)
+    workload = Workload(
+        params=1 * GiB,
+        opt_state=2 * GiB,
+        opt_temp=0,
+        act_forward=10 * MiB,
+        act_backward=1 * MiB,
+        constant_oom_need=20 * GiB,
+    )
     result, calls = run_search(workload, 64)
     assert len(calls) == 1
     assert "does not decide" in result.stopped
@@ -237,9 +289,14 @@ def test_an_inconclusive_replay_stops_the_search():
 )
 def test_search_is_always_exact(params, opt_ratio, act, act_backward, leftover, granule, batch):
     workload = Workload(
-        params=params * MiB, opt_state=opt_ratio * params * MiB, opt_temp=params * MiB // 2,
-        act_forward=act * MiB // 16, act_backward=act_backward * MiB // 16, leftover=leftover * MiB // 64,
-        input_bytes=4096, granule=granule,
+        params=params * MiB,
+        opt_state=opt_ratio * params * MiB,
+        opt_temp=params * MiB // 2,
+        act_forward=act * MiB // 16,
+        act_backward=act_backward * MiB // 16,
+        leftover=leftover * MiB // 64,
+        input_bytes=4096,
+        granule=granule,
     )
     if workload.fits(batch):
         return
@@ -267,7 +324,11 @@ def test_accumulation_plan_keeps_the_effective_batch():
 
 
 def test_median_step_seconds_skips_the_first_step():
-    steps = [{"index": 0, "duration_s": 9.0}, {"index": 1, "duration_s": 1.0}, {"index": 2, "duration_s": 3.0}]
+    steps = [
+        {"index": 0, "duration_s": 9.0},
+        {"index": 1, "duration_s": 1.0},
+        {"index": 2, "duration_s": 3.0},
+    ]
     assert median_step_seconds(steps) == 2.0
     assert median_step_seconds(steps[:1]) == 9.0
     assert median_step_seconds([]) is None

@@ -10,7 +10,6 @@ written into the script by hand (its --autocast and --checkpointing flags).
 from __future__ import annotations
 
 import pytest
-
 from conftest import SCRIPTS, load_json, run_oomdoc
 
 MLP = SCRIPTS / "replay_mlp_train.py"
@@ -19,8 +18,21 @@ CAPACITY = "40MiB"
 
 def run_no_replay(tmp_path, name, *script_args):
     snapshot = tmp_path / f"{name}.json"
-    result = run_oomdoc(["run", "--device", "cpu", "--device-memory", CAPACITY, "--no-replay", "-o", snapshot,
-                         MLP, *script_args], cwd=tmp_path)
+    result = run_oomdoc(
+        [
+            "run",
+            "--device",
+            "cpu",
+            "--device-memory",
+            CAPACITY,
+            "--no-replay",
+            "-o",
+            snapshot,
+            MLP,
+            *script_args,
+        ],
+        cwd=tmp_path,
+    )
     return result, load_json(snapshot)
 
 
@@ -28,8 +40,21 @@ def run_no_replay(tmp_path, name, *script_args):
 def replayed(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("replay")
     snapshot = tmp_path / "mlp.json"
-    result = run_oomdoc(["run", "--device", "cpu", "--device-memory", CAPACITY, "-o", snapshot,
-                         MLP, "--batch-size", "2048"], cwd=tmp_path)
+    result = run_oomdoc(
+        [
+            "run",
+            "--device",
+            "cpu",
+            "--device-memory",
+            CAPACITY,
+            "-o",
+            snapshot,
+            MLP,
+            "--batch-size",
+            "2048",
+        ],
+        cwd=tmp_path,
+    )
     return result, load_json(snapshot), tmp_path
 
 
@@ -56,7 +81,10 @@ def test_the_ranked_list_and_the_report(replayed):
     # A combination of the two best compatible fixes was measured too.
     assert any("+" in name for name in names)
     replay = document["replay"]
-    assert replay["baseline_need_estimated"] and replay["baseline_need_bytes"] > document["device"]["capacity_bytes"]
+    assert (
+        replay["baseline_need_estimated"]
+        and replay["baseline_need_bytes"] > document["device"]["capacity_bytes"]
+    )
     assert [s["name"] for s in replay["skipped"]][:2] == ["empty_cache", "expandable_segments"]
     assert len(replay["batch_search"]["trials"]) <= 4
     # Each replay's child was started (Python, `import torch`) while the one
@@ -85,10 +113,15 @@ def test_max_batch_size_is_exact(replayed, tmp_path):
     over, over_snapshot = run_no_replay(tmp_path, "over", "--batch-size", str(maximum + 1))
     assert over.returncode == 1 and over_snapshot["outcome"] == "oom"
     # The smaller-batch fix reports the peak of the run at the maximum.
-    assert by_name(document)["smaller_batch"]["peak_allocated_bytes"] == fits_snapshot["peak"]["allocated_bytes"]
+    assert (
+        by_name(document)["smaller_batch"]["peak_allocated_bytes"]
+        == fits_snapshot["peak"]["allocated_bytes"]
+    )
 
 
-@pytest.mark.parametrize("name,flag", [("autocast", "--autocast"), ("checkpointing", "--checkpointing")])
+@pytest.mark.parametrize(
+    "name,flag", [("autocast", "--autocast"), ("checkpointing", "--checkpointing")]
+)
 def test_replayed_fix_matches_the_fix_written_by_hand(replayed, tmp_path, name, flag):
     _, document, _ = replayed
     result, by_hand = run_no_replay(tmp_path, name, "--batch-size", "2048", flag)
@@ -103,8 +136,21 @@ def test_dataloader_batch_size_and_lighter_optimizer(replayed, tmp_path):
     is patched; the search finds the same maximum."""
     _, document, _ = replayed
     snapshot = tmp_path / "loader.json"
-    result = run_oomdoc(["run", "--device", "cpu", "--device-memory", CAPACITY, "--fixes", "smaller_batch,lighter_optimizer",
-                         "-o", snapshot, MLP], cwd=tmp_path)
+    result = run_oomdoc(
+        [
+            "run",
+            "--device",
+            "cpu",
+            "--device-memory",
+            CAPACITY,
+            "--fixes",
+            "smaller_batch,lighter_optimizer",
+            "-o",
+            snapshot,
+            MLP,
+        ],
+        cwd=tmp_path,
+    )
     assert result.returncode == 1, result.stderr[-3000:]
     loader = load_json(snapshot)
     assert loader["max_batch_size"] == document["max_batch_size"]
@@ -122,26 +168,44 @@ def test_dataloader_batch_size_and_lighter_optimizer(replayed, tmp_path):
 
 def test_a_hung_replay_is_killed_and_reported(tmp_path):
     snapshot = tmp_path / "hang.json"
-    result = run_oomdoc(["run", "--device", "cpu", "--device-memory", "16MiB", "--fixes", "autocast",
-                         "--replay-timeout", "3", "-o", snapshot, SCRIPTS / "replay_hang.py"], cwd=tmp_path)
+    result = run_oomdoc(
+        [
+            "run",
+            "--device",
+            "cpu",
+            "--device-memory",
+            "16MiB",
+            "--fixes",
+            "autocast",
+            "--replay-timeout",
+            "3",
+            "-o",
+            snapshot,
+            SCRIPTS / "replay_hang.py",
+        ],
+        cwd=tmp_path,
+    )
     assert result.returncode == 1
     document = load_json(snapshot)
-    fix, = document["fixes"]
+    (fix,) = document["fixes"]
     assert fix["outcome"] == "timeout" and not fix["fits"]
     assert "--replay-timeout" in fix["detail"]
     assert (tmp_path / "hang.files" / "replay-1-autocast.log").exists()
     assert "timed out" in result.stderr
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--fixes", "bogus"], "unknown fix 'bogus'"),
-    (["--fixes", "smaller_batch+autocast"], "smaller_batch cannot be part of one"),
-    (["--fixes", "autocast+autocast"], "not a combination"),
-    (["--fixes", ","], "at least one fix"),
-    (["--no-replay", "--fixes", "autocast"], "no effect with --no-replay"),
-    (["--replay-timeout", "0"], "--replay-timeout must be a positive"),
-    (["--batch-arg", "batch"], "is not an option name"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--fixes", "bogus"], "unknown fix 'bogus'"),
+        (["--fixes", "smaller_batch+autocast"], "smaller_batch cannot be part of one"),
+        (["--fixes", "autocast+autocast"], "not a combination"),
+        (["--fixes", ","], "at least one fix"),
+        (["--no-replay", "--fixes", "autocast"], "no effect with --no-replay"),
+        (["--replay-timeout", "0"], "--replay-timeout must be a positive"),
+        (["--batch-arg", "batch"], "is not an option name"),
+    ],
+)
 def test_replay_options_are_checked_before_anything_runs(tmp_path, args, message):
     result = run_oomdoc(["run", "--device", "cpu", *args, MLP], cwd=tmp_path)
     assert result.returncode == 2

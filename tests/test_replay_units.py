@@ -29,8 +29,13 @@ MiB = 1024**2
 
 
 def test_fix_names():
-    assert check_replay_options("autocast, checkpointing", None, None, True) == ["autocast", "checkpointing"]
-    assert check_replay_options("checkpointing+autocast", None, None, True) == ["checkpointing+autocast"]
+    assert check_replay_options("autocast, checkpointing", None, None, True) == [
+        "autocast",
+        "checkpointing",
+    ]
+    assert check_replay_options("checkpointing+autocast", None, None, True) == [
+        "checkpointing+autocast"
+    ]
     assert check_replay_options(None, 5.0, "--micro-bs", True) is None
     with pytest.raises(UsageError, match="unknown fix"):
         check_replay_options("autocast,fp8", None, None, True)
@@ -38,14 +43,21 @@ def test_fix_names():
         check_replay_options("empty_cache+expandable_segments+autocast", None, None, True)
 
 
-@pytest.mark.parametrize("args,flag,expected", [
-    (["--batch-size", "64", "--steps", "4"], None, (1, "--batch-size", 64)),
-    (["--bs=32"], None, (0, "--bs", 32)),
-    (["--per_device_train_batch_size", "8", "--batch_size", "16"], None, (3, "--batch_size", 16)),
-    (["-b", "12"], "-b", (1, "-b", 12)),
-    (["--batch-size", "auto"], None, None),
-    (["--steps", "4"], None, None),
-])
+@pytest.mark.parametrize(
+    "args,flag,expected",
+    [
+        (["--batch-size", "64", "--steps", "4"], None, (1, "--batch-size", 64)),
+        (["--bs=32"], None, (0, "--bs", 32)),
+        (
+            ["--per_device_train_batch_size", "8", "--batch_size", "16"],
+            None,
+            (3, "--batch_size", 16),
+        ),
+        (["-b", "12"], "-b", (1, "-b", 12)),
+        (["--batch-size", "auto"], None, None),
+        (["--steps", "4"], None, None),
+    ],
+)
 def test_find_batch_arg(args, flag, expected):
     assert find_batch_arg(args, flag) == expected
 
@@ -60,38 +72,75 @@ def fix(name, fits, peak, saved=None):
 
 
 def test_ranking_fits_first_then_costs_then_saving():
-    ranked = rank_fixes([
-        fix("smaller_batch", True, 39 * MiB, 7 * MiB),
-        fix("autocast", True, 25 * MiB, 21 * MiB),
-        fix("lighter_optimizer", False, 41 * MiB),
-        fix("checkpointing", True, 14 * MiB, 32 * MiB),
-        fix("expandable_segments", True, 30 * MiB, 16 * MiB),
-        fix("autocast+checkpointing", True, 9 * MiB, 37 * MiB),
-    ])
+    ranked = rank_fixes(
+        [
+            fix("smaller_batch", True, 39 * MiB, 7 * MiB),
+            fix("autocast", True, 25 * MiB, 21 * MiB),
+            fix("lighter_optimizer", False, 41 * MiB),
+            fix("checkpointing", True, 14 * MiB, 32 * MiB),
+            fix("expandable_segments", True, 30 * MiB, 16 * MiB),
+            fix("autocast+checkpointing", True, 9 * MiB, 37 * MiB),
+        ]
+    )
     assert [f["name"] for f in ranked] == [
-        "expandable_segments", "checkpointing", "autocast", "autocast+checkpointing", "smaller_batch", "lighter_optimizer",
+        "expandable_segments",
+        "checkpointing",
+        "autocast",
+        "autocast+checkpointing",
+        "smaller_batch",
+        "lighter_optimizer",
     ]
     assert [f["rank"] for f in ranked] == [1, 2, 3, 4, 5, 6]
 
 
 def test_best_pair_is_the_lowest_compatible_pair():
-    candidates = [fix("autocast", True, 25 * MiB), fix("checkpointing", True, 14 * MiB), fix("empty_cache", False, 41 * MiB)]
+    candidates = [
+        fix("autocast", True, 25 * MiB),
+        fix("checkpointing", True, 14 * MiB),
+        fix("empty_cache", False, 41 * MiB),
+    ]
     assert best_pair(candidates) == ("checkpointing", "autocast")
     assert best_pair([fix("autocast", True, 1)]) is None
 
 
 def test_not_applied_reasons():
     assert "no repeated blocks" in not_applied("checkpointing", {"checkpointing": {"wrapped": []}})
-    assert "already" in not_applied("autocast", {"autocast": {"regions": 0, "already_enabled": True}})
-    assert not_applied("autocast+checkpointing", {"autocast": {"regions": 2}, "checkpointing": {"wrapped": [{}]}}) is None
+    assert "already" in not_applied(
+        "autocast", {"autocast": {"regions": 0, "already_enabled": True}}
+    )
+    assert (
+        not_applied(
+            "autocast+checkpointing",
+            {"autocast": {"regions": 2}, "checkpointing": {"wrapped": [{}]}},
+        )
+        is None
+    )
 
 
 def failing_document(**overrides):
     document = {
         "device": {"kind": "simulated", "capacity_bytes": 40 * MiB},
-        "oom": {"step": 0, "phase": "forward", "allocated_bytes": 39 * MiB, "requested_bytes": 2 * MiB, "reserved_bytes": 39 * MiB},
-        "breakdown": {"parameters": 1 * MiB, "gradients": 0, "optimizer_state": 0, "activations": 38 * MiB, "other": 0},
-        "models": [{"class": "MLP", "parameters_bytes": MiB, "repeated_blocks": [{"path": "blocks", "class": "B", "count": 8}]}],
+        "oom": {
+            "step": 0,
+            "phase": "forward",
+            "allocated_bytes": 39 * MiB,
+            "requested_bytes": 2 * MiB,
+            "reserved_bytes": 39 * MiB,
+        },
+        "breakdown": {
+            "parameters": 1 * MiB,
+            "gradients": 0,
+            "optimizer_state": 0,
+            "activations": 38 * MiB,
+            "other": 0,
+        },
+        "models": [
+            {
+                "class": "MLP",
+                "parameters_bytes": MiB,
+                "repeated_blocks": [{"path": "blocks", "class": "B", "count": 8}],
+            }
+        ],
         "optimizers": ["AdamW"],
     }
     document.update(overrides)
@@ -109,12 +158,25 @@ def test_plan_skips_what_cannot_help_with_a_reason():
     # On CUDA with large optimizer state and fragmentation, all six are tried.
     cuda = failing_document(
         device={"kind": "cuda", "capacity_bytes": 16 * 1024 * MiB, "supports_bf16": True},
-        breakdown={"parameters": 900 * MiB, "gradients": 0, "optimizer_state": 0, "activations": 0, "other": 0},
-        oom={"step": 0, "phase": "forward", "allocated_bytes": 15 * 1024 * MiB, "requested_bytes": 2 * MiB,
-             "reserved_bytes": 15 * 1024 * MiB + 900 * MiB},
+        breakdown={
+            "parameters": 900 * MiB,
+            "gradients": 0,
+            "optimizer_state": 0,
+            "activations": 0,
+            "other": 0,
+        },
+        oom={
+            "step": 0,
+            "phase": "forward",
+            "allocated_bytes": 15 * 1024 * MiB,
+            "requested_bytes": 2 * MiB,
+            "reserved_bytes": 15 * 1024 * MiB + 900 * MiB,
+        },
     )
     assert len(plan(cuda, None)[0]) == 6
-    no_blocks = failing_document(models=[{"class": "Net", "parameters_bytes": 1, "repeated_blocks": []}])
+    no_blocks = failing_document(
+        models=[{"class": "Net", "parameters_bytes": 1, "repeated_blocks": []}]
+    )
     assert "checkpointing" not in plan(no_blocks, None)[0]
 
 
@@ -138,7 +200,10 @@ class Model(nn.Module):
 
 
 def test_checkpoint_targets_are_the_outermost_repeated_blocks():
-    targets = {path: (name, len(blocks), composite) for path, _c, name, blocks, composite in checkpoint_targets(Model())}
+    targets = {
+        path: (name, len(blocks), composite)
+        for path, _c, name, blocks, composite in checkpoint_targets(Model())
+    }
     assert targets == {"blocks": ("Block", 3, True), "head": ("Linear", 2, False)}
     root = nn.Sequential(*(Block() for _ in range(4)))
     assert [t[0] for t in checkpoint_targets(root)] == [""]
@@ -166,21 +231,57 @@ def test_progress_spinner_on_a_terminal():
 def document_with_fixes():
     return {
         "device": {"kind": "simulated", "name": "sim", "capacity_bytes": 40 * MiB},
-        "outcome": "oom", "oom": {"step": 0, "phase": "forward", "requested_bytes": 1, "allocated_bytes": 1,
-                                   "reserved_bytes": 1, "message": "", "location": None},
-        "breakdown": {c: 0 for c in ("parameters", "gradients", "optimizer_state", "activations", "other")},
-        "steps": [], "top_allocations": [],
+        "outcome": "oom",
+        "oom": {
+            "step": 0,
+            "phase": "forward",
+            "requested_bytes": 1,
+            "allocated_bytes": 1,
+            "reserved_bytes": 1,
+            "message": "",
+            "location": None,
+        },
+        "breakdown": {
+            c: 0 for c in ("parameters", "gradients", "optimizer_state", "activations", "other")
+        },
+        "steps": [],
+        "top_allocations": [],
         "fixes": [
-            {"name": "checkpointing", "rank": 1, "fits": True, "peak_allocated_bytes": 14 * MiB, "saved_bytes": 32 * MiB,
-             "step_time_ratio": 1.31, "detail": "checkpointed 8 x Block in blocks", "snippet": "x = checkpoint(block, x)",
-             "outcome": "fits", "measured": True},
-            {"name": "lighter_optimizer", "rank": 2, "fits": False, "peak_allocated_bytes": 41 * MiB, "saved_bytes": None,
-             "step_time_ratio": None, "detail": "ran out of memory", "snippet": "", "outcome": "oom", "measured": True},
+            {
+                "name": "checkpointing",
+                "rank": 1,
+                "fits": True,
+                "peak_allocated_bytes": 14 * MiB,
+                "saved_bytes": 32 * MiB,
+                "step_time_ratio": 1.31,
+                "detail": "checkpointed 8 x Block in blocks",
+                "snippet": "x = checkpoint(block, x)",
+                "outcome": "fits",
+                "measured": True,
+            },
+            {
+                "name": "lighter_optimizer",
+                "rank": 2,
+                "fits": False,
+                "peak_allocated_bytes": 41 * MiB,
+                "saved_bytes": None,
+                "step_time_ratio": None,
+                "detail": "ran out of memory",
+                "snippet": "",
+                "outcome": "oom",
+                "measured": True,
+            },
         ],
         "max_batch_size": 1755,
-        "replay": {"replays": 6, "total_s": 50.0, "max_steps": 2, "baseline_need_bytes": 46 * MiB,
-                   "baseline_need_estimated": True, "batch_search": {"original_batch_size": 2048},
-                   "skipped": [{"name": "empty_cache", "reason": "CUDA only"}]},
+        "replay": {
+            "replays": 6,
+            "total_s": 50.0,
+            "max_steps": 2,
+            "baseline_need_bytes": 46 * MiB,
+            "baseline_need_estimated": True,
+            "batch_search": {"original_batch_size": 2048},
+            "skipped": [{"name": "empty_cache", "reason": "CUDA only"}],
+        },
     }
 
 
@@ -202,7 +303,14 @@ def test_fixes_table_text_and_markdown():
 
 def test_snapshot_validation_of_fixes():
     document = document_with_fixes()
-    document.update(schema_version=1, oomdoc_version="0", created_at="t", torch_version="2", command=["x.py"], exit_code=1)
+    document.update(
+        schema_version=1,
+        oomdoc_version="0",
+        created_at="t",
+        torch_version="2",
+        command=["x.py"],
+        exit_code=1,
+    )
     validate(document)
     document["fixes"][0]["fits"] = "yes"
     with pytest.raises(SnapshotError, match="fits"):
@@ -241,9 +349,16 @@ def test_bytecode_is_left_alone_when_it_is_there_or_can_be_written(tmp_path):
     from oomdoc.runner import bytecode_cache_env
 
     compiled = _package(tmp_path / "a", compiled=True)
-    assert bytecode_cache_env({"PYTHONDONTWRITEBYTECODE": "1"}, origin=compiled, cache_root=str(tmp_path / "c")) == {}
+    assert (
+        bytecode_cache_env(
+            {"PYTHONDONTWRITEBYTECODE": "1"}, origin=compiled, cache_root=str(tmp_path / "c")
+        )
+        == {}
+    )
     uncompiled = _package(tmp_path / "b", compiled=False)
-    assert bytecode_cache_env({}, origin=uncompiled, cache_root=str(tmp_path / "c")) == {}  # Python writes it itself
+    assert (
+        bytecode_cache_env({}, origin=uncompiled, cache_root=str(tmp_path / "c")) == {}
+    )  # Python writes it itself
     chosen = {"PYTHONDONTWRITEBYTECODE": "1", "PYTHONPYCACHEPREFIX": "/somewhere"}
     assert bytecode_cache_env(chosen, origin=uncompiled, cache_root=str(tmp_path / "c")) == {}
     assert not (tmp_path / "c").exists()
@@ -254,7 +369,9 @@ def test_child_env_drops_dont_write_bytecode_only_with_a_cache(tmp_path, monkeyp
 
     monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
     monkeypatch.delenv("PYTHONPYCACHEPREFIX", raising=False)
-    monkeypatch.setattr(runner, "bytecode_cache_env", lambda env: {"PYTHONPYCACHEPREFIX": str(tmp_path)})
+    monkeypatch.setattr(
+        runner, "bytecode_cache_env", lambda env: {"PYTHONPYCACHEPREFIX": str(tmp_path)}
+    )
     env = runner.child_env("cpu", {})
     assert "PYTHONDONTWRITEBYTECODE" not in env and env["PYTHONPYCACHEPREFIX"] == str(tmp_path)
     monkeypatch.setattr(runner, "bytecode_cache_env", lambda env: {})
@@ -266,8 +383,10 @@ def test_the_parent_never_imports_torch():
     import subprocess
     import sys
 
-    code = ("import sys, oomdoc.cli, oomdoc.session, oomdoc.runner, oomdoc.check, oomdoc.replay.orchestrate;"
-            "sys.exit('torch' in sys.modules)")
+    code = (
+        "import sys, oomdoc.cli, oomdoc.session, oomdoc.runner, oomdoc.check, oomdoc.replay.orchestrate;"
+        "sys.exit('torch' in sys.modules)"
+    )
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 

@@ -10,7 +10,6 @@ import sys
 import time
 
 import pytest
-
 from conftest import SCRIPTS, load_json, oomdoc_env, run_oomdoc
 
 MIB = 1024**2
@@ -21,8 +20,20 @@ def mlp_oom(tmp_path_factory):
     """One OOM run of the MLP trainer, shared by the field checks below."""
     workdir = tmp_path_factory.mktemp("oom")
     snapshot_path = workdir / "mlp.json"
-    result = run_oomdoc(["run", "--device-memory", "256MiB", "--no-replay", "-o", snapshot_path,
-                         SCRIPTS / "run_mlp.py", "--batch-size", "2048"], cwd=workdir)
+    result = run_oomdoc(
+        [
+            "run",
+            "--device-memory",
+            "256MiB",
+            "--no-replay",
+            "-o",
+            snapshot_path,
+            SCRIPTS / "run_mlp.py",
+            "--batch-size",
+            "2048",
+        ],
+        cwd=workdir,
+    )
     return result, load_json(snapshot_path)
 
 
@@ -38,7 +49,9 @@ def test_oom_exit_status_and_original_traceback(mlp_oom):
 
 def test_oom_report_headline_and_breakdown(mlp_oom):
     result, _ = mlp_oom
-    assert "oomdoc: OOM in step 1 during backward: tried to allocate 16.00 MiB with" in result.stderr
+    assert (
+        "oomdoc: OOM in step 1 during backward: tried to allocate 16.00 MiB with" in result.stderr
+    )
     assert "of 256.00 MiB in use" in result.stderr
     for category in ("parameters", "gradients", "optimizer_state", "activations", "other"):
         assert category in result.stderr
@@ -53,7 +66,11 @@ def test_oom_snapshot_fields(mlp_oom):
     assert document["schema_version"] == 1
     assert document["command"][-2:] == ["--batch-size", "2048"]
     assert document["command"][0].endswith("run_mlp.py")
-    assert document["device"] == {**document["device"], "kind": "simulated", "capacity_bytes": 256 * MIB}
+    assert document["device"] == {
+        **document["device"],
+        "kind": "simulated",
+        "capacity_bytes": 256 * MIB,
+    }
     assert document["outcome"] == "oom" and document["exit_code"] == 1
     oom = document["oom"]
     assert oom["step"] == 1 and oom["phase"] == "backward"
@@ -70,7 +87,9 @@ def test_oom_breakdown_adds_up_and_names_the_right_owners(mlp_oom):
     breakdown = document["breakdown"]
     assert document["breakdown_at"] == "oom"
     total = sum(breakdown.values())
-    assert abs(total - document["oom"]["allocated_bytes"]) <= 0.05 * document["oom"]["allocated_bytes"]
+    assert (
+        abs(total - document["oom"]["allocated_bytes"]) <= 0.05 * document["oom"]["allocated_bytes"]
+    )
     parameter_bytes = (512 * 2048 + 2048 * 2048 * 3 + 2048 * 10 + 2048 * 4 + 10) * 4
     assert breakdown["parameters"] == parameter_bytes
     # AdamW keeps two moments per parameter (plus a scalar step each).
@@ -89,7 +108,11 @@ def test_oom_snapshot_steps_and_sites(mlp_oom):
     assert first["peak_allocated_bytes"] >= first["end_allocated_bytes"] > 0
     assert first["peak_reserved_bytes"] == first["peak_allocated_bytes"]
     assert set(first["phase_peaks"]) >= {"forward", "backward", "optimizer"}
-    assert first["forward_calls"] == 1 and first["backward_calls"] == 1 and first["optimizer_steps"] == 1
+    assert (
+        first["forward_calls"] == 1
+        and first["backward_calls"] == 1
+        and first["optimizer_steps"] == 1
+    )
     top = document["top_allocations"]
     assert 0 < len(top) <= 20
     assert top == sorted(top, key=lambda site: site["bytes"], reverse=True)
@@ -101,8 +124,19 @@ def test_oom_snapshot_steps_and_sites(mlp_oom):
 
 def test_run_that_fits(tmp_path):
     snapshot_path = tmp_path / "fit.json"
-    result = run_oomdoc(["run", "--device-memory", "256MiB", "-o", snapshot_path,
-                         SCRIPTS / "run_mlp.py", "--batch-size", "512"], cwd=tmp_path)
+    result = run_oomdoc(
+        [
+            "run",
+            "--device-memory",
+            "256MiB",
+            "-o",
+            snapshot_path,
+            SCRIPTS / "run_mlp.py",
+            "--batch-size",
+            "512",
+        ],
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr
     assert "done" in result.stdout
     document = load_json(snapshot_path)
@@ -110,7 +144,9 @@ def test_run_that_fits(tmp_path):
     assert len(document["steps"]) == 8
     assert document["oom"] is None
     assert document["breakdown_at"] == "peak"
-    assert document["peak"]["allocated_bytes"] == max(s["peak_allocated_bytes"] for s in document["steps"])
+    assert document["peak"]["allocated_bytes"] == max(
+        s["peak_allocated_bytes"] for s in document["steps"]
+    )
     assert "oomdoc: The run fit: peak" in result.stderr and "headroom" in result.stderr
 
 
@@ -127,23 +163,36 @@ def test_default_snapshot_path_is_never_overwritten(tmp_path):
 def test_existing_output_is_refused_and_kept(tmp_path):
     precious = tmp_path / "keep.json"
     precious.write_text("my data")
-    result = run_oomdoc(["run", "--device", "cpu", "-o", precious, SCRIPTS / "run_exit.py", "0"], cwd=tmp_path)
+    result = run_oomdoc(
+        ["run", "--device", "cpu", "-o", precious, SCRIPTS / "run_exit.py", "0"], cwd=tmp_path
+    )
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and "already exists" in result.stderr
     assert precious.read_text() == "my data"
 
 
 def test_sys_exit_status_is_passed_through(tmp_path):
-    result = run_oomdoc(["run", "--device", "cpu", "-o", tmp_path / "s.json", SCRIPTS / "run_exit.py", "3"], cwd=tmp_path)
+    result = run_oomdoc(
+        ["run", "--device", "cpu", "-o", tmp_path / "s.json", SCRIPTS / "run_exit.py", "3"],
+        cwd=tmp_path,
+    )
     assert result.returncode == 3
     document = load_json(tmp_path / "s.json")
     assert document["outcome"] == "error" and document["exit_code"] == 3
 
 
 def test_unrelated_exception_gives_1_and_the_original_traceback(tmp_path):
-    result = run_oomdoc(["run", "--device", "cpu", "-o", tmp_path / "s.json", SCRIPTS / "run_raise.py"], cwd=tmp_path)
+    result = run_oomdoc(
+        ["run", "--device", "cpu", "-o", tmp_path / "s.json", SCRIPTS / "run_raise.py"],
+        cwd=tmp_path,
+    )
     assert result.returncode == 1
-    expected = subprocess.run([sys.executable, str(SCRIPTS / "run_raise.py")], capture_output=True, text=True, cwd=tmp_path)
+    expected = subprocess.run(
+        [sys.executable, str(SCRIPTS / "run_raise.py")],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
     # The same traceback plain Python prints, then oomdoc's report.
     assert result.stderr.startswith(expected.stderr)
     assert "ValueError: bad config file: settings.yaml" in result.stderr
@@ -153,19 +202,46 @@ def test_unrelated_exception_gives_1_and_the_original_traceback(tmp_path):
 
 
 def test_everything_after_script_reaches_the_script(tmp_path):
-    result = run_oomdoc(["run", "--device", "cpu", "-o", tmp_path / "s.json",
-                         SCRIPTS / "run_argv.py", "--output", "x", "--help", "7", "-m", "--device-memory", "1"],
-                        cwd=tmp_path)
+    result = run_oomdoc(
+        [
+            "run",
+            "--device",
+            "cpu",
+            "-o",
+            tmp_path / "s.json",
+            SCRIPTS / "run_argv.py",
+            "--output",
+            "x",
+            "--help",
+            "7",
+            "-m",
+            "--device-memory",
+            "1",
+        ],
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr
     argv = json.loads(result.stdout.split("ARGV=")[1].splitlines()[0])
-    assert argv == [str(SCRIPTS / "run_argv.py"), "--output", "x", "--help", "7", "-m", "--device-memory", "1"]
+    assert argv == [
+        str(SCRIPTS / "run_argv.py"),
+        "--output",
+        "x",
+        "--help",
+        "7",
+        "-m",
+        "--device-memory",
+        "1",
+    ]
     assert "NAME=__main__" in result.stdout
     assert not (tmp_path / "x").exists()
 
 
 def test_module_mode(tmp_path):
-    result = run_oomdoc(["run", "--device", "cpu", "-o", tmp_path / "s.json", "-m", "runpkg", "--flag", "1"],
-                        cwd=tmp_path, env={"PYTHONPATH": f"{SCRIPTS}{os.pathsep}{oomdoc_env()['PYTHONPATH']}"})
+    result = run_oomdoc(
+        ["run", "--device", "cpu", "-o", tmp_path / "s.json", "-m", "runpkg", "--flag", "1"],
+        cwd=tmp_path,
+        env={"PYTHONPATH": f"{SCRIPTS}{os.pathsep}{oomdoc_env()['PYTHONPATH']}"},
+    )
     assert result.returncode == 0, result.stderr
     assert 'ARGV=["--flag", "1"]' in result.stdout
     document = load_json(tmp_path / "s.json")
@@ -174,10 +250,27 @@ def test_module_mode(tmp_path):
 
 
 def test_max_steps_stops_cleanly(tmp_path):
-    result = run_oomdoc(["run", "--device-memory", "256MiB", "--max-steps", "2", "-o", tmp_path / "s.json",
-                         SCRIPTS / "run_mlp.py", "--batch-size", "256"], cwd=tmp_path)
+    result = run_oomdoc(
+        [
+            "run",
+            "--device-memory",
+            "256MiB",
+            "--max-steps",
+            "2",
+            "-o",
+            tmp_path / "s.json",
+            SCRIPTS / "run_mlp.py",
+            "--batch-size",
+            "256",
+        ],
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr
-    assert "step 1:" in result.stdout and "step 2:" not in result.stdout and "done" not in result.stdout
+    assert (
+        "step 1:" in result.stdout
+        and "step 2:" not in result.stdout
+        and "done" not in result.stdout
+    )
     document = load_json(tmp_path / "s.json")
     assert document["outcome"] == "ok"
     assert [s["index"] for s in document["steps"]] == [0, 1]
@@ -193,13 +286,16 @@ def test_bad_size_is_a_one_line_usage_error(tmp_path, bad):
     assert not (tmp_path / ".oomdoc").exists()
 
 
-@pytest.mark.parametrize("args, message", [
-    (["run", "missing.py"], "no such file"),
-    (["run", "--device", "tpu", "x.py"], "--device must be"),
-    (["run"], "Missing argument"),
-    (["run", "--bogus", "x.py"], "no such option"),
-    (["run", "--max-steps", "0", "x.py"], "--max-steps"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["run", "missing.py"], "no such file"),
+        (["run", "--device", "tpu", "x.py"], "--device must be"),
+        (["run"], "Missing argument"),
+        (["run", "--bogus", "x.py"], "no such option"),
+        (["run", "--max-steps", "0", "x.py"], "--max-steps"),
+    ],
+)
 def test_usage_errors_are_one_line(tmp_path, args, message):
     result = run_oomdoc(args, cwd=tmp_path)
     assert result.returncode == 2
@@ -208,8 +304,15 @@ def test_usage_errors_are_one_line(tmp_path, args, message):
 
 
 def _start(args, tmp_path, **popen):
-    return subprocess.Popen([sys.executable, "-m", "oomdoc", *map(str, args)], cwd=tmp_path, env=oomdoc_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+    return subprocess.Popen(
+        [sys.executable, "-m", "oomdoc", *map(str, args)],
+        cwd=tmp_path,
+        env=oomdoc_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **popen,
+    )
 
 
 def _wait_for_ready(process):
@@ -222,7 +325,9 @@ def _wait_for_ready(process):
 
 
 def test_sigterm_reaches_the_script_and_the_capture_is_kept(tmp_path):
-    process = _start(["run", "--device", "cpu", "-o", tmp_path / "s.json", SCRIPTS / "run_wait.py"], tmp_path)
+    process = _start(
+        ["run", "--device", "cpu", "-o", tmp_path / "s.json", SCRIPTS / "run_wait.py"], tmp_path
+    )
     _wait_for_ready(process)
     process.send_signal(signal.SIGTERM)
     _, stderr = process.communicate(timeout=60)
@@ -234,8 +339,11 @@ def test_sigterm_reaches_the_script_and_the_capture_is_kept(tmp_path):
 
 def test_ctrl_c_reaches_the_script_and_the_capture_is_kept(tmp_path):
     # A terminal's Ctrl-C signals the whole foreground process group.
-    process = _start(["run", "--device", "cpu", "-o", tmp_path / "s.json", SCRIPTS / "run_wait.py"], tmp_path,
-                     start_new_session=True)
+    process = _start(
+        ["run", "--device", "cpu", "-o", tmp_path / "s.json", SCRIPTS / "run_wait.py"],
+        tmp_path,
+        start_new_session=True,
+    )
     _wait_for_ready(process)
     os.killpg(process.pid, signal.SIGINT)
     _, stderr = process.communicate(timeout=60)
@@ -259,10 +367,17 @@ def test_device_cuda_without_cuda_is_a_one_line_usage_error(tmp_path, command):
     assert not (tmp_path / ".oomdoc").exists() and not (tmp_path / "baseline.json").exists()
 
 
-@pytest.mark.parametrize("requested, cuda_available, expected", [
-    ("cpu", True, "cpu"), ("cpu", False, "cpu"), ("auto", True, "cuda"), ("auto", False, "cpu"),
-    ("cuda", True, "cuda"), ("cuda", False, None),
-])
+@pytest.mark.parametrize(
+    "requested, cuda_available, expected",
+    [
+        ("cpu", True, "cpu"),
+        ("cpu", False, "cpu"),
+        ("auto", True, "cuda"),
+        ("auto", False, "cpu"),
+        ("cuda", True, "cuda"),
+        ("cuda", False, None),
+    ],
+)
 def test_one_rule_for_what_device_means(requested, cuda_available, expected):
     from oomdoc.capture import choose_device
 

@@ -6,8 +6,15 @@ import os
 
 import pytest
 
-from oomdoc.snapshot import (SCHEMA_VERSION, SnapshotError, default_snapshot_path, read_snapshot, validate,
-                             write_atomic, write_snapshot)
+from oomdoc.snapshot import (
+    SCHEMA_VERSION,
+    SnapshotError,
+    default_snapshot_path,
+    read_snapshot,
+    validate,
+    write_atomic,
+    write_snapshot,
+)
 
 VALID = {
     "schema_version": SCHEMA_VERSION,
@@ -18,12 +25,34 @@ VALID = {
     "device": {"kind": "simulated", "name": "sim", "capacity_bytes": 1024},
     "outcome": "oom",
     "exit_code": 1,
-    "oom": {"step": 0, "phase": "forward", "requested_bytes": 10, "allocated_bytes": 1000, "reserved_bytes": 1000,
-            "message": "Tried to allocate", "location": {"file": "train.py", "line": 3, "function": "main"}},
-    "breakdown": {"parameters": 1, "gradients": 2, "optimizer_state": 3, "activations": 4, "other": 5},
-    "steps": [{"index": 0, "peak_allocated_bytes": 5, "peak_reserved_bytes": 5, "peak_phase": "forward",
-               "end_allocated_bytes": 4}],
-    "top_allocations": [{"bytes": 4, "category": "activations", "location": None, "shape": [2], "dtype": "float32"}],
+    "oom": {
+        "step": 0,
+        "phase": "forward",
+        "requested_bytes": 10,
+        "allocated_bytes": 1000,
+        "reserved_bytes": 1000,
+        "message": "Tried to allocate",
+        "location": {"file": "train.py", "line": 3, "function": "main"},
+    },
+    "breakdown": {
+        "parameters": 1,
+        "gradients": 2,
+        "optimizer_state": 3,
+        "activations": 4,
+        "other": 5,
+    },
+    "steps": [
+        {
+            "index": 0,
+            "peak_allocated_bytes": 5,
+            "peak_reserved_bytes": 5,
+            "peak_phase": "forward",
+            "end_allocated_bytes": 4,
+        }
+    ],
+    "top_allocations": [
+        {"bytes": 4, "category": "activations", "location": None, "shape": [2], "dtype": "float32"}
+    ],
     "fixes": [],
     "max_batch_size": None,
 }
@@ -33,19 +62,22 @@ def test_valid_document_passes():
     validate(copy.deepcopy(VALID))
 
 
-@pytest.mark.parametrize("mutate, message", [
-    (lambda d: d.update(schema_version=99), "unknown schema_version 99"),
-    (lambda d: d.pop("schema_version"), "no schema_version"),
-    (lambda d: d.update(outcome="exploded"), "outcome must be"),
-    (lambda d: d["device"].update(kind="tpu"), "device.kind"),
-    (lambda d: d["breakdown"].pop("activations"), "breakdown.activations"),
-    (lambda d: d["steps"][0].update(peak_phase="lunch"), "steps[0].peak_phase"),
-    (lambda d: d["oom"].update(requested_bytes="10"), "oom.requested_bytes"),
-    (lambda d: d.update(oom=None), "oom must be an object"),
-    (lambda d: d["top_allocations"][0].update(category="misc"), "top_allocations[0].category"),
-    (lambda d: d.update(command="train.py"), "command must be a list"),
-    (lambda d: d["breakdown"].update(other=True), "breakdown.other must be an integer"),
-])
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda d: d.update(schema_version=99), "unknown schema_version 99"),
+        (lambda d: d.pop("schema_version"), "no schema_version"),
+        (lambda d: d.update(outcome="exploded"), "outcome must be"),
+        (lambda d: d["device"].update(kind="tpu"), "device.kind"),
+        (lambda d: d["breakdown"].pop("activations"), "breakdown.activations"),
+        (lambda d: d["steps"][0].update(peak_phase="lunch"), "steps[0].peak_phase"),
+        (lambda d: d["oom"].update(requested_bytes="10"), "oom.requested_bytes"),
+        (lambda d: d.update(oom=None), "oom must be an object"),
+        (lambda d: d["top_allocations"][0].update(category="misc"), "top_allocations[0].category"),
+        (lambda d: d.update(command="train.py"), "command must be a list"),
+        (lambda d: d["breakdown"].update(other=True), "breakdown.other must be an integer"),
+    ],
+)
 def test_invalid_documents_name_the_problem(mutate, message):
     document = copy.deepcopy(VALID)
     mutate(document)
@@ -91,7 +123,9 @@ def test_read_snapshot_errors(tmp_path):
 
 def test_default_snapshot_path_skips_existing(tmp_path):
     first = default_snapshot_path("dir/My Train.py", tmp_path)
-    assert first.parent == tmp_path and first.name.startswith("My_Train-") and first.suffix == ".json"
+    assert (
+        first.parent == tmp_path and first.name.startswith("My_Train-") and first.suffix == ".json"
+    )
     first.write_text("x")
     second = default_snapshot_path("dir/My Train.py", tmp_path)
     assert second != first and not second.exists()

@@ -9,10 +9,10 @@ import pickle
 from pathlib import Path
 
 import pytest
-
 from conftest import SCRIPTS, run_oomdoc
-from oomdoc.snapshot import MAX_SNAPSHOT_BYTES
 from suggest_builders import oomdoc_document, torch_snapshot
+
+from oomdoc.snapshot import MAX_SNAPSHOT_BYTES
 
 H100_PICKLE = Path(__file__).parent / "data" / "h100_oom_snapshot.pickle"
 
@@ -36,7 +36,18 @@ def runs(tmp_path_factory):
     for name, (script, capacity, args) in SCENARIOS.items():
         snapshot = directory / f"{name}.json"
         completed = run_oomdoc(
-            ["run", "--device", "cpu", "--device-memory", capacity, "--no-replay", "-o", snapshot, SCRIPTS / script, *args],
+            [
+                "run",
+                "--device",
+                "cpu",
+                "--device-memory",
+                capacity,
+                "--no-replay",
+                "-o",
+                snapshot,
+                SCRIPTS / script,
+                *args,
+            ],
             cwd=directory,
         )
         assert snapshot.exists(), completed.stderr[-2000:]
@@ -126,7 +137,9 @@ def test_pytorch_pickle_through_the_cli(tmp_path):
     assert result["source_format"] == "torch_pickle"
     assert kinds(result)[0] == "fragmentation"
     assert result["trace_before_oom"][-1]["action"] == "free_completed"
-    assert any(fix["name"] == "expandable_segments" and fix["measured"] is False for fix in result["fixes"])
+    assert any(
+        fix["name"] == "expandable_segments" and fix["measured"] is False for fix in result["fixes"]
+    )
 
 
 def test_real_h100_pickle_is_diagnosed():
@@ -161,10 +174,24 @@ BAD_INPUTS = {
     "missing": (lambda tmp: tmp / "absent.json", "no such file"),
     "directory": (lambda tmp: tmp, "is a directory"),
     "garbage": (lambda tmp: _write(tmp / "x.bin", b"\x00\x13garbage"), "neither JSON nor a pickle"),
-    "truncated_json": (lambda tmp: _write(tmp / "t.json", json.dumps(oomdoc_document()).encode()[:300]), "not valid JSON"),
-    "truncated_pickle": (lambda tmp: _write(tmp / "t.pickle", pickle.dumps(torch_snapshot())[:500]), "truncated or corrupt pickle"),
-    "schema": (lambda tmp: _write(tmp / "s.json", json.dumps(oomdoc_document(schema_version=7)).encode()), "unknown schema_version 7"),
-    "hostile": (lambda tmp: _write(tmp / "evil.pickle", pickle.dumps({"segments": Hostile(str(tmp / "pwned"))})), "refused"),
+    "truncated_json": (
+        lambda tmp: _write(tmp / "t.json", json.dumps(oomdoc_document()).encode()[:300]),
+        "not valid JSON",
+    ),
+    "truncated_pickle": (
+        lambda tmp: _write(tmp / "t.pickle", pickle.dumps(torch_snapshot())[:500]),
+        "truncated or corrupt pickle",
+    ),
+    "schema": (
+        lambda tmp: _write(tmp / "s.json", json.dumps(oomdoc_document(schema_version=7)).encode()),
+        "unknown schema_version 7",
+    ),
+    "hostile": (
+        lambda tmp: _write(
+            tmp / "evil.pickle", pickle.dumps({"segments": Hostile(str(tmp / "pwned"))})
+        ),
+        "refused",
+    ),
     "huge": (_huge, "larger than"),
 }
 
@@ -189,7 +216,10 @@ def test_bad_input_is_one_line_and_exit_2(case, tmp_path):
 
 def test_bad_options_are_usage_errors(tmp_path):
     path = _write(tmp_path / "s.json", json.dumps(oomdoc_document()).encode())
-    for args, message in ((["--format", "yaml"], "--format must be one of"), (["--top", "0"], "--top")):
+    for args, message in (
+        (["--format", "yaml"], "--format must be one of"),
+        (["--top", "0"], "--top"),
+    ):
         completed = run_oomdoc(["suggest", path, *args])
         assert completed.returncode == 2
         assert completed.stderr.startswith("oomdoc: error:") and message in completed.stderr

@@ -102,7 +102,7 @@ def storage_key(tensor: torch.Tensor):
 class _CountingMode(TorchDispatchMode):
     """Sees every op; registers each new storage it produces or consumes."""
 
-    def __init__(self, backend: "SimulatedBackend"):
+    def __init__(self, backend: SimulatedBackend):
         super().__init__()
         self.backend = backend
 
@@ -284,8 +284,13 @@ class SimulatedBackend(Backend):
 
     def allocation_sites(self) -> list[dict]:
         return [
-            {"key": key, "bytes": record.nbytes, "location": record.location,
-             "shape": list(record.shape), "dtype": record.dtype}
+            {
+                "key": key,
+                "bytes": record.nbytes,
+                "location": record.location,
+                "shape": list(record.shape),
+                "dtype": record.dtype,
+            }
             for key, record in list(self._records.items())
         ]
 
@@ -314,13 +319,18 @@ class CudaBackend(Backend):
     def install(self, tracker) -> None:
         self.tracker = tracker
         if self._capacity < self._total:
-            torch.cuda.set_per_process_memory_fraction(self._capacity / self._total, self.device_index)
+            torch.cuda.set_per_process_memory_fraction(
+                self._capacity / self._total, self.device_index
+            )
         # OOMDOC_ALLOCATION_HISTORY=0 turns off the per-allocation Python
         # stacks (allocation sites then have no locations) for the last bit of speed.
         if os.environ.get("OOMDOC_ALLOCATION_HISTORY", "1") != "0":
             try:
                 torch.cuda.memory._record_memory_history(
-                    enabled="all", context="alloc", stacks="python", max_entries=self.HISTORY_ENTRIES
+                    enabled="all",
+                    context="alloc",
+                    stacks="python",
+                    max_entries=self.HISTORY_ENTRIES,
                 )
                 self._recording = True
             except Exception as exc:  # pragma: no cover - depends on the build
@@ -371,7 +381,10 @@ class CudaBackend(Backend):
 
     def read_and_reset_peak(self) -> tuple[int, int]:
         stats = self._stats()
-        peak = (int(stats.get("allocated_bytes.all.peak", 0)), int(stats.get("reserved_bytes.all.peak", 0)))
+        peak = (
+            int(stats.get("allocated_bytes.all.peak", 0)),
+            int(stats.get("reserved_bytes.all.peak", 0)),
+        )
         torch.cuda.reset_peak_memory_stats(self.device_index)
         return peak
 
@@ -395,13 +408,15 @@ class CudaBackend(Backend):
             for block in segment.get("blocks", []):
                 if block.get("state") != "active_allocated":
                     continue
-                sites.append({
-                    "address": block.get("address"),
-                    "bytes": int(block.get("requested_size") or block.get("size", 0)),
-                    "location": frames.pick_user_location(block.get("frames", [])),
-                    "shape": None,
-                    "dtype": None,
-                })
+                sites.append(
+                    {
+                        "address": block.get("address"),
+                        "bytes": int(block.get("requested_size") or block.get("size", 0)),
+                        "location": frames.pick_user_location(block.get("frames", [])),
+                        "shape": None,
+                        "dtype": None,
+                    }
+                )
         return sites
 
     def allocator_stats(self) -> dict:
@@ -414,7 +429,8 @@ class CudaBackend(Backend):
             "segments": int(stats.get("segment.all.current", 0)),
             "num_alloc_retries": int(stats.get("num_alloc_retries", 0)),
             "num_ooms": int(stats.get("num_ooms", 0)),
-            "expandable_segments": "expandable_segments:true" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower(),
+            "expandable_segments": "expandable_segments:true"
+            in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower(),
         }
 
     def on_oom_extra(self, snapshot_dir: str | None) -> dict:
@@ -454,7 +470,9 @@ def _nvml_info(device_index: int) -> dict:
                 if process.pid == os.getpid():
                     continue
                 used = process.usedGpuMemory
-                others.append({"pid": int(process.pid), "used_bytes": int(used) if used is not None else None})
+                others.append(
+                    {"pid": int(process.pid), "used_bytes": int(used) if used is not None else None}
+                )
         except Exception:
             pass
         try:

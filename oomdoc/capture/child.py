@@ -23,9 +23,9 @@ _IMPORT_STARTED = time.time()
 import psutil
 import torch
 
+from oomdoc.capture import CONFIG_ENV, CONFIG_FD_ENV, CUDA_UNAVAILABLE, STARTED_ENV, choose_device
 from oomdoc.capture.backends import CudaBackend, OutOfMemoryError, SimulatedBackend
 from oomdoc.capture.tracker import StopRun, Tracker
-from oomdoc.capture import CONFIG_ENV, CONFIG_FD_ENV, CUDA_UNAVAILABLE, STARTED_ENV, choose_device
 from oomdoc.snapshot import dumps, write_atomic
 
 
@@ -79,7 +79,11 @@ def _without_oomdoc_frames(summary: traceback.TracebackException) -> None:
     while summary is not None and id(summary) not in seen:
         seen.add(id(summary))
         summary.stack = traceback.StackSummary.from_list(
-            [frame for frame in summary.stack if not os.path.abspath(frame.filename).startswith(_OOMDOC_DIR + os.sep)]
+            [
+                frame
+                for frame in summary.stack
+                if not os.path.abspath(frame.filename).startswith(_OOMDOC_DIR + os.sep)
+            ]
         )
         for chained in (summary.__cause__, summary.__context__):
             if chained is not None:
@@ -222,11 +226,18 @@ def write_capture(config, backend, tracker, outcome, exit_code, error, timings=N
         # The allocator raised without calling the observer (e.g. an OOM
         # raised by a library): keep what the exception says.
         oom = {
-            "step": tracker.step_index, "phase": tracker.phase,
-            "requested_bytes": 0, "allocated_bytes": backend.allocated_bytes(),
-            "reserved_bytes": backend.reserved_bytes(), "free_bytes": 0,
-            "capacity_bytes": backend.capacity_bytes(), "message": "", "location": None,
-            "breakdown": None, "top_allocations": [], "allocator": backend.allocator_stats(),
+            "step": tracker.step_index,
+            "phase": tracker.phase,
+            "requested_bytes": 0,
+            "allocated_bytes": backend.allocated_bytes(),
+            "reserved_bytes": backend.reserved_bytes(),
+            "free_bytes": 0,
+            "capacity_bytes": backend.capacity_bytes(),
+            "message": "",
+            "location": None,
+            "breakdown": None,
+            "top_allocations": [],
+            "allocator": backend.allocator_stats(),
         }
     if oom is not None:
         if error and not oom.get("message"):
@@ -236,7 +247,11 @@ def write_capture(config, backend, tracker, outcome, exit_code, error, timings=N
         if breakdown is None:
             breakdown, top = tracker.breakdown_and_sites()
     elif tracker.peak_sample is not None:
-        breakdown, top, breakdown_at = tracker.peak_sample["breakdown"], tracker.peak_sample["top_allocations"], "peak"
+        breakdown, top, breakdown_at = (
+            tracker.peak_sample["breakdown"],
+            tracker.peak_sample["top_allocations"],
+            "peak",
+        )
         allocator = backend.allocator_stats()
     else:
         breakdown, top = tracker.breakdown_and_sites()
@@ -264,8 +279,18 @@ def write_capture(config, backend, tracker, outcome, exit_code, error, timings=N
         "breakdown_at": breakdown_at,
         "category_peaks": dict(tracker.category_peaks),
         "peak": {
-            "allocated_bytes": int(max([s["peak_allocated_bytes"] for s in steps] + [oom["allocated_bytes"] if oom else 0])),
-            "reserved_bytes": int(max([s["peak_reserved_bytes"] for s in steps] + [oom["reserved_bytes"] if oom else 0])),
+            "allocated_bytes": int(
+                max(
+                    [s["peak_allocated_bytes"] for s in steps]
+                    + [oom["allocated_bytes"] if oom else 0]
+                )
+            ),
+            "reserved_bytes": int(
+                max(
+                    [s["peak_reserved_bytes"] for s in steps]
+                    + [oom["reserved_bytes"] if oom else 0]
+                )
+            ),
             "step": peak_step["index"] if peak_step else None,
             "phase": peak_step["peak_phase"] if peak_step else None,
         },

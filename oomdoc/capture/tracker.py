@@ -43,8 +43,8 @@ class Tracker:
         self.unit = "module"  # becomes "optimizer" at the first optimizer step
         self.steps: list[dict] = []
         self.oom: dict | None = None
-        self.modules: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
-        self.optimizers: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+        self.modules: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        self.optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self.optimizer_classes: set[str] = set()
         self.models: list[dict] = []
         self._module_depth = 0
@@ -144,8 +144,11 @@ class Tracker:
             current["retained_graphs"] = self._find_retained_graphs()
         if self.backend.per_storage:
             retained = sum(
-                nbytes for _key, nbytes, record in self.backend.live_storages()
-                if record is not None and record.step < current["index"] and record.phase in ("forward", "backward")
+                nbytes
+                for _key, nbytes, record in self.backend.live_storages()
+                if record is not None
+                and record.step < current["index"]
+                and record.phase in ("forward", "backward")
             )
             current["retained_activation_bytes"] = int(retained)
         self.steps.append(current)
@@ -167,11 +170,14 @@ class Tracker:
         module_hooks = nn.modules.module
         self._handles.append(module_hooks.register_module_forward_pre_hook(self._on_forward_pre))
         try:
-            handle = module_hooks.register_module_forward_hook(self._on_forward_post, always_call=True)
+            handle = module_hooks.register_module_forward_hook(
+                self._on_forward_post, always_call=True
+            )
         except TypeError:  # torch without always_call
             handle = module_hooks.register_module_forward_hook(self._on_forward_post)
         self._handles.append(handle)
         import torch.optim.optimizer as optim
+
         self._handles.append(optim.register_optimizer_step_pre_hook(self._on_optimizer_pre))
         self._handles.append(optim.register_optimizer_step_post_hook(self._on_optimizer_post))
         self._patch(torch.autograd, "backward", self._wrap_backward(torch.autograd.backward))
@@ -201,7 +207,9 @@ class Tracker:
         tracker = self
 
         def wrapped(*args, **kwargs):
-            tracker._on_backward_start(args[0] if args else kwargs.get("tensors", kwargs.get("outputs")))
+            tracker._on_backward_start(
+                args[0] if args else kwargs.get("tensors", kwargs.get("outputs"))
+            )
             tracker._backward_depth += 1
             try:
                 return original(*args, **kwargs)
@@ -269,11 +277,13 @@ class Tracker:
             return
         self.modules.add(module)
         parameter_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
-        self.models.append({
-            "class": type(module).__name__,
-            "parameters_bytes": int(parameter_bytes),
-            "repeated_blocks": repeated_blocks(module),
-        })
+        self.models.append(
+            {
+                "class": type(module).__name__,
+                "parameters_bytes": int(parameter_bytes),
+                "repeated_blocks": repeated_blocks(module),
+            }
+        )
 
     def _on_optimizer_pre(self, optimizer, args, kwargs):
         self._add_optimizer(optimizer)
@@ -292,7 +302,11 @@ class Tracker:
         current["end_allocated_bytes"] = self.backend.allocated_bytes()
         retained = current.setdefault("retained_graphs", [])
         known = {(entry["variable"], entry["file"]) for entry in retained}
-        retained.extend(entry for entry in self._find_retained_graphs() if (entry["variable"], entry["file"]) not in known)
+        retained.extend(
+            entry
+            for entry in self._find_retained_graphs()
+            if (entry["variable"], entry["file"]) not in known
+        )
         if not self.backend.per_storage:
             self._state_bytes = sum(self._known_tensors()[2].values())
         self._pending_close = True
@@ -309,8 +323,15 @@ class Tracker:
             if earlier["peak_allocated_bytes"] > merged["peak_allocated_bytes"]:
                 merged["peak_allocated_bytes"] = earlier["peak_allocated_bytes"]
                 merged["peak_phase"] = earlier["peak_phase"]
-            merged["peak_reserved_bytes"] = max(merged["peak_reserved_bytes"], earlier["peak_reserved_bytes"])
-            for key in ("forward_calls", "forward_calls_with_grad", "eval_mode_forward_calls_with_grad", "backward_calls"):
+            merged["peak_reserved_bytes"] = max(
+                merged["peak_reserved_bytes"], earlier["peak_reserved_bytes"]
+            )
+            for key in (
+                "forward_calls",
+                "forward_calls_with_grad",
+                "eval_mode_forward_calls_with_grad",
+                "backward_calls",
+            ):
                 merged[key] += earlier[key]
         merged["index"] = 0
         self.steps.clear()
@@ -337,13 +358,15 @@ class Tracker:
                     seen_tensors.add(id(tensor))
                     oldest = _oldest_stamp(tensor.grad_fn, self.step_index, visited_nodes)
                     if oldest is not None:
-                        found.append({
-                            "variable": name,
-                            "file": frame.f_code.co_filename,
-                            "line": frame.f_lineno,
-                            "function": frame.f_code.co_name,
-                            "from_step": oldest,
-                        })
+                        found.append(
+                            {
+                                "variable": name,
+                                "file": frame.f_code.co_filename,
+                                "line": frame.f_lineno,
+                                "function": frame.f_code.co_name,
+                                "from_step": oldest,
+                            }
+                        )
                         break
         return found
 
@@ -406,7 +429,9 @@ class Tracker:
         state = {k: v for k, v in state.items() if k not in parameters and k not in gradients}
         return parameters, gradients, state
 
-    def breakdown_and_sites(self, limit: int = 20, with_sites: bool = True) -> tuple[dict, list[dict]]:
+    def breakdown_and_sites(
+        self, limit: int = 20, with_sites: bool = True
+    ) -> tuple[dict, list[dict]]:
         """Live memory split into the five categories, and the largest
         allocation sites (aggregated by user location, shape and dtype).
         Without `with_sites` only the breakdown is computed (no allocator
@@ -457,15 +482,21 @@ class Tracker:
             if "key" in site:
                 category = category_of(site["key"], records.get(site["key"]))
             else:
-                category = addresses.get(site.get("address"), "activations" if self.phase != "setup" else "other")
+                category = addresses.get(
+                    site.get("address"), "activations" if self.phase != "setup" else "other"
+                )
             location = site.get("location")
             loc_key = (location or {}).get("file"), (location or {}).get("line")
             group_key = (category, loc_key, tuple(site.get("shape") or ()), site.get("dtype"))
             entry = grouped.get(group_key)
             if entry is None:
                 entry = grouped[group_key] = {
-                    "bytes": 0, "count": 0, "category": category, "location": location,
-                    "shape": site.get("shape"), "dtype": site.get("dtype"),
+                    "bytes": 0,
+                    "count": 0,
+                    "category": category,
+                    "location": location,
+                    "shape": site.get("shape"),
+                    "dtype": site.get("dtype"),
                 }
             entry["bytes"] += int(site["bytes"])
             entry["count"] += 1
@@ -492,7 +523,9 @@ class Tracker:
                     key = storage_key(grad)
                     if key not in seen:
                         seen.add(key)
-                        gradient_bytes += self.backend.storage_bytes(grad.untyped_storage().nbytes())
+                        gradient_bytes += self.backend.storage_bytes(
+                            grad.untyped_storage().nbytes()
+                        )
         self._forward_baseline = {
             "allocated": self.backend.allocated_bytes(),
             "gradients": gradient_bytes,
@@ -502,7 +535,11 @@ class Tracker:
     def _address_categories(self, parameters, gradients, state) -> dict:
         """CUDA: map block addresses to categories through tensors' data pointers."""
         table = {}
-        for category, keys in (("parameters", parameters), ("gradients", gradients), ("optimizer_state", state)):
+        for category, _keys in (
+            ("parameters", parameters),
+            ("gradients", gradients),
+            ("optimizer_state", state),
+        ):
             for tensor in self._tensors_for(category):
                 try:
                     table[tensor.untyped_storage().data_ptr()] = category
@@ -542,7 +579,11 @@ def _frame_locals(frame) -> list[tuple[str, object]]:
     """
     snapshot = frame.f_locals
     items = list(snapshot.items())
-    if sys.version_info < (3, 13) and frame.f_code.co_flags & _CO_OPTIMIZED and isinstance(snapshot, dict):
+    if (
+        sys.version_info < (3, 13)
+        and frame.f_code.co_flags & _CO_OPTIMIZED
+        and isinstance(snapshot, dict)
+    ):
         snapshot.clear()
     return items
 
@@ -575,9 +616,13 @@ def checkpoint_targets(model: nn.Module) -> list[tuple[str, nn.Module, str, list
                 if composite or isinstance(container, nn.Sequential):
                     found.append((path, container, block_class.__name__, blocks, composite))
     chosen: list = []
-    for target in sorted(found, key=lambda item: (item[0].count(".") if item[0] else -1, not item[4])):
+    for target in sorted(
+        found, key=lambda item: (item[0].count(".") if item[0] else -1, not item[4])
+    ):
         path = target[0]
-        if any(other == "" or path == other or path.startswith(other + ".") for other, *_ in chosen):
+        if any(
+            other == "" or path == other or path.startswith(other + ".") for other, *_ in chosen
+        ):
             continue
         chosen.append(target)
     return chosen

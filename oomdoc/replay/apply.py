@@ -57,7 +57,11 @@ def _smaller_batch(fix: dict, record: dict, tracker) -> None:
         except TypeError:
             return original_init(self, *args, **kwargs)
         current = bound.arguments.get("batch_size", 1)
-        if isinstance(current, int) and current > 1 and bound.arguments.get("batch_sampler") is None:
+        if (
+            isinstance(current, int)
+            and current > 1
+            and bound.arguments.get("batch_sampler") is None
+        ):
             if record["original_batch_size"] is None:
                 record["original_batch_size"] = current
                 if record["batch_size"] is None and divisor:
@@ -79,7 +83,12 @@ def _autocast(fix: dict, record: dict, tracker) -> None:
     the region `with torch.autocast(...): loss = loss_fn(model(x), y)` covers."""
     device_type = fix.get("device_type", "cpu")
     dtype = getattr(torch, fix.get("dtype", "bfloat16"))
-    record.update(device_type=device_type, dtype=str(dtype).replace("torch.", ""), regions=0, already_enabled=False)
+    record.update(
+        device_type=device_type,
+        dtype=str(dtype).replace("torch.", ""),
+        regions=0,
+        already_enabled=False,
+    )
     state: dict = {"context": None}
 
     def leave(*_args) -> None:
@@ -121,7 +130,7 @@ def _checkpointed_forward(forward):
     return run
 
 
-_segmented: "weakref.WeakKeyDictionary[nn.Sequential, list]" = weakref.WeakKeyDictionary()
+_segmented: weakref.WeakKeyDictionary[nn.Sequential, list] = weakref.WeakKeyDictionary()
 
 
 def _segmented_sequential_forward(original_forward):
@@ -135,10 +144,12 @@ def _segmented_sequential_forward(original_forward):
         if segments is None or not torch.is_grad_enabled():
             return original_forward(self, input)
         for checkpointed, modules in segments:
+
             def run(x, modules=modules):
                 for module in modules:
                     x = module(x)
                 return x
+
             input = checkpoint(run, input, use_reentrant=False) if checkpointed else run(input)
         return input
 
@@ -147,7 +158,7 @@ def _segmented_sequential_forward(original_forward):
 
 def _checkpointing(fix: dict, record: dict, tracker) -> None:
     record.update(wrapped=[], models=0)
-    roots: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+    roots: weakref.WeakSet[nn.Module] = weakref.WeakSet()
     if not getattr(nn.Sequential.forward, "_oomdoc", False):
         patched = _segmented_sequential_forward(nn.Sequential.forward)
         patched._oomdoc = True
@@ -172,8 +183,14 @@ def _checkpointing(fix: dict, record: dict, tracker) -> None:
                         segments.append(current)
                     current[1].append(child)
                 _segmented[container] = segments
-            record["wrapped"].append({"path": path or "(root)", "class": class_name, "count": len(blocks),
-                                      "segments": not composite})
+            record["wrapped"].append(
+                {
+                    "path": path or "(root)",
+                    "class": class_name,
+                    "count": len(blocks),
+                    "segments": not composite,
+                }
+            )
 
     tracker.forward_start_callbacks.append(wrap)
 
@@ -233,7 +250,11 @@ def _lighter_class(heavy: type, base: type, record: dict) -> type:
                 # (an `eps` float where Adafactor wants a pair): keep only the
                 # learning rate and weight decay.
                 params = [
-                    {k: v for k, v in group.items() if k in ("params", "lr", "weight_decay") or k not in accepted}
+                    {
+                        k: v
+                        for k, v in group.items()
+                        if k in ("params", "lr", "weight_decay") or k not in accepted
+                    }
                     for group in params
                 ]
             options = {"lr": lr, "weight_decay": weight_decay}

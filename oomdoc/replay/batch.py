@@ -59,7 +59,9 @@ class BatchRun:
 def median_step_seconds(steps: list[dict]) -> float | None:
     """The median step duration, leaving out the first step (warm-up, lazy
     optimizer state) when later ones exist."""
-    durations = [s.get("duration_s") for s in steps if isinstance(s.get("duration_s"), (int, float))]
+    durations = [
+        s.get("duration_s") for s in steps if isinstance(s.get("duration_s"), (int, float))
+    ]
     indexed = [s for s in steps if isinstance(s.get("duration_s"), (int, float))]
     if len(indexed) > 1:
         durations = [s["duration_s"] for s in indexed if s.get("index", 0) > 0] or durations
@@ -75,7 +77,9 @@ def observe(capture: dict, batch_size: int) -> BatchRun:
     outcome = capture.get("outcome")
     steps = capture.get("steps") or []
     oom = capture.get("oom") if outcome == "oom" else None
-    run = BatchRun(batch_size=int(batch_size), fits=outcome == "ok", inconclusive=outcome not in ("ok", "oom"))
+    run = BatchRun(
+        batch_size=int(batch_size), fits=outcome == "ok", inconclusive=outcome not in ("ok", "oom")
+    )
     by_optimizer = capture.get("step_unit") == "optimizer"
     oom_step = oom.get("step") if oom else None
     for step in steps:
@@ -102,8 +106,15 @@ def observe(capture: dict, batch_size: int) -> BatchRun:
         if step == 0 or by_optimizer:
             key = (FIRST if step == 0 else STEADY, oom.get("phase"))
             run.lower_bounds[key] = max(run.lower_bounds.get(key, 0), need)
-        run.slack_bytes = max(0, int(oom.get("reserved_bytes") or 0) - int(oom.get("allocated_bytes") or 0))
-        run.oom_signature = (oom_step, oom.get("phase"), int(oom.get("requested_bytes", 0)), int(oom.get("allocated_bytes", 0)))
+        run.slack_bytes = max(
+            0, int(oom.get("reserved_bytes") or 0) - int(oom.get("allocated_bytes") or 0)
+        )
+        run.oom_signature = (
+            oom_step,
+            oom.get("phase"),
+            int(oom.get("requested_bytes", 0)),
+            int(oom.get("allocated_bytes", 0)),
+        )
     peak = capture.get("peak") or {}
     run.peak_allocated_bytes = peak.get("allocated_bytes")
     run.peak_reserved_bytes = peak.get("reserved_bytes")
@@ -120,7 +131,7 @@ class Line:
         return self.intercept + self.slope * batch_size
 
     @staticmethod
-    def through(b1: float, v1: float, b2: float, v2: float) -> "Line":
+    def through(b1: float, v1: float, b2: float, v2: float) -> Line:
         slope = (v2 - v1) / (b2 - b1)
         return Line(v1 - slope * b1, slope)
 
@@ -183,7 +194,7 @@ def fit_model(runs: list[BatchRun]) -> BatchModel:
         measured = points[key]
         line = _line_from_points(measured)
         if len(measured) == 1:
-            (b1, v1), = measured.items()
+            ((b1, v1),) = measured.items()
             slope = None
             if phase in FORWARD_BACKWARD:
                 if kind == STEADY and (FIRST, phase) in lines:
@@ -280,7 +291,9 @@ def search_max_batch(
     known = [run for run in runs if not run.inconclusive]
     lo = max([run.batch_size for run in known if run.fits], default=0)
     hi = min([run.batch_size for run in known if not run.fits] + [original_batch_size])
-    failing = next((run for run in runs if run.batch_size == original_batch_size and not run.fits), None)
+    failing = next(
+        (run for run in runs if run.batch_size == original_batch_size and not run.fits), None
+    )
     result = SearchResult(original_batch_size, lo or None, False, [], [])
     guided = 0
     optimistic = False
@@ -296,7 +309,9 @@ def search_max_batch(
             # Nothing fits yet, so the model knows no steady step: step well
             # below the smallest OOM (far below when even its first forward failed).
             divisor = 4 if _oom_in_first_forward(runs, hi) else 2
-            candidate = max(1, min(prediction, hi // 2) if prediction is not None else hi // divisor)
+            candidate = max(
+                1, min(prediction, hi // 2) if prediction is not None else hi // divisor
+            )
         elif prediction is None or guided >= BISECT_AFTER:
             candidate = (lo + hi) // 2  # the model did not converge: bisect
         else:
@@ -307,14 +322,20 @@ def search_max_batch(
         runs.append(run)
         result.trials.append(run)
         if run.inconclusive:
-            result.stopped = f"the replay at batch size {candidate} did not finish ({run.note or 'no result'})"
+            result.stopped = (
+                f"the replay at batch size {candidate} did not finish ({run.note or 'no result'})"
+            )
             break
         if run.fits:
             optimistic = optimistic or (prediction is not None and candidate > prediction)
             lo = max(lo, candidate)
         else:
             hi = min(hi, candidate)
-            if failing is not None and 2 * candidate <= original_batch_size and _same_oom(run, failing):
+            if (
+                failing is not None
+                and 2 * candidate <= original_batch_size
+                and _same_oom(run, failing)
+            ):
                 result.stopped = (
                     f"batch size {candidate} ran out of memory at the same point as batch size "
                     f"{original_batch_size}: the batch size does not decide this OOM"
@@ -337,7 +358,9 @@ def _oom_in_first_forward(runs: list[BatchRun], hi: int) -> bool:
 
 def _slack_near(runs: list[BatchRun], hi: int) -> int:
     """The fragmentation seen at the OOM nearest the limit (0 on the simulated device)."""
-    at_limit = [run for run in runs if not run.fits and not run.inconclusive and run.batch_size == hi]
+    at_limit = [
+        run for run in runs if not run.fits and not run.inconclusive and run.batch_size == hi
+    ]
     return at_limit[-1].slack_bytes if at_limit else 0
 
 
@@ -348,10 +371,9 @@ def _same_oom(run: BatchRun, failing: BatchRun) -> bool:
     # or an optimizer state's does not) with about the same memory in use.
     step, phase, requested, allocated = run.oom_signature
     failing_step, failing_phase, failing_requested, failing_allocated = failing.oom_signature
-    return (
-        (step, phase, requested) == (failing_step, failing_phase, failing_requested)
-        and abs(allocated - failing_allocated) <= 0.01 * max(allocated, failing_allocated, 1)
-    )
+    return (step, phase, requested) == (failing_step, failing_phase, failing_requested) and abs(
+        allocated - failing_allocated
+    ) <= 0.01 * max(allocated, failing_allocated, 1)
 
 
 def accumulation_plan(original_batch_size: int, max_batch_size: int) -> tuple[int, int]:
@@ -359,6 +381,9 @@ def accumulation_plan(original_batch_size: int, max_batch_size: int) -> tuple[in
     original size where a divisor allows it, else just above it."""
     steps = math.ceil(original_batch_size / max_batch_size)
     for candidate in range(steps, 2 * steps + 1):
-        if original_batch_size % candidate == 0 and original_batch_size // candidate <= max_batch_size:
+        if (
+            original_batch_size % candidate == 0
+            and original_batch_size // candidate <= max_batch_size
+        ):
             return original_batch_size // candidate, candidate
     return math.ceil(original_batch_size / steps), steps

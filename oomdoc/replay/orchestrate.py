@@ -24,7 +24,16 @@ from oomdoc.sizes import format_bytes
 
 BATCH_FLAGS = ("--batch-size", "--batch_size", "--bs", "--per_device_train_batch_size")
 # State per parameter, in parameter sizes, when the optimizer has not stepped yet.
-OPTIMIZER_STATE_FACTORS = {"Adam": 2, "AdamW": 2, "NAdam": 2, "RAdam": 2, "Adamax": 2, "Adadelta": 2, "RMSprop": 1, "Adagrad": 1}
+OPTIMIZER_STATE_FACTORS = {
+    "Adam": 2,
+    "AdamW": 2,
+    "NAdam": 2,
+    "RAdam": 2,
+    "Adamax": 2,
+    "Adadelta": 2,
+    "RMSprop": 1,
+    "Adagrad": 1,
+}
 # Below this share of the capacity, reserved-but-unallocated memory is not worth a replay.
 FRAGMENTATION_SHARE = 0.02
 OPTIMIZER_SHARE_OF_CAPACITY = 0.10
@@ -50,25 +59,39 @@ def parse_fix_names(names: list[str] | None) -> list[str] | None:
         if parts is None:
             known = ", ".join(REPLAYABLE)
             if "+" in name:
-                raise UsageError(f"--fixes: {name!r} is not a combination oomdoc can measure (two compatible fixes a+b from: {known})")
+                raise UsageError(
+                    f"--fixes: {name!r} is not a combination oomdoc can measure (two compatible fixes a+b from: {known})"
+                )
             raise UsageError(f"--fixes: unknown fix {name!r} (known: {known}, or a+b)")
         if "smaller_batch" in parts:
-            raise UsageError(f"--fixes: {name!r}: combinations are measured at the failing batch size, so smaller_batch cannot be part of one")
+            raise UsageError(
+                f"--fixes: {name!r}: combinations are measured at the failing batch size, so smaller_batch cannot be part of one"
+            )
         valid.append("+".join(parts))
     return list(dict.fromkeys(valid))
 
 
-def check_replay_options(fixes: str | None, replay_timeout_s: float | None, batch_arg: str | None, replay: bool) -> list[str] | None:
+def check_replay_options(
+    fixes: str | None, replay_timeout_s: float | None, batch_arg: str | None, replay: bool
+) -> list[str] | None:
     """Validate --fixes, --replay-timeout and --batch-arg before anything runs."""
-    names = [name.strip() for name in fixes.split(",") if name.strip()] if fixes is not None else None
+    names = (
+        [name.strip() for name in fixes.split(",") if name.strip()] if fixes is not None else None
+    )
     if fixes is not None and not names:
         raise UsageError("--fixes: give at least one fix name")
     if not replay and names:
         raise UsageError("--fixes has no effect with --no-replay")
     if replay_timeout_s is not None and not replay_timeout_s > 0:
-        raise UsageError(f"--replay-timeout must be a positive number of seconds, not {replay_timeout_s:g}")
-    if batch_arg is not None and (not batch_arg.startswith("-") or len(batch_arg) < 2 or "=" in batch_arg):
-        raise UsageError(f"--batch-arg: {batch_arg!r} is not an option name (e.g. --micro-batch or -b)")
+        raise UsageError(
+            f"--replay-timeout must be a positive number of seconds, not {replay_timeout_s:g}"
+        )
+    if batch_arg is not None and (
+        not batch_arg.startswith("-") or len(batch_arg) < 2 or "=" in batch_arg
+    ):
+        raise UsageError(
+            f"--batch-arg: {batch_arg!r} is not an option name (e.g. --micro-batch or -b)"
+        )
     return parse_fix_names(names)
 
 
@@ -81,14 +104,16 @@ def find_batch_arg(args: list[str], flag: str | None = None) -> tuple[int, str, 
         for name in flags:
             if arg == name and index + 1 < len(args) and args[index + 1].isdigit():
                 found = (index + 1, name, int(args[index + 1]))
-            elif arg.startswith(name + "=") and arg[len(name) + 1:].isdigit():
-                found = (index, name, int(arg[len(name) + 1:]))
+            elif arg.startswith(name + "=") and arg[len(name) + 1 :].isdigit():
+                found = (index, name, int(arg[len(name) + 1 :]))
     return found
 
 
 def with_batch_size(args: list[str], position: int, flag: str, batch_size: int) -> list[str]:
     rewritten = list(args)
-    rewritten[position] = f"{flag}={batch_size}" if rewritten[position].startswith(flag + "=") else str(batch_size)
+    rewritten[position] = (
+        f"{flag}={batch_size}" if rewritten[position].startswith(flag + "=") else str(batch_size)
+    )
     return rewritten
 
 
@@ -111,7 +136,13 @@ class Replay:
     def timing(self) -> dict:
         """Where the replay's time went, for the snapshot's replay summary."""
         timings = (self.capture or {}).get("timings") or {}
-        return {"label": self.label, "outcome": self.outcome, "wall_s": round(self.wall_s, 2), "warm": self.warm, **timings}
+        return {
+            "label": self.label,
+            "outcome": self.outcome,
+            "wall_s": round(self.wall_s, 2),
+            "warm": self.warm,
+            **timings,
+        }
 
     @property
     def fits(self) -> bool:
@@ -125,7 +156,9 @@ class ReplaysInterrupted(Exception):
 class Replayer:
     """Runs replays like the failing run, with a fix, and measures them."""
 
-    def __init__(self, document: dict, options, request: ChildRequest, progress: Progress, pool: WarmPool):
+    def __init__(
+        self, document: dict, options, request: ChildRequest, progress: Progress, pool: WarmPool
+    ):
         self.document = document
         self.options = options
         self.request = request
@@ -140,7 +173,9 @@ class Replayer:
         self.timeout_s = options.replay_timeout_s or default_timeout(document)
         self.replays: list[Replay] = []
 
-    def run(self, fix: dict, label: str, args: list[str] | None = None, extra_env: dict | None = None) -> Replay:
+    def run(
+        self, fix: dict, label: str, args: list[str] | None = None, extra_env: dict | None = None
+    ) -> Replay:
         index = len(self.replays) + 1
         log_path = os.path.join(self.log_dir, f"replay-{index}-{fix['name'].replace('+', '-')}.log")
         env = dict(REPLAY_ENV)
@@ -160,7 +195,9 @@ class Replayer:
         self.progress.start(label)
         result = run_child(child, pool=self.pool)
         replay = measure(result, label, log_path)
-        if not result.timed_out and (result.exit_code == 130 or (result.capture or {}).get("outcome") == "interrupted"):
+        if not result.timed_out and (
+            result.exit_code == 130 or (result.capture or {}).get("outcome") == "interrupted"
+        ):
             self.progress.finish("interrupted")
             raise ReplaysInterrupted()
         if replay.outcome in ("timeout", "error"):
@@ -185,7 +222,14 @@ def default_timeout(document: dict) -> float:
 
 def measure(result, label: str, log_path: str) -> Replay:
     capture = result.capture
-    replay = Replay(label=label, outcome="error", wall_s=result.wall_s, capture=capture, log_path=log_path, warm=result.warm)
+    replay = Replay(
+        label=label,
+        outcome="error",
+        wall_s=result.wall_s,
+        capture=capture,
+        log_path=log_path,
+        warm=result.warm,
+    )
     if result.timed_out:
         replay.outcome = "timeout"
         replay.message = f"killed after {result.wall_s:.0f} s (--replay-timeout)"
@@ -205,11 +249,15 @@ def measure(result, label: str, log_path: str) -> Replay:
         oom = capture.get("oom") or {}
         replay.outcome = "oom"
         # What it needed when it failed: a lower bound of its peak.
-        replay.peak_allocated_bytes = int(oom.get("allocated_bytes") or 0) + int(oom.get("requested_bytes") or 0)
+        replay.peak_allocated_bytes = int(oom.get("allocated_bytes") or 0) + int(
+            oom.get("requested_bytes") or 0
+        )
         replay.message = f"ran out of memory in step {oom.get('step')} during {oom.get('phase')}"
     else:
         error = capture.get("error") or {}
-        replay.message = f"{error.get('type', outcome)}: {error.get('message', '')}".strip().rstrip(":")
+        replay.message = f"{error.get('type', outcome)}: {error.get('message', '')}".strip().rstrip(
+            ":"
+        )
     return replay
 
 
@@ -229,8 +277,13 @@ def summarise(replay: Replay) -> str:
 def optimizer_state_estimate(document: dict) -> int:
     breakdown = document.get("breakdown") or {}
     measured = int(breakdown.get("optimizer_state") or 0)
-    parameters = int(breakdown.get("parameters") or 0) or sum(m.get("parameters_bytes", 0) for m in document.get("models") or [])
-    factor = max([OPTIMIZER_STATE_FACTORS.get(name, 0) for name in document.get("optimizers") or []], default=0)
+    parameters = int(breakdown.get("parameters") or 0) or sum(
+        m.get("parameters_bytes", 0) for m in document.get("models") or []
+    )
+    factor = max(
+        [OPTIMIZER_STATE_FACTORS.get(name, 0) for name in document.get("optimizers") or []],
+        default=0,
+    )
     return max(measured, factor * parameters)
 
 
@@ -255,7 +308,9 @@ def plan(document: dict, requested: list[str] | None) -> tuple[list[str], list[d
             if "expandable_segments:true" in conf:
                 reason = "PYTORCH_CUDA_ALLOC_CONF already sets expandable_segments:True"
             elif name not in explicit and unused < FRAGMENTATION_SHARE * capacity:
-                reason = f"only {format_bytes(max(unused, 0))} was reserved but unallocated at the OOM"
+                reason = (
+                    f"only {format_bytes(max(unused, 0))} was reserved but unallocated at the OOM"
+                )
         elif name == "checkpointing":
             if not models:
                 reason = "no model ran a forward pass before the OOM"
@@ -269,8 +324,14 @@ def plan(document: dict, requested: list[str] | None) -> tuple[list[str], list[d
             if not heavy:
                 optimizers = ", ".join(document.get("optimizers") or []) or "none"
                 reason = f"the script's optimizers ({optimizers}) are not Adam-like optimizers with large state"
-            elif name not in explicit and state < OPTIMIZER_SHARE_OF_CAPACITY * capacity and state < OPTIMIZER_SHARE_OF_NEED * need:
-                reason = f"optimizer state (about {format_bytes(state)}) is a small share of the memory"
+            elif (
+                name not in explicit
+                and state < OPTIMIZER_SHARE_OF_CAPACITY * capacity
+                and state < OPTIMIZER_SHARE_OF_NEED * need
+            ):
+                reason = (
+                    f"optimizer state (about {format_bytes(state)}) is a small share of the memory"
+                )
         if reason:
             skipped.append({"name": name, "reason": reason})
         else:
@@ -281,7 +342,9 @@ def plan(document: dict, requested: list[str] | None) -> tuple[list[str], list[d
 # ---------------------------------------------------------------- the replays
 
 
-def replay_fixes(document: dict, options, request: ChildRequest, stderr=None, pool: WarmPool | None = None) -> None:
+def replay_fixes(
+    document: dict, options, request: ChildRequest, stderr=None, pool: WarmPool | None = None
+) -> None:
     """Measure the fixes for an OOM and store them, ranked, in `document`.
     `pool`: warm children started earlier (one is made when not given)."""
     import sys
@@ -320,11 +383,15 @@ def replay_fixes(document: dict, options, request: ChildRequest, stderr=None, po
                 if entry is not None:
                     entries.append(entry)
         except ReplaysInterrupted:
-            document.setdefault("notes", []).append("Replays were interrupted: the fixes below are those measured before.")
+            document.setdefault("notes", []).append(
+                "Replays were interrupted: the fixes below are those measured before."
+            )
         finish(document, replayer, entries, search, batch_info, skipped, progress)
     except Exception as exc:  # the snapshot of the OOM must be written whatever happens here
         progress.header(f"replays failed: {type(exc).__name__}: {exc}")
-        document.setdefault("notes", []).append(f"Replays failed ({type(exc).__name__}: {exc}); no fixes were measured.")
+        document.setdefault("notes", []).append(
+            f"Replays failed ({type(exc).__name__}: {exc}); no fixes were measured."
+        )
         document["fixes"], document["max_batch_size"] = [], None
     finally:
         if own_pool:
@@ -344,7 +411,9 @@ def fix_request(name: str, device: dict) -> tuple[dict, dict, dict]:
         context.update(device_type=fix["device_type"], dtype=dtype)
     if "expandable_segments" in parts:
         conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
-        env["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(p for p in (conf, "expandable_segments:True") if p)
+        env["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(
+            p for p in (conf, "expandable_segments:True") if p
+        )
     # lighter_optimizer: the child picks the optimizer its torch has (the
     # parent does not import torch) and records it.
     return fix, env, context
@@ -378,18 +447,29 @@ def replay_single(replayer: Replayer, name: str, device: dict, skipped: list) ->
     for part in name.split("+"):
         record = replay.applied.get(part) or {}
         if part == "autocast":
-            details.append(f"{record.get('dtype', fix.get('dtype'))} autocast on {record.get('device_type', fix.get('device_type'))}")
+            details.append(
+                f"{record.get('dtype', fix.get('dtype'))} autocast on {record.get('device_type', fix.get('device_type'))}"
+            )
             if fix.get("dtype") == "float16":
                 details.append("float16 needs torch.amp.GradScaler (loss scaling)")
         elif part == "checkpointing":
             wrapped = record.get("wrapped") or []
-            details.append("checkpointed " + ", ".join(f"{w['count']} x {w['class']} in {w['path']}" for w in wrapped))
+            details.append(
+                "checkpointed "
+                + ", ".join(f"{w['count']} x {w['class']} in {w['path']}" for w in wrapped)
+            )
             if wrapped:
-                context.update(blocks_path=wrapped[0]["path"], blocks_class=wrapped[0]["class"], blocks_count=wrapped[0]["count"])
+                context.update(
+                    blocks_path=wrapped[0]["path"],
+                    blocks_class=wrapped[0]["class"],
+                    blocks_count=wrapped[0]["count"],
+                )
         elif part == "lighter_optimizer":
             context["optimizer"] = record.get("optimizer")
             replaced = sorted(set(record.get("replaced") or []))
-            details.append(f"measured torch.optim.{record.get('optimizer')} in place of {', '.join(replaced)}")
+            details.append(
+                f"measured torch.optim.{record.get('optimizer')} in place of {', '.join(replaced)}"
+            )
         elif part == "expandable_segments":
             details.append("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
         elif part == "empty_cache":
@@ -437,13 +517,19 @@ def search_batch(replayer: Replayer, document: dict, options):
 
         def trial(batch_size: int) -> batch_model.BatchRun:
             fix = {"name": "smaller_batch", "batch_mode": "argv", "batch_size": batch_size}
-            replay = replayer.run(fix, f"smaller_batch ({flag} {batch_size})", args=with_batch_size(args, position, flag, batch_size))
+            replay = replayer.run(
+                fix,
+                f"smaller_batch ({flag} {batch_size})",
+                args=with_batch_size(args, position, flag, batch_size),
+            )
             return to_batch_run(replay, batch_size)
 
         runs = []
     else:
         if options.batch_arg:
-            replayer.progress.header(f"{options.batch_arg} is not on the command line: trying the DataLoader's batch size")
+            replayer.progress.header(
+                f"{options.batch_arg} is not on the command line: trying the DataLoader's batch size"
+            )
         divisor = batch_model.probe_divisor(document)
         probe_replay = replayer.run(
             {"name": "smaller_batch", "batch_mode": "dataloader", "batch_divisor": divisor},
@@ -451,16 +537,29 @@ def search_batch(replayer: Replayer, document: dict, options):
         )
         record = probe_replay.applied.get("smaller_batch") or {}
         if probe_replay.outcome in ("fits", "oom") and not record.get("patched"):
-            return None, info, ("the script has no batch-size flag on its command line (--batch-size, --batch_size, --bs, "
-                                "--per_device_train_batch_size or one named with --batch-arg) and creates no DataLoader with a batch size")
+            return (
+                None,
+                info,
+                (
+                    "the script has no batch-size flag on its command line (--batch-size, --batch_size, --bs, "
+                    "--per_device_train_batch_size or one named with --batch-arg) and creates no DataLoader with a batch size"
+                ),
+            )
         if not record.get("original_batch_size") or not record.get("batch_size"):
             return None, info, f"the first smaller-batch replay failed: {probe_replay.message}"
         original = int(record["original_batch_size"])
         info.update(source="DataLoader", original_batch_size=original)
 
         def trial(batch_size: int) -> batch_model.BatchRun:
-            fix = {"name": "smaller_batch", "batch_mode": "dataloader", "batch_size": batch_size, "original_batch_size": original}
-            return to_batch_run(replayer.run(fix, f"smaller_batch (DataLoader batch {batch_size})"), batch_size)
+            fix = {
+                "name": "smaller_batch",
+                "batch_mode": "dataloader",
+                "batch_size": batch_size,
+                "original_batch_size": original,
+            }
+            return to_batch_run(
+                replayer.run(fix, f"smaller_batch (DataLoader batch {batch_size})"), batch_size
+            )
 
         runs = [to_batch_run(probe_replay, int(record["batch_size"]))]
     if original <= 1:
@@ -468,7 +567,11 @@ def search_batch(replayer: Replayer, document: dict, options):
     baseline.batch_size = original
     capacity = int((document.get("device") or {}).get("capacity_bytes") or 0)
     result = batch_model.search_max_batch(
-        original, capacity, [baseline, *runs], trial, probe=batch_model.first_probe_for(document, original),
+        original,
+        capacity,
+        [baseline, *runs],
+        trial,
+        probe=batch_model.first_probe_for(document, original),
     )
     result.trials[:0] = runs  # the DataLoader probe was a trial too
     return result, info, None
@@ -476,7 +579,9 @@ def search_batch(replayer: Replayer, document: dict, options):
 
 def to_batch_run(replay: Replay, batch_size: int) -> batch_model.BatchRun:
     if replay.capture is None or replay.outcome in ("timeout", "error"):
-        run = batch_model.BatchRun(batch_size=batch_size, fits=False, inconclusive=True, note=replay.message)
+        run = batch_model.BatchRun(
+            batch_size=batch_size, fits=False, inconclusive=True, note=replay.message
+        )
     else:
         run = batch_model.observe(replay.capture, batch_size)
     run.wall_s = replay.wall_s
@@ -492,7 +597,11 @@ def reference_step_seconds(document: dict, search) -> tuple[float | None, str]:
     steady steps when it had any, else the largest fitting smaller batch's
     step scaled per sample."""
     oom_step = (document.get("oom") or {}).get("step")
-    steady = [s for s in document.get("steps") or [] if 0 < s.get("index", 0) < (oom_step or 0) and s.get("duration_s")]
+    steady = [
+        s
+        for s in document.get("steps") or []
+        if 0 < s.get("index", 0) < (oom_step or 0) and s.get("duration_s")
+    ]
     if steady:
         return batch_model.median_step_seconds(steady), "the failing run's completed steps"
     if search is not None and search.best_run is not None and search.best_run.step_s:
@@ -510,7 +619,12 @@ def smaller_batch_entry(search, info: dict, reference_s: float | None) -> dict |
         replay = getattr(last, "replay", None) if last else None
         if replay is None:
             return None
-        entry = entry_from(replay, "smaller_batch", search.stopped or "no smaller batch fits", FIXES["smaller_batch"].snippet)
+        entry = entry_from(
+            replay,
+            "smaller_batch",
+            search.stopped or "no smaller batch fits",
+            FIXES["smaller_batch"].snippet,
+        )
         entry["fits"] = False
         return entry
     original = search.original_batch_size
@@ -518,14 +632,27 @@ def smaller_batch_entry(search, info: dict, reference_s: float | None) -> dict |
     micro, steps = batch_model.accumulation_plan(original, maximum)
     how = info.get("source", "batch size")
     how_text = f"{how} {maximum}" if how.startswith("-") else f"DataLoader(batch_size={maximum})"
-    exactness = (f"exact: {maximum + 1} ran out of memory" if search.exact else f"not proven exact: {search.stopped}")
+    exactness = (
+        f"exact: {maximum + 1} ran out of memory"
+        if search.exact
+        else f"not proven exact: {search.stopped}"
+    )
     detail = (
         f"largest batch that fits: {maximum} ({exactness}; {len(search.trials)} replays); "
         f"keep the effective batch of {original} with {steps} accumulation steps of {micro}"
     )
-    snippet = render_snippet("smaller_batch", {"micro_batch": micro, "accumulation_steps": steps, "how": how if how.startswith("-") else "batch_size"})
+    snippet = render_snippet(
+        "smaller_batch",
+        {
+            "micro_batch": micro,
+            "accumulation_steps": steps,
+            "how": how if how.startswith("-") else "batch_size",
+        },
+    )
     entry = entry_from(best.replay, "smaller_batch", detail, snippet)
-    entry.update(max_batch_size=maximum, micro_batch_size=micro, accumulation_steps=steps, how=how_text)
+    entry.update(
+        max_batch_size=maximum, micro_batch_size=micro, accumulation_steps=steps, how=how_text
+    )
     if reference_s and best.step_s:
         # Accumulation processes the original batch in `steps` micro-steps.
         entry["step_time_ratio"] = round(steps * best.step_s * (micro / maximum) / reference_s, 3)
@@ -536,18 +663,33 @@ def sharding_estimate(static: dict) -> dict:
     """Per-rank bytes saved by sharding over 2, 4 and 8 GPUs, from the
     breakdown (an estimate: communication buffers and the gathered layer of
     FSDP are not counted)."""
-    parameters, gradients, state = (static.get(k, 0) for k in ("parameters", "gradients", "optimizer_state"))
-    stages = {"zero1_optimizer_state": state, "zero2_plus_gradients": state + gradients,
-              "fsdp_full_shard": state + gradients + parameters}
-    return {stage: {str(n): int(total * (1 - 1 / n)) for n in (2, 4, 8)} for stage, total in stages.items()}
+    parameters, gradients, state = (
+        static.get(k, 0) for k in ("parameters", "gradients", "optimizer_state")
+    )
+    stages = {
+        "zero1_optimizer_state": state,
+        "zero2_plus_gradients": state + gradients,
+        "fsdp_full_shard": state + gradients + parameters,
+    }
+    return {
+        stage: {str(n): int(total * (1 - 1 / n)) for n in (2, 4, 8)}
+        for stage, total in stages.items()
+    }
 
 
 def static_breakdown(document: dict, replayer: Replayer) -> dict:
     """Parameters, gradients and optimizer state at their largest, from the
     failing run and every replay that kept the script's optimizer."""
-    static = {key: int((document.get("breakdown") or {}).get(key) or 0) for key in ("parameters", "gradients", "optimizer_state")}
+    static = {
+        key: int((document.get("breakdown") or {}).get(key) or 0)
+        for key in ("parameters", "gradients", "optimizer_state")
+    }
     for replay in replayer.replays:
-        if replay.capture is None or "lighter_optimizer" in replay.applied or "smaller_batch" not in replay.applied:
+        if (
+            replay.capture is None
+            or "lighter_optimizer" in replay.applied
+            or "smaller_batch" not in replay.applied
+        ):
             continue
         breakdown = replay.capture.get("breakdown") or {}
         for key in static:
@@ -590,7 +732,9 @@ def finish(document, replayer, entries, search, batch_info, skipped, progress) -
             )
         entry.pop("_applied", None)
     document["fixes"] = rank_fixes(entries)
-    document["max_batch_size"] = search.max_batch_size if search is not None and search.exact else None
+    document["max_batch_size"] = (
+        search.max_batch_size if search is not None and search.exact else None
+    )
     summary = {
         "replays": len(replayer.replays),
         "total_s": round(progress.total(), 2),

@@ -35,7 +35,11 @@ def rank_fixes(fixes: list[dict]) -> list[dict]:
 def best_pair(candidates: list[dict]) -> tuple[str, str] | None:
     """The two compatible fixes with the lowest peaks (a fix that ran out of
     memory counts with what it needed when it did), among fixes that applied."""
-    usable = [fix for fix in candidates if fix.get("peak_allocated_bytes") is not None and "+" not in fix["name"]]
+    usable = [
+        fix
+        for fix in candidates
+        if fix.get("peak_allocated_bytes") is not None and "+" not in fix["name"]
+    ]
     usable.sort(key=lambda fix: fix["peak_allocated_bytes"])
     pairs = []
     for i, first in enumerate(usable):

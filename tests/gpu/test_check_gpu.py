@@ -10,18 +10,22 @@ import shutil
 
 import pytest
 import torch
-
 from conftest import REPO_ROOT, SCRIPTS, run_oomdoc
 from test_pytest_plugin import plugin_args
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
 pytest_plugins = ["pytester"]
 
 
 def test_check_on_cuda_passes_at_the_same_batch_and_fails_when_activations_grow(tmp_path):
     shutil.copy(SCRIPTS / "check_mlp.py", tmp_path / "train.py")
     common = ["check", "--device", "cuda", "--baseline", tmp_path / "baseline.json"]
-    made = run_oomdoc([*common, "--update-baseline", "train.py", "--batch-size", "512"], cwd=tmp_path)
+    made = run_oomdoc(
+        [*common, "--update-baseline", "train.py", "--batch-size", "512"], cwd=tmp_path
+    )
     assert made.returncode == 0, made.stderr
     same = run_oomdoc([*common, "train.py", "--batch-size", "512"], cwd=tmp_path)
     assert same.returncode == 0, same.stderr
@@ -32,8 +36,12 @@ def test_check_on_cuda_passes_at_the_same_batch_and_fails_when_activations_grow(
 
 
 def test_the_marker_on_cuda(pytester, monkeypatch):
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p))
-    pytester.makepyfile(test_cuda_memory='''
+    monkeypatch.setenv(
+        "PYTHONPATH",
+        os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p),
+    )
+    pytester.makepyfile(
+        test_cuda_memory="""
 import pytest
 import torch
 
@@ -47,10 +55,13 @@ def test_over():
 @pytest.mark.oomdoc_limit("64MiB")
 def test_under():
     torch.empty(8 * 1024**2, dtype=torch.uint8, device="cuda")
-''')
+"""
+    )
     result = pytester.runpytest_subprocess(*plugin_args("cuda"), "-p", "no:cacheprovider")
     result.assert_outcomes(passed=1, failed=1)
-    result.stdout.fnmatch_lines([
-        "*test_over was limited to 16.00 MiB of tensor memory but its peak was 32.00 MiB (CUDA)*",
-        "*32.00 MiB*test_cuda_memory.py:7 in test_over*",
-    ])
+    result.stdout.fnmatch_lines(
+        [
+            "*test_over was limited to 16.00 MiB of tensor memory but its peak was 32.00 MiB (CUDA)*",
+            "*32.00 MiB*test_cuda_memory.py:7 in test_over*",
+        ]
+    )

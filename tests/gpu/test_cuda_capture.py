@@ -10,7 +10,6 @@ import pickle
 
 import pytest
 import torch
-
 from conftest import EXAMPLES, load_json, run_oomdoc
 
 pytestmark = [
@@ -24,8 +23,22 @@ GIB = 1024**3
 
 def test_gpt_oom_is_caught_on_a_capped_card(tmp_path):
     snapshot_path = tmp_path / "gpt.json"
-    result = run_oomdoc(["run", "--device-memory", "16GiB", "--no-replay", "-o", snapshot_path,
-                         GPT, "--batch-size", "32", "--steps", "3"], timeout=600)
+    result = run_oomdoc(
+        [
+            "run",
+            "--device-memory",
+            "16GiB",
+            "--no-replay",
+            "-o",
+            snapshot_path,
+            GPT,
+            "--batch-size",
+            "32",
+            "--steps",
+            "3",
+        ],
+        timeout=600,
+    )
     assert result.returncode == 1, result.stderr[-3000:]
     assert "torch.OutOfMemoryError" in result.stderr
     assert "oomdoc: OOM in step 0 during" in result.stderr
@@ -47,8 +60,10 @@ def test_gpt_oom_is_caught_on_a_capped_card(tmp_path):
     assert 0.8e9 < breakdown["parameters"] < 0.95e9
     assert breakdown["activations"] > breakdown["parameters"]
     assert document["top_allocations"], "allocation history gave no sites"
-    assert any((site.get("location") or {}).get("file", "").endswith("gpt_train.py")
-               for site in document["top_allocations"])
+    assert any(
+        (site.get("location") or {}).get("file", "").endswith("gpt_train.py")
+        for site in document["top_allocations"]
+    )
     assert document["device"].get("name", "").startswith("NVIDIA")
     torch_snapshot = document["artifacts"]["torch_snapshot_file"]
     with open(torch_snapshot, "rb") as handle:
@@ -58,8 +73,21 @@ def test_gpt_oom_is_caught_on_a_capped_card(tmp_path):
 
 def test_gpt_that_fits_reports_steps_and_phases(tmp_path):
     snapshot_path = tmp_path / "gpt.json"
-    result = run_oomdoc(["run", "--device-memory", "16GiB", "-o", snapshot_path,
-                         GPT, "--batch-size", "4", "--steps", "3"], timeout=600)
+    result = run_oomdoc(
+        [
+            "run",
+            "--device-memory",
+            "16GiB",
+            "-o",
+            snapshot_path,
+            GPT,
+            "--batch-size",
+            "4",
+            "--steps",
+            "3",
+        ],
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     document = load_json(snapshot_path)
     assert document["outcome"] == "ok"
@@ -78,8 +106,10 @@ def test_gpt_that_fits_reports_steps_and_phases(tmp_path):
 
 def test_max_steps_stops_cleanly_on_cuda(tmp_path):
     snapshot_path = tmp_path / "gpt.json"
-    result = run_oomdoc(["run", "--max-steps", "2", "-o", snapshot_path,
-                         GPT, "--batch-size", "2", "--steps", "10"], timeout=600)
+    result = run_oomdoc(
+        ["run", "--max-steps", "2", "-o", snapshot_path, GPT, "--batch-size", "2", "--steps", "10"],
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     document = load_json(snapshot_path)
     assert len(document["steps"]) == 2

@@ -14,7 +14,6 @@ import time
 
 import pytest
 import torch
-
 from conftest import EXAMPLES, load_json, run_oomdoc
 
 pytestmark = [
@@ -31,18 +30,27 @@ def replayed(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("gpu-replay")
     snapshot = tmp_path / "gpt.json"
     started = time.perf_counter()
-    result = run_oomdoc(["run", "--device-memory", CAP, "-o", snapshot, GPT, "--batch-size", "32", "--steps", "4"],
-                        cwd=tmp_path, timeout=900)
+    result = run_oomdoc(
+        ["run", "--device-memory", CAP, "-o", snapshot, GPT, "--batch-size", "32", "--steps", "4"],
+        cwd=tmp_path,
+        timeout=900,
+    )
     wall_s = time.perf_counter() - started
     document = load_json(snapshot)
-    print(f"\nwhole oomdoc run: {wall_s:.1f} s, {document['replay']['replays']} replays, "
-          f"{len(document['fixes'])} fixes measured, batch trials {document['replay'].get('batch_search')}")
+    print(
+        f"\nwhole oomdoc run: {wall_s:.1f} s, {document['replay']['replays']} replays, "
+        f"{len(document['fixes'])} fixes measured, batch trials {document['replay'].get('batch_search')}"
+    )
     return result, document, wall_s
 
 
 def peak_without_replay(tmp_path, name, script, *args):
     snapshot = tmp_path / f"{name}.json"
-    result = run_oomdoc(["run", "--device-memory", CAP, "--no-replay", "-o", snapshot, script, *args], cwd=tmp_path, timeout=600)
+    result = run_oomdoc(
+        ["run", "--device-memory", CAP, "--no-replay", "-o", snapshot, script, *args],
+        cwd=tmp_path,
+        timeout=600,
+    )
     return result.returncode, load_json(snapshot)
 
 
@@ -58,17 +66,25 @@ def test_ranked_fixes_on_the_gpu(replayed):
 def test_max_batch_size_is_exact_on_the_gpu(replayed, tmp_path):
     _, document, _ = replayed
     maximum = document["max_batch_size"]
-    code, _ = peak_without_replay(tmp_path, "max", GPT, "--batch-size", str(maximum), "--steps", "4")
+    code, _ = peak_without_replay(
+        tmp_path, "max", GPT, "--batch-size", str(maximum), "--steps", "4"
+    )
     assert code == 0
-    code, _ = peak_without_replay(tmp_path, "over", GPT, "--batch-size", str(maximum + 1), "--steps", "4")
+    code, _ = peak_without_replay(
+        tmp_path, "over", GPT, "--batch-size", str(maximum + 1), "--steps", "4"
+    )
     assert code == 1
 
 
-@pytest.mark.parametrize("name,flags", [("autocast", ["--autocast", "bf16"]), ("checkpointing", ["--checkpointing"])])
+@pytest.mark.parametrize(
+    "name,flags", [("autocast", ["--autocast", "bf16"]), ("checkpointing", ["--checkpointing"])]
+)
 def test_replayed_fix_matches_by_hand_on_the_gpu(replayed, tmp_path, name, flags):
     _, document, _ = replayed
     # gpt_train.py's --autocast/--checkpointing write the same fixes into the script by hand.
-    code, by_hand = peak_without_replay(tmp_path, name, GPT, "--batch-size", "32", "--steps", "4", *flags)
+    code, by_hand = peak_without_replay(
+        tmp_path, name, GPT, "--batch-size", "32", "--steps", "4", *flags
+    )
     assert code == 0
     replayed_peak = next(f for f in document["fixes"] if f["name"] == name)["peak_allocated_bytes"]
     hand_peak = by_hand["peak"]["allocated_bytes"]

@@ -19,7 +19,9 @@ def main() -> None:
 
     torch.manual_seed(0)
     features, classes = 128, 10
-    dataset = TensorDataset(torch.randn(arguments.samples, features), torch.randint(0, classes, (arguments.samples,)))
+    dataset = TensorDataset(
+        torch.randn(arguments.samples, features), torch.randint(0, classes, (arguments.samples,))
+    )
     loader = DataLoader(dataset, batch_size=arguments.batch_size, shuffle=True, drop_last=True)
 
     blocks = []

@@ -11,7 +11,7 @@ optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 batch = 4096
 if os.environ.get("OOMDOC_REPLAY"):
     time.sleep(3600)
-for step in range(3):
+for _step in range(3):
     x = torch.randn(batch, 64)
     loss = model(x).pow(2).mean()
     loss.backward()

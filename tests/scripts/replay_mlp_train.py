@@ -74,13 +74,17 @@ def main():
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--depth", type=int, default=8)
-    parser.add_argument("--autocast", action="store_true", help="bf16 autocast around forward and loss")
+    parser.add_argument(
+        "--autocast", action="store_true", help="bf16 autocast around forward and loss"
+    )
     parser.add_argument("--checkpointing", action="store_true", help="checkpoint each MLP block")
     parser.add_argument("--save", default=None, help="save the model here (skipped in replays)")
     args = parser.parse_args()
 
     torch.manual_seed(0)
-    model = MLP(args.features, args.width, args.hidden, args.depth, 10, checkpointing=args.checkpointing)
+    model = MLP(
+        args.features, args.width, args.hidden, args.depth, 10, checkpointing=args.checkpointing
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     data = RandomFeatures(args.steps * args.batch_size, args.features, 10)
     loader = DataLoader(data, batch_size=args.batch_size)

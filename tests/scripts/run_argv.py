@@ -1,4 +1,5 @@
 """Prints its sys.argv as JSON so tests can see exactly what reached it."""
+
 import json
 import sys
 

@@ -17,17 +17,21 @@ args = parser.parse_args()
 
 torch.manual_seed(0)
 model = nn.Sequential(
-    nn.Linear(512, 2048), nn.ReLU(),
-    nn.Linear(2048, 2048), nn.ReLU(),
-    nn.Linear(2048, 2048), nn.ReLU(),
-    nn.Linear(2048, 2048), nn.ReLU(),
+    nn.Linear(512, 2048),
+    nn.ReLU(),
+    nn.Linear(2048, 2048),
+    nn.ReLU(),
+    nn.Linear(2048, 2048),
+    nn.ReLU(),
+    nn.Linear(2048, 2048),
+    nn.ReLU(),
     nn.Linear(2048, 10),
 )
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 data = TensorDataset(torch.randn(4096, 512), torch.randint(0, 10, (4096,)))
 loader = DataLoader(data, batch_size=args.batch_size, shuffle=True)
 
-for epoch in range(args.epochs):
+for _epoch in range(args.epochs):
     for step, (inputs, targets) in enumerate(loader):
         loss = nn.functional.cross_entropy(model(inputs), targets)
         loss.backward()

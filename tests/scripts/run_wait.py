@@ -1,4 +1,5 @@
 """Trains a tiny model forever until a signal arrives (for signal tests)."""
+
 import time
 
 import torch

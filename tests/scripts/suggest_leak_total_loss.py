@@ -26,14 +26,16 @@ def main():
 
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    encoder = nn.Sequential(nn.Linear(args.width, args.width), nn.ReLU(), nn.Linear(args.width, args.width), nn.ReLU())
+    encoder = nn.Sequential(
+        nn.Linear(args.width, args.width), nn.ReLU(), nn.Linear(args.width, args.width), nn.ReLU()
+    )
     head = nn.Linear(args.width, 10)
     model = nn.Sequential(encoder, head).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     loss_fn = nn.CrossEntropyLoss()
     total_loss = 0.0
     history = []
-    for step in range(args.steps):
+    for _step in range(args.steps):
         inputs = torch.randn(args.batch_size, args.width, device=device)
         targets = torch.randint(0, 10, (args.batch_size,), device=device)
         hidden = encoder(inputs)

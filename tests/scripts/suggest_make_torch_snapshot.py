@@ -25,13 +25,16 @@ def main(snapshot_path: str, stats_path: str) -> None:
     def on_oom(device, requested, device_allocated, device_free):
         stats = torch.cuda.memory_stats()
         with open(stats_path, "w") as handle:
-            json.dump({
-                "requested": int(requested),
-                "allocated_bytes": stats["allocated_bytes.all.current"],
-                "reserved_bytes": stats["reserved_bytes.all.current"],
-                "inactive_split_bytes": stats["inactive_split_bytes.all.current"],
-                "inactive_split_blocks": stats["inactive_split.all.current"],
-            }, handle)
+            json.dump(
+                {
+                    "requested": int(requested),
+                    "allocated_bytes": stats["allocated_bytes.all.current"],
+                    "reserved_bytes": stats["reserved_bytes.all.current"],
+                    "inactive_split_bytes": stats["inactive_split_bytes.all.current"],
+                    "inactive_split_blocks": stats["inactive_split.all.current"],
+                },
+                handle,
+            )
         torch.cuda.memory._dump_snapshot(snapshot_path)
 
     torch._C._cuda_attach_out_of_memory_observer(on_oom)

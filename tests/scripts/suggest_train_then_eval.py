@@ -27,7 +27,9 @@ def main():
 
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = nn.Sequential(nn.Linear(args.width, args.width), nn.ReLU(), nn.Linear(args.width, 10)).to(device)
+    model = nn.Sequential(
+        nn.Linear(args.width, args.width), nn.ReLU(), nn.Linear(args.width, 10)
+    ).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     loss_fn = nn.CrossEntropyLoss()
     for epoch in range(args.epochs):

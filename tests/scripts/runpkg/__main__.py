@@ -1,4 +1,5 @@
 """`python -m runpkg`: prints argv, then trains two steps."""
+
 import json
 import sys
 
