@@ -30,11 +30,11 @@ sys.path.insert(0, str(ROOT))
 
 from tabulate import tabulate  # noqa: E402
 
+from oomdoc.capture import choose_device  # noqa: E402
 from oomdoc.replay import batch as batch_model  # noqa: E402
 from oomdoc.replay.orchestrate import Replayer, warm_pool  # noqa: E402
 from oomdoc.replay.progress import Progress  # noqa: E402
-from oomdoc.runner import ChildRequest, run_child  # noqa: E402
-from oomdoc.session import RunOptions, build_snapshot, resolve_device  # noqa: E402
+from oomdoc.runner import ChildRequest, RunOptions, build_snapshot, run_child  # noqa: E402
 from oomdoc.sizes import parse_size  # noqa: E402
 
 SCRIPT = str(ROOT / "examples" / "gpt_train.py")
@@ -124,7 +124,11 @@ def main() -> None:
     )
     args = parser.parse_args()
 
-    device = resolve_device(args.device)
+    import torch  # the benchmark decides the device itself (oomdoc's parent never imports torch)
+
+    device = choose_device(args.device, torch.cuda.is_available())
+    if device is None:
+        sys.exit("--device cuda: CUDA is not available on this machine")
     on_cuda = device == "cuda"
     capacity = parse_size(args.device_memory or ("16GiB" if on_cuda else "192MiB"))
     preset = args.preset or ("reference" if on_cuda else "tiny")
@@ -144,25 +148,25 @@ def main() -> None:
     baseline = run_child(request)
     baseline_s = time.perf_counter() - started
     options = RunOptions(target=SCRIPT, args=request.args, device=device, capacity_bytes=capacity)
-    document = build_snapshot(options, baseline.capture, baseline.exit_code)
-    if document["outcome"] != "oom":
+    failing_run = build_snapshot(options, baseline)
+    if failing_run.outcome != "oom":
         sys.exit(
-            f"batch size {failing} did not run out of memory ({document['outcome']}): pick a larger --batch-size"
+            f"batch size {failing} did not run out of memory ({failing_run.outcome}): pick a larger --batch-size"
         )
 
     rows = []
     for strategy in [s.strip() for s in args.strategies.split(",") if s.strip()]:
         pool = warm_pool(request)  # every strategy's trials start warm alike
-        replayer = Replayer(document, options, request, progress, pool)
+        replayer = Replayer(failing_run, options, request, progress, pool)
         trials = Trials(replayer, base_args)
         if strategy == "oomdoc":
-            observed = batch_model.observe(document, failing)
+            observed = batch_model.observe(failing_run, failing)
             result = batch_model.search_max_batch(
                 failing,
                 capacity,
                 [observed],
                 trials.run,
-                probe=batch_model.first_probe_for(document, failing),
+                probe=batch_model.first_probe_for(failing_run, failing),
             )
             found, exact = result.max_batch_size or 0, result.exact
         elif strategy == "doubling":

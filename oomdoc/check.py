@@ -20,32 +20,32 @@ from __future__ import annotations
 
 import os
 import sys
-import xml.etree.ElementTree as ElementTree
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-
-from tabulate import tabulate
+from typing import Optional, TextIO
 
 import oomdoc
-from oomdoc import report
+from oomdoc.analysis import headline
 from oomdoc.errors import UsageError
-from oomdoc.runner import run_child
-from oomdoc.session import (
+from oomdoc.formatting import relative_path
+from oomdoc.model import CATEGORIES, Location, Snapshot
+from oomdoc.reporters import render
+from oomdoc.runner import (
     RunOptions,
     build_snapshot,
     check_device_choice,
     check_target,
     child_request,
     raise_child_usage_error,
+    run_child,
 )
 from oomdoc.sizes import format_bytes
-from oomdoc.snapshot import CATEGORIES, SnapshotError, dumps, read_json_file, write_atomic
+from oomdoc.snapshot import SnapshotError, dumps, read_json_file, write_atomic
 
 BASELINE_FORMAT = "oomdoc-baseline"
 BASELINE_VERSION = 1
-# Allocation sites kept in a baseline, and shown when a check fails.
+# Allocation sites kept in a baseline.
 STORED_SITES = 20
-SHOWN_SITES = 5
 
 
 @dataclass
@@ -107,21 +107,28 @@ class Comparison:
 
 @dataclass
 class CheckResult:
-    document: dict  # the run's snapshot document
+    """A check's outcome: what the check reporters render."""
+
+    snapshot: Snapshot  # the run's snapshot
     current: dict  # the run as a baseline
     baseline: dict | None
     comparisons: list[Comparison]
     site_changes: list[dict]
     notes: list[str]
     wall_s: float
+    options: Optional[CheckOptions] = field(default=None)
 
     @property
     def measured(self) -> bool:
-        return self.document.get("outcome") in ("ok", "oom")
+        return self.snapshot.outcome in ("ok", "oom")
 
     @property
     def oom(self) -> bool:
-        return self.document.get("outcome") == "oom"
+        return self.snapshot.outcome == "oom"
+
+    @property
+    def headline(self) -> str:
+        return headline(self.snapshot)
 
     @property
     def regressions(self) -> list[Comparison]:
@@ -135,36 +142,35 @@ class CheckResult:
 # ------------------------------------------------------------------ baseline
 
 
-def _relative_location(location: dict | None, cwd: str) -> dict | None:
+def _relative_location(location: Location | None, cwd: str) -> dict | None:
     """Locations under the working directory are stored relative to it, so a
     baseline made in one checkout matches a check run in another."""
-    if not location:
+    if location is None:
         return None
-    filename = report.relative_path(location.get("file", ""), cwd)
+    filename = relative_path(location.file, cwd)
     return {
         "file": filename.replace(os.sep, "/"),
-        "line": int(location.get("line", 0)),
-        "function": location.get("function", "?"),
+        "line": location.line,
+        "function": location.function,
     }
 
 
-def measurement(document: dict, steps_requested: int) -> dict:
+def measurement(snapshot: Snapshot, steps_requested: int) -> dict:
     """The part of a run's snapshot that a baseline records, in baseline form."""
-    cwd = document.get("cwd") or os.getcwd()
-    device = document.get("device") or {}
-    breakdown = document.get("breakdown") or {}
-    category_peaks = document.get("category_peaks") or {}
-    peak = document.get("peak") or {}
-    sites = []
-    for site in (document.get("top_allocations") or [])[:STORED_SITES]:
+    cwd = snapshot.cwd or os.getcwd()
+    device = snapshot.device
+    category_peaks = snapshot.category_peaks
+    peak = snapshot.peak
+    sites: list[dict] = []
+    for site in snapshot.top_allocations[:STORED_SITES]:
         sites.append(
             {
-                "bytes": int(site.get("bytes", 0)),
-                "count": int(site.get("count") or 1),
-                "category": site.get("category", "other"),
-                "location": _relative_location(site.get("location"), cwd),
-                "shape": site.get("shape"),
-                "dtype": site.get("dtype"),
+                "bytes": site.bytes,
+                "count": site.count or 1,
+                "category": site.category,
+                "location": _relative_location(site.location, cwd),
+                "shape": site.shape,
+                "dtype": site.dtype,
             }
         )
     sites.sort(key=lambda s: (-s["bytes"], _site_key(s)))
@@ -172,23 +178,26 @@ def measurement(document: dict, steps_requested: int) -> dict:
         "format": BASELINE_FORMAT,
         "version": BASELINE_VERSION,
         "oomdoc_version": oomdoc.__version__,
-        "torch_version": document.get("torch_version", "?"),
+        "torch_version": snapshot.torch_version,
         "device": {
-            "kind": device.get("kind", "?"),
-            "name": device.get("name", "?"),
-            "capacity_bytes": int(device.get("capacity_bytes") or 0),
+            "kind": device.kind,
+            "name": device.name,
+            "capacity_bytes": device.capacity_bytes,
         },
-        "command": list(document.get("command") or []),
+        "command": list(snapshot.command),
         "steps": int(steps_requested),
-        "steps_run": len(document.get("steps") or []),
+        "steps_run": len(snapshot.steps),
         "peak": {
-            "allocated_bytes": int(peak.get("allocated_bytes") or 0),
-            "reserved_bytes": int(peak.get("reserved_bytes") or 0),
+            "allocated_bytes": (peak.allocated_bytes if peak else None) or 0,
+            "reserved_bytes": (peak.reserved_bytes if peak else None) or 0,
         },
         # The snapshot's breakdown is one sampled moment; the maxima already
         # include it, but a capture without phases has only the breakdown.
         "categories": {
-            c: int(max(category_peaks.get(c, 0), breakdown.get(c, 0))) for c in CATEGORIES
+            c: max(
+                category_peaks.bytes_of(c) if category_peaks else 0, snapshot.breakdown.bytes_of(c)
+            )
+            for c in CATEGORIES
         },
         "top_allocations": sites,
     }
@@ -344,192 +353,11 @@ def mismatch_notes(baseline: dict, current: dict) -> list[str]:
     return notes
 
 
-# ---------------------------------------------------------------- rendering
-
-
-def comparison_rows(result: CheckResult) -> list[list[str]]:
-    return [
-        [
-            c.name,
-            format_bytes(c.baseline) if c.baseline is not None else "-",
-            format_bytes(c.current),
-            c.change_text(),
-            f"+{format_bytes(c.allowed_growth)}",
-            c.status(),
-        ]
-        for c in result.comparisons
-    ]
-
-
-COMPARISON_HEADERS = ["quantity", "baseline", "current", "change", "allowed", "status"]
-SITE_HEADERS = ["location", "category", "baseline", "current", "change"]
-
-
-def site_change_rows(result: CheckResult) -> list[list[str]]:
-    rows = []
-    for entry in result.site_changes[:SHOWN_SITES]:
-        change = entry["change"]
-        rows.append(
-            [
-                report.format_location(entry["location"]),
-                entry["category"],
-                format_bytes(entry["baseline"]) if entry["baseline"] else "-",
-                format_bytes(entry["current"]) if entry["current"] else "-",
-                ("+" if change > 0 else "") + format_bytes(change),
-            ]
-        )
-    return rows
-
-
-def verdict(result: CheckResult, options: CheckOptions) -> str:
-    """One line that says how the check ended."""
-    document = result.document
-    unwritten = " The baseline was not written." if options.update_baseline else ""
-    if not result.measured:
-        return f"FAIL: nothing was measured. {report.headline(document)}.{unwritten}"
-    if result.oom:
-        return f"FAIL: the script ran out of memory. {report.headline(document)}.{unwritten}"
-    if options.update_baseline:
-        return (
-            f"baseline written to {options.baseline_path}: peak {format_bytes(result.current['peak']['allocated_bytes'])} "
-            f"allocated over {result.current['steps_run']} step(s)"
-        )
-    regressions = result.regressions
-    if regressions:
-        names = ", ".join(c.name for c in sorted(regressions, key=lambda c: -c.change))
-        return f"FAIL: {names} grew beyond the {options.tolerance_text} tolerance (baseline {options.baseline_path})"
-    return (
-        f"OK: peak {format_bytes(result.current['peak']['allocated_bytes'])} allocated; every quantity within "
-        f"{options.tolerance_text} of the baseline ({options.baseline_path})"
-    )
-
-
-def _blocks(
-    result: CheckResult, options: CheckOptions
-) -> list[tuple[str, list[str], list[list[str]]]]:
-    """The tables of a check report as (title, headers, rows), shared by the
-    text and Markdown renderings."""
-    blocks = []
-    if result.comparisons:
-        title = (
-            "Peak memory against the baseline"
-            if not options.update_baseline
-            else "Changes from the previous baseline"
-        )
-        blocks.append((title, COMPARISON_HEADERS, comparison_rows(result)))
-    sites = site_change_rows(result)
-    if sites and (result.failed or options.update_baseline):
-        blocks.append(
-            ("Allocation sites that differ from the baseline (at the peak)", SITE_HEADERS, sites)
-        )
-    if result.measured and result.baseline is None:
-        rows = [["peak allocated", format_bytes(result.current["peak"]["allocated_bytes"])]]
-        rows += [[c, format_bytes(result.current["categories"][c])] for c in CATEGORIES]
-        blocks.append(("Measured", ["quantity", "bytes"], rows))
-    return blocks
-
-
-def _all_notes(result: CheckResult) -> list[str]:
-    notes = list(result.notes)
-    shrank = [c.name for c in result.comparisons if c.shrank]
-    if shrank and not result.failed:
-        notes.append(
-            f"{', '.join(shrank)} shrank beyond the tolerance: refresh the baseline with --update-baseline to keep the gain"
-        )
-    return notes
-
-
-def render_text(result: CheckResult, options: CheckOptions) -> str:
-    lines = ["", f"oomdoc check: {verdict(result, options)}"]
-    for title, headers, rows in _blocks(result, options):
-        lines += ["", title, tabulate(rows, headers=headers, disable_numparse=True)]
-    for note in _all_notes(result):
-        lines.append(f"note: {note}")
-    return "\n".join(lines) + "\n"
-
-
-def render_markdown(result: CheckResult, options: CheckOptions) -> str:
-    command = " ".join(result.current.get("command") or [options.run.target])
-    lines = [f"### oomdoc check: `{command}`", "", f"**{verdict(result, options)}**"]
-    for title, headers, rows in _blocks(result, options):
-        lines += [
-            "",
-            f"#### {title}",
-            tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True),
-        ]
-    for note in _all_notes(result):
-        lines += ["", f"> {note}"]
-    return "\n".join(lines) + "\n\n"
-
-
-def junit_xml(result: CheckResult, options: CheckOptions) -> str:
-    """One test case for the run itself and one per compared quantity."""
-    suite_name = f"oomdoc check {Path(options.run.target).name}"
-    classname = "oomdoc.check." + Path(options.run.target).stem
-    cases = []
-    run_failure = None
-    if not result.measured or result.oom:
-        run_failure = verdict(result, options)
-    cases.append(("run", run_failure, report.headline(result.document)))
-    for comparison in result.comparisons:
-        failure = (
-            comparison.failure_message(options.tolerance_text)
-            if comparison.grew and not options.update_baseline
-            else None
-        )
-        detail = (
-            f"baseline {comparison.baseline} bytes, current {comparison.current} bytes, "
-            f"change {comparison.change} bytes, allowed growth {comparison.allowed_growth} bytes"
-        )
-        cases.append((comparison.name, failure, detail))
-    failures = sum(1 for _name, failure, _detail in cases if failure)
-    suite = ElementTree.Element(
-        "testsuite",
-        {
-            "name": suite_name,
-            "tests": str(len(cases)),
-            "failures": str(failures),
-            "errors": "0",
-            "skipped": "0",
-            "time": f"{result.wall_s:.3f}",
-        },
-    )
-    properties = ElementTree.SubElement(suite, "properties")
-    for name, value in (
-        ("baseline", options.baseline_path),
-        ("tolerance", options.tolerance_text),
-        ("device", result.current["device"]["kind"]),
-        ("torch_version", result.current["torch_version"]),
-    ):
-        ElementTree.SubElement(properties, "property", {"name": name, "value": str(value)})
-    for name, failure, detail in cases:
-        case = ElementTree.SubElement(
-            suite, "testcase", {"classname": classname, "name": name, "time": "0"}
-        )
-        if failure:
-            element = ElementTree.SubElement(
-                case, "failure", {"message": failure, "type": "oomdoc.MemoryRegression"}
-            )
-            element.text = detail
-        else:
-            ElementTree.SubElement(case, "system-out").text = detail
-    root = ElementTree.Element(
-        "testsuites", {"tests": suite.get("tests"), "failures": suite.get("failures")}
-    )
-    root.append(suite)
-    ElementTree.indent(root)
-    return (
-        '<?xml version="1.0" encoding="utf-8"?>\n'
-        + ElementTree.tostring(root, encoding="unicode")
-        + "\n"
-    )
-
-
 # ---------------------------------------------------------------------- run
 
 
-def measure(options: CheckOptions) -> tuple[dict, float]:
-    """Run the script for --steps steps under capture; its snapshot document."""
+def measure(options: CheckOptions) -> tuple[Snapshot, float]:
+    """Run the script for --steps steps under capture; its snapshot."""
     run_options = options.run
     check_target(run_options)
     check_device_choice(run_options.device)
@@ -539,46 +367,44 @@ def measure(options: CheckOptions) -> tuple[dict, float]:
         # a fixed seed makes two checks of the same code count the same bytes.
         extra_env["PYTHONHASHSEED"] = "0"
     # The child resolves `--device auto` itself: the parent never imports torch.
-    result = run_child(child_request(run_options, run_options.device, extra_env=extra_env))
+    result = run_child(child_request(run_options, extra_env=extra_env))
     raise_child_usage_error(result)
-    return build_snapshot(run_options, result.capture, result.exit_code), result.wall_s
+    return build_snapshot(run_options, result), result.wall_s
 
 
 def evaluate(
-    document: dict, baseline: dict | None, options: CheckOptions, wall_s: float = 0.0
+    snapshot: Snapshot, baseline: dict | None, options: CheckOptions, wall_s: float = 0.0
 ) -> CheckResult:
-    current = measurement(document, options.run.max_steps or 0)
-    measured = document.get("outcome") in ("ok", "oom")
+    current = measurement(snapshot, options.run.max_steps or 0)
+    measured = snapshot.outcome in ("ok", "oom")
     comparisons, changes, notes = [], [], []
     if baseline is not None and measured:
         comparisons = compare(baseline, current, options)
         changes = site_changes(baseline.get("top_allocations") or [], current["top_allocations"])
         notes = mismatch_notes(baseline, current)
-    if measured and document.get("device", {}).get("kind") == "simulated":
+    if measured and snapshot.device.kind == "simulated":
         notes.append(
             "on the simulated device every CPU tensor of the script counts, its dataset in memory included."
         )
-    if (
-        measured
-        and document.get("device", {}).get("kind") == "cuda"
-        and current["peak"]["allocated_bytes"] == 0
-    ):
+    if measured and snapshot.device.kind == "cuda" and current["peak"]["allocated_bytes"] == 0:
         # A gate that measures nothing would pass forever: say so.
         notes.append(
             "the script allocated nothing on the GPU: does it move its model and data to CUDA?"
         )
     return CheckResult(
-        document=document,
+        snapshot=snapshot,
         current=current,
         baseline=baseline,
         comparisons=comparisons,
         site_changes=changes,
         notes=notes,
         wall_s=wall_s,
+        options=options,
     )
 
 
-def run_check(options: CheckOptions, stderr=None) -> int:
+def run_check(options: CheckOptions, stderr: TextIO | None = None) -> int:
+
     stderr = stderr or sys.stderr
     baseline_path = Path(options.baseline_path)
     baseline, unreadable = None, None
@@ -596,22 +422,22 @@ def run_check(options: CheckOptions, stderr=None) -> int:
     if options.junit_path and Path(options.junit_path).is_dir():
         raise UsageError(f"--junit {options.junit_path}: is a directory")
 
-    document, wall_s = measure(options)
-    result = evaluate(document, baseline, options, wall_s)
+    snapshot, wall_s = measure(options)
+    result = evaluate(snapshot, baseline, options, wall_s)
     if unreadable:
         result.notes.insert(0, unreadable)
     if options.update_baseline and result.measured and not result.oom:
         write_atomic(baseline_path, baseline_text(result.current), overwrite=True)
 
-    print(render_text(result, options), file=stderr, end="")
+    print(render("check-text", result), file=stderr, end="")
     if options.junit_path:
-        write_atomic(options.junit_path, junit_xml(result, options), overwrite=True)
+        write_atomic(options.junit_path, render("junit", result), overwrite=True)
     summary_path = os.environ.get("GITHUB_STEP_SUMMARY")
     if summary_path:
         with open(summary_path, "a", encoding="utf-8") as handle:
-            handle.write(render_markdown(result, options))
+            handle.write(render("github-summary", result))
 
-    if document.get("outcome") == "interrupted":
+    if snapshot.outcome == "interrupted":
         return 130
     if options.update_baseline:
         return 0 if result.measured and not result.oom else 1

@@ -84,7 +84,7 @@ def script_run_options(
     **extra,
 ):
     """The RunOptions of a command that runs SCRIPT, from the shared options."""
-    from oomdoc.session import RunOptions
+    from oomdoc.runner import RunOptions
 
     check_script_token(target, command)
     return RunOptions(
@@ -244,11 +244,13 @@ def check(
     return run_check(options)
 
 
-def _click_exception_types() -> tuple[tuple[type, ...], tuple[type, ...]]:
+def _click_exception_types() -> tuple[
+    tuple[type[BaseException], ...], tuple[type[BaseException], ...]
+]:
     """Usage-error and abort classes of click, and of the copy of click that
     newer typer releases vendor as `typer._click`."""
-    usage_errors: list[type] = []
-    aborts: list[type] = []
+    usage_errors: list[type[BaseException]] = []
+    aborts: list[type[BaseException]] = []
     for module_name in ("click.exceptions", "typer._click.exceptions"):
         try:
             module = __import__(module_name, fromlist=["UsageError"])
@@ -267,7 +269,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     try:
         status = command.main(args=argv, prog_name="oomdoc", standalone_mode=False)
     except click_usage_errors as exc:
-        lines = (exc.format_message() or str(exc)).splitlines()
+        lines = (getattr(exc, "format_message", lambda: "")() or str(exc)).splitlines()
         if lines:  # empty when click already printed the help (bare `oomdoc`)
             print(f"oomdoc: error: {lines[0]}", file=sys.stderr)
         sys.exit(2)

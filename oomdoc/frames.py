@@ -64,7 +64,7 @@ def innermost_user_frame(frame=None):
 def user_frames(limit: int, frame=None) -> list:
     """Up to `limit` user frames, innermost first."""
     frame = frame if frame is not None else sys._getframe(1)
-    found = []
+    found: list = []
     while frame is not None and len(found) < limit:
         if is_user_file(frame.f_code.co_filename):
             found.append(frame)

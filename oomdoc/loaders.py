@@ -28,6 +28,7 @@ import pickle
 import re
 from dataclasses import dataclass
 
+from oomdoc.model import Snapshot
 from oomdoc.snapshot import (
     CATEGORIES,
     SnapshotError,
@@ -57,9 +58,14 @@ ACTIVE_STATES = ("active_allocated", "active_awaiting_free", "active_pending_fre
 
 @dataclass
 class LoadedSnapshot:
-    document: dict
+    document: dict  # as read (a PyTorch snapshot converted to oomdoc's fields)
     # "oomdoc", "torch_pickle" or "torch_json"
     source_format: str
+
+    @property
+    def snapshot(self) -> Snapshot:
+        """The typed snapshot: odd optional fields read as their defaults."""
+        return Snapshot.from_dict(self.document)
 
 
 # ----------------------------------------------------------------- entry point
@@ -97,95 +103,12 @@ def _from_json_value(data, origin: str) -> LoadedSnapshot:
             validate(data)
         except SnapshotError as exc:
             raise SnapshotError(f"{origin}: {exc}") from None
-        return LoadedSnapshot(drop_odd_optional_fields(data), "oomdoc")
+        return LoadedSnapshot(data, "oomdoc")
     if isinstance(data, dict) and "segments" in data:
         return LoadedSnapshot(torch_snapshot_document(data, origin, "torch_json"), "torch_json")
     raise SnapshotError(
         f"{origin}: JSON, but neither an oomdoc snapshot (no schema_version) "
         "nor PyTorch's memory snapshot (no segments)"
-    )
-
-
-_NUMBER = (int, float)
-_OPTIONAL_TOP = {
-    "cwd": str,
-    "breakdown_at": str,
-    "step_unit": str,
-    "error": dict,
-    "peak": dict,
-    "host": dict,
-    "allocator": dict,
-    "artifacts": dict,
-    "optimizers": list,
-    "models": list,
-    "notes": list,
-    "max_batch_size": int,
-    "source": dict,
-    "trace_before_oom": list,
-}
-_OPTIONAL_PEAK = {"allocated_bytes": int, "reserved_bytes": int, "step": int, "phase": str}
-_OPTIONAL_SITE = {"count": int, "shape": list, "dtype": str}
-_OPTIONAL_FIX = {
-    "peak_allocated_bytes": int,
-    "saved_bytes": int,
-    "fits": bool,
-    "step_time_ratio": _NUMBER,
-    "detail": str,
-    "snippet": str,
-    "measured": bool,
-}
-
-
-def _keep_typed(mapping: dict, types: dict) -> None:
-    for key, expected in types.items():
-        value = mapping.get(key)
-        if value is None:
-            continue
-        wrong_bool = isinstance(value, bool) and expected is not bool
-        if wrong_bool or not isinstance(value, expected):
-            mapping[key] = None
-
-
-def drop_odd_optional_fields(document: dict) -> dict:
-    """validate() checks the fields every command relies on; the optional
-    ones a file may hold with any type are set to None when their type is
-    wrong, so rendering never meets a list where it expects a string."""
-    _keep_typed(document, _OPTIONAL_TOP)
-    if isinstance(document.get("peak"), dict):
-        _keep_typed(document["peak"], _OPTIONAL_PEAK)
-    if document.get("notes"):
-        document["notes"] = [note for note in document["notes"] if isinstance(note, str)]
-    if document.get("trace_before_oom"):
-        document["trace_before_oom"] = [
-            event
-            for event in document["trace_before_oom"]
-            if isinstance(event, dict)
-            and isinstance(event.get("bytes"), int)
-            and isinstance(event.get("action"), str)
-            and (event.get("location") is None or _is_location(event["location"]))
-        ]
-    device = document["device"]
-    for key in ("total_bytes",):
-        if not isinstance(device.get(key), int) or isinstance(device.get(key), bool):
-            device.pop(key, None)
-    for site in document["top_allocations"]:
-        _keep_typed(site, _OPTIONAL_SITE)
-    for fix in document.get("fixes") or []:
-        _keep_typed(fix, _OPTIONAL_FIX)
-        if (
-            isinstance(fix.get("step_time_ratio"), float)
-            and fix["step_time_ratio"] != fix["step_time_ratio"]
-        ):
-            fix["step_time_ratio"] = None
-    return document
-
-
-def _is_location(value) -> bool:
-    return (
-        isinstance(value, dict)
-        and isinstance(value.get("file"), str)
-        and isinstance(value.get("function"), str)
-        and isinstance(value.get("line"), int)
     )
 
 
@@ -328,7 +251,7 @@ class _Shape:
         self._frame_work += len(raw)
         if self._frame_work > MAX_FRAME_WORK:
             self.fail(f"more than {MAX_FRAME_WORK} stack frames")
-        result = []
+        result: list = []
         if value is not None:
             self._frames_cache[id(value)] = (
                 value,

@@ -52,7 +52,8 @@ class Measurement:
         return f"peak tensor memory {format_bytes(self.peak_bytes)} of a {format_bytes(self.limit_bytes)} limit ({what})"
 
     def failure_text(self, nodeid: str, rootdir: str) -> str:
-        from oomdoc import report
+        from oomdoc.model import Site, parse
+        from oomdoc.reporters.tables import site_rows
         from oomdoc.sizes import format_bytes
 
         lines = [
@@ -73,7 +74,7 @@ class Measurement:
                     if nbytes
                 )
             )
-        rows = report.site_rows({"top_allocations": self.sites, "cwd": rootdir}, SHOWN_SITES)
+        rows = site_rows([parse(Site, site) for site in self.sites], rootdir, SHOWN_SITES)
         if rows:
             moment = ""
             if self.sites_at_bytes is not None and self.sites_at_bytes != self.peak_bytes:

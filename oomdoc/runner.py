@@ -17,7 +17,11 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
+import oomdoc
 from oomdoc.capture import CONFIG_ENV, CONFIG_FD_ENV, STARTED_ENV
+from oomdoc.errors import UsageError
+from oomdoc.model import Breakdown, Device, Options, Snapshot
+from oomdoc.snapshot import SCHEMA_VERSION, utc_now
 
 
 @dataclass
@@ -41,11 +45,15 @@ class ChildRequest:
 @dataclass
 class ChildResult:
     exit_code: int
+    # The child's capture as it wrote it (parsed into a Snapshot by the caller).
     capture: dict | None
     wall_s: float
     timed_out: bool = False
     signal_name: str | None = None
     warm: bool = False  # a warm child ran it (see WarmChild)
+    # The device the child chose (`cuda`/`simulated`), known even when it
+    # died before writing its capture (it says so as soon as it knows).
+    device_kind: str | None = None
 
 
 def child_env(device: str, extra_env: dict[str, str]) -> dict[str, str]:
@@ -243,7 +251,7 @@ def run_child(request: ChildRequest, pool: WarmPool | None = None) -> ChildResul
         previous_int = signal.getsignal(signal.SIGINT)
         previous_term = signal.getsignal(signal.SIGTERM)
         try:
-            if warm is not None:
+            if warm is not None and request.output_path is not None:
                 process = warm.hand(config_path, request.output_path)
             else:
                 env = child_env(request.device, request.extra_env)
@@ -292,6 +300,13 @@ def run_child(request: ChildRequest, pool: WarmPool | None = None) -> ChildResul
                     capture = json.load(handle)
             except (OSError, json.JSONDecodeError):
                 capture = None
+        device_kind = None
+        if isinstance(capture, dict):
+            device = capture.get("device")
+            if isinstance(device, dict) and device.get("kind") in ("cuda", "simulated"):
+                device_kind = device["kind"]
+            if capture.get("partial"):
+                capture = None  # only the device: the child died before its capture
         if capture is not None and request.artifact_dir is None:
             capture["artifacts"] = {}  # the files died with the temporary directory
         return ChildResult(
@@ -299,6 +314,144 @@ def run_child(request: ChildRequest, pool: WarmPool | None = None) -> ChildResul
             capture=capture,
             wall_s=wall_s,
             timed_out=timed_out,
+            device_kind=device_kind,
             signal_name=signal_name,
             warm=warm is not None,
         )
+
+
+# ------------------------------------------------------- running a script
+
+
+@dataclass
+class RunOptions:
+    """What `oomdoc run` and `oomdoc check` were asked to run, and how."""
+
+    target: str
+    args: list[str]
+    is_module: bool = False
+    device: str = "auto"
+    capacity_bytes: int | None = None
+    output: str | None = None
+    max_steps: int | None = None
+    replay: bool = True
+    fixes: list[str] | None = None
+    replay_timeout_s: float | None = None
+    batch_arg: str | None = None
+
+    @property
+    def command(self) -> list[str]:
+        return ["-m", self.target, *self.args] if self.is_module else [self.target, *self.args]
+
+
+def check_device_choice(requested: str) -> None:
+    if requested not in ("auto", "cuda", "cpu"):
+        raise UsageError(f"--device must be auto, cuda or cpu, not {requested!r}")
+
+
+def check_target(options: RunOptions) -> None:
+    """The script (or module) exists: a usage error before anything starts."""
+    if options.is_module:
+        import importlib.util
+
+        try:
+            spec = importlib.util.find_spec(options.target)
+        except (ImportError, ValueError):
+            spec = None
+        if spec is None:
+            raise UsageError(f"no module named {options.target!r}")
+        return
+    path = os.path.abspath(options.target)
+    if not os.path.exists(path):
+        raise UsageError(f"can't open file {options.target!r}: no such file")
+    if os.path.isdir(path):
+        raise UsageError(f"{options.target!r} is a directory, not a Python script")
+
+
+def child_request(options: RunOptions, **extra) -> ChildRequest:
+    """The child run of the script that `options` describe (`extra`: the
+    ChildRequest fields a caller sets itself, e.g. artifact_dir, extra_env).
+    The child resolves `--device auto` itself: the parent never imports torch."""
+    return ChildRequest(
+        target=options.target,
+        args=list(options.args),
+        device=options.device,
+        capacity_bytes=options.capacity_bytes,
+        is_module=options.is_module,
+        max_steps=options.max_steps,
+        **extra,
+    )
+
+
+def raise_child_usage_error(result: ChildResult) -> None:
+    """The child refused its configuration (e.g. --device cuda without CUDA)."""
+    message = (result.capture or {}).get("usage_error")
+    if message:
+        raise UsageError(str(message))
+
+
+def build_snapshot(options: RunOptions, result: ChildResult) -> Snapshot:
+    """The run's snapshot: the child's capture, parsed, plus what only the
+    parent knows. Never imports torch, also when the child died without a
+    capture (the device is then the one the child said it chose, else what
+    was asked for)."""
+    capture = result.capture
+    snapshot = Snapshot.from_dict(capture) if capture is not None else Snapshot()
+    snapshot.write_every_field()
+    snapshot.schema_version = SCHEMA_VERSION
+    snapshot.oomdoc_version = oomdoc.__version__
+    snapshot.created_at = utc_now()
+    snapshot.command = options.command
+    snapshot.cwd = os.getcwd()
+    snapshot.python = sys.version.split()[0]
+    if capture is None or not isinstance(capture.get("torch_version"), str):
+        snapshot.torch_version = installed_torch_version()
+    kind = (
+        result.device_kind
+        or {"cpu": "simulated", "cuda": "cuda"}.get(options.device)
+        or guess_device_kind()
+    )
+    snapshot.options = Options(
+        device="cuda" if kind == "cuda" else "cpu",
+        capacity_bytes=options.capacity_bytes,
+        max_steps=options.max_steps,
+    )
+    snapshot.exit_code = int(result.exit_code)
+    if capture is None:
+        # The child died before it could write anything (killed, crashed).
+        snapshot.device = Device(
+            kind=kind, name="unknown", capacity_bytes=int(options.capacity_bytes or 0)
+        )
+        snapshot.outcome = "interrupted" if result.exit_code in (130, 137, 143) else "error"
+        snapshot.breakdown = Breakdown()
+        snapshot.breakdown_at = "none"
+        snapshot.notes = [
+            "The script's process ended without writing its capture (it was killed or crashed)."
+        ]
+    return snapshot
+
+
+def installed_torch_version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def guess_device_kind() -> str:
+    """`--device auto` when the child died before it chose: CUDA when NVML
+    sees a GPU this process may use (without importing torch)."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) == "":
+        return "simulated"
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            return "cuda" if pynvml.nvmlDeviceGetCount() > 0 else "simulated"
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:
+        return "simulated"

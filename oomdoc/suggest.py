@@ -1,24 +1,19 @@
-"""`oomdoc suggest`: load any accepted snapshot, diagnose it, print it."""
+"""`oomdoc suggest`: load any accepted snapshot, analyse it, print it."""
 
 from __future__ import annotations
 
-import json
 import sys
+from typing import TextIO
 
-from oomdoc import report
-from oomdoc.diagnose import analysis
+from oomdoc.analysis import analyse
 from oomdoc.loaders import load_snapshot
+from oomdoc.reporters import render
 
 
-def run_suggest(path: str, output_format: str, top: int, stdout=None) -> int:
+def run_suggest(path: str, output_format: str, top: int, stdout: TextIO | None = None) -> int:
     stdout = stdout or sys.stdout
     loaded = load_snapshot(path)
-    document = loaded.document
-    if output_format == "json":
-        result = analysis(document, top=top, source_format=loaded.source_format, path=path)
-        stdout.write(json.dumps(result, indent=2, allow_nan=False) + "\n")
-    elif output_format == "markdown":
-        stdout.write(report.render_markdown(document, top=top))
-    else:
-        stdout.write(report.render_text(document, top=top).lstrip("\n"))
+    analysis = analyse(loaded.snapshot, top=top, source_format=loaded.source_format, path=path)
+    text = render(output_format, analysis)
+    stdout.write(text.lstrip("\n") if output_format == "table" else text)
     return 0

@@ -8,10 +8,12 @@ import json
 import xml.etree.ElementTree as ElementTree
 
 import pytest
+from adapters import check
 
-from oomdoc import check
+from oomdoc import check as oomdoc_check
 from oomdoc.errors import UsageError
-from oomdoc.session import RunOptions
+from oomdoc.model import Snapshot
+from oomdoc.runner import RunOptions
 from oomdoc.snapshot import CATEGORIES, SnapshotError
 
 MiB = 1024**2
@@ -329,7 +331,9 @@ def test_update_baseline_replaces_an_unreadable_baseline(tmp_path, monkeypatch):
     """A baseline of an older format must not block its own refresh."""
     path = tmp_path / "baseline.json"
     path.write_text('{"format": "oomdoc-baseline", "version": 0}')
-    monkeypatch.setattr(check, "measure", lambda options: (make_document(), 1.0))
+    monkeypatch.setattr(
+        oomdoc_check, "measure", lambda options: (Snapshot.from_dict(make_document()), 1.0)
+    )
     log = io.StringIO()
     assert check.run_check(options(tmp_path, update=True), stderr=log) == 0
     assert check.read_baseline(path)["categories"]["activations"] == 10 * MiB

@@ -6,11 +6,10 @@ from __future__ import annotations
 import pickle
 
 import pytest
+from adapters import analysis, diagnose, estimate_fixes, fixes_for, render_markdown, render_text
 from suggest_builders import GiB, MiB, oom_document, oomdoc_document, step, torch_snapshot
 
-from oomdoc.diagnose import analysis, diagnose, estimate_fixes, fixes_for
 from oomdoc.loaders import load_bytes
-from oomdoc.report import render_markdown, render_text
 
 
 def kinds(document) -> list[str]:

@@ -8,12 +8,11 @@ import json
 import os
 import pickle
 
+from adapters import analysis, render_markdown, render_text
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from suggest_builders import MiB, oom_document, oomdoc_document, torch_snapshot
 
-from oomdoc import report
-from oomdoc.diagnose import analysis
 from oomdoc.loaders import load_bytes
 from oomdoc.snapshot import SnapshotError
 
@@ -38,8 +37,8 @@ def load_or_refuse(raw: bytes):
         return None
     # Whatever loads can be diagnosed, rendered and printed as JSON.
     json.dumps(analysis(loaded.document), allow_nan=False)
-    report.render_text(loaded.document)
-    report.render_markdown(loaded.document)
+    render_text(loaded.document)
+    render_markdown(loaded.document)
     return loaded
 
 

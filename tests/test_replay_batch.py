@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 
 import pytest
+from adapters import median_step_seconds, observe
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -20,8 +21,6 @@ from oomdoc.replay.batch import (
     accumulation_plan,
     first_probe,
     fit_model,
-    median_step_seconds,
-    observe,
     search_max_batch,
 )
 

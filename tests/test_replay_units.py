@@ -9,20 +9,20 @@ import os
 
 import pytest
 import torch.nn as nn
-
-from oomdoc import report
-from oomdoc.errors import UsageError
-from oomdoc.replay.apply import checkpoint_targets
-from oomdoc.replay.orchestrate import (
-    check_replay_options,
-    find_batch_arg,
+from adapters import (
+    best_pair,
     not_applied,
     plan,
+    rank_fixes,
+    render_markdown,
+    render_text,
     sharding_estimate,
-    with_batch_size,
 )
+
+from oomdoc.capture.tracker import checkpoint_targets
+from oomdoc.errors import UsageError
+from oomdoc.replay.orchestrate import check_replay_options, find_batch_arg, with_batch_size
 from oomdoc.replay.progress import Progress
-from oomdoc.replay.rank import best_pair, rank_fixes
 from oomdoc.snapshot import SnapshotError, validate
 
 MiB = 1024**2
@@ -287,14 +287,14 @@ def document_with_fixes():
 
 def test_fixes_table_text_and_markdown():
     document = document_with_fixes()
-    text = report.render_text(document)
+    text = render_text(document)
     assert "Fixes, measured by replaying the failing step" in text
     assert "checkpointing" in text and "69.6%" in text and "1.31x" in text and "> 41.00 MiB" in text
     assert "46.00 MiB (ESTIMATE from the batch-size model)" in text
     assert "Largest batch size that fits: 1755 (measured: 1756 ran out of memory)" in text
     assert "not tried: empty_cache: CUDA only" in text
     assert text.index("rank") < text.index("    x = checkpoint(block, x)")
-    markdown = report.render_markdown(document)
+    markdown = render_markdown(document)
     lines = markdown.splitlines()
     header = lines[lines.index("### Fixes, measured by replaying the failing step") + 1]
     assert header.startswith("|") and "rank" in header and "% of need" in header

@@ -26,7 +26,20 @@ import torch
 from oomdoc.capture import CONFIG_ENV, CONFIG_FD_ENV, CUDA_UNAVAILABLE, STARTED_ENV, choose_device
 from oomdoc.capture.backends import CudaBackend, OutOfMemoryError, SimulatedBackend
 from oomdoc.capture.tracker import StopRun, Tracker
+from oomdoc.fixes import fix_named
 from oomdoc.snapshot import dumps, write_atomic
+
+
+def apply_fix(payload: dict, tracker: Tracker) -> None:
+    """Apply every part of the replayed fix (`a+b` applies both) before the
+    script starts; what each did goes into the capture (`fix_applied`)."""
+    fix = fix_named(payload["name"])
+    if fix is None:
+        raise ValueError(f"oomdoc: unknown fix {payload['name']!r}")
+    applied: dict = {}
+    tracker.fix_applied = applied
+    for part in fix.parts:
+        part.apply(payload, applied.setdefault(part.name, {}), tracker)
 
 
 class Terminated(BaseException):
@@ -143,12 +156,17 @@ def run(config: dict, imported_at: float | None = None) -> int:
     except DeviceUnavailable as exc:
         write_atomic(config["result_path"], dumps({"usage_error": str(exc)}), overwrite=True)
         return 2
+    # Say which device was chosen before the script runs: a parent whose
+    # child dies without a capture still knows (and need not import torch).
+    write_atomic(
+        config["result_path"],
+        dumps({"partial": True, "device": {"kind": backend.kind}}),
+        overwrite=True,
+    )
     tracker = Tracker(backend, max_steps=config.get("max_steps"))
     tracker.install()
     backend.install(tracker)
     if config.get("fix"):
-        from oomdoc.replay.apply import apply_fix
-
         apply_fix(config["fix"], tracker)
 
     target = config["target"]
@@ -304,7 +322,7 @@ def write_capture(config, backend, tracker, outcome, exit_code, error, timings=N
     if timings:
         capture["timings"] = timing_summary(timings)
     if config.get("fix"):
-        # What the replayed fix actually changed (see oomdoc.replay.apply).
+        # What the replayed fix actually changed (see Fix.apply in oomdoc.fixes).
         capture["fix_applied"] = getattr(tracker, "fix_applied", None)
     write_atomic(config["result_path"], dumps(capture), overwrite=True)
 
@@ -313,11 +331,10 @@ def _wait_for_work(descriptor: int) -> tuple[str | None, float]:
     """A warm child: import what every run needs, then wait for the path of
     the configuration (None when the parent has no work for it). Also returns
     when the imports were done."""
+    import torch.nn  # noqa: F401
     import torch.optim  # noqa: F401
     import torch.utils.checkpoint  # noqa: F401
     import torch.utils.data  # noqa: F401
-
-    import oomdoc.replay.apply  # noqa: F401
 
     try:
         # Constructing any torch.optim optimizer imports TorchDynamo (and with

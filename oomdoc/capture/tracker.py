@@ -54,6 +54,8 @@ class Tracker:
         # argument at each outermost backward: replays apply fixes there.
         self.forward_start_callbacks: list = []
         self.backward_start_callbacks: list = []
+        # What a replayed fix did, by fix name (see oomdoc.capture.child.apply_fix).
+        self.fix_applied: dict | None = None
         self._handles: list = []
         self._originals: list = []
         self._step_started = time.perf_counter()
@@ -190,6 +192,12 @@ class Tracker:
             tracker._add_optimizer(optimizer)
 
         self._patch(torch.optim.Optimizer, "__init__", optimizer_init)
+
+    @staticmethod
+    def checkpoint_targets(model: nn.Module) -> list:
+        """The blocks activation checkpointing wraps (see checkpoint_targets):
+        replayed fixes reach it through the tracker they are given."""
+        return checkpoint_targets(model)
 
     def _patch(self, owner, name, replacement) -> None:
         self._originals.append((owner, name, getattr(owner, name)))

@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
+
+from oomdoc.model import Snapshot, Step
 
 FIRST, STEADY = "first", "steady"
 FORWARD_BACKWARD = ("forward", "backward")
@@ -54,17 +56,16 @@ class BatchRun:
     inconclusive: bool = False  # timed out or failed otherwise: says nothing about memory
     wall_s: float = 0.0
     note: str = ""
+    replay: Any = None  # the replay that measured it (oomdoc.replay.orchestrate.Replay)
 
 
-def median_step_seconds(steps: list[dict]) -> float | None:
+def median_step_seconds(steps: list[Step]) -> float | None:
     """The median step duration, leaving out the first step (warm-up, lazy
     optimizer state) when later ones exist."""
-    durations = [
-        s.get("duration_s") for s in steps if isinstance(s.get("duration_s"), (int, float))
-    ]
-    indexed = [s for s in steps if isinstance(s.get("duration_s"), (int, float))]
-    if len(indexed) > 1:
-        durations = [s["duration_s"] for s in indexed if s.get("index", 0) > 0] or durations
+    timed = [(step.index, step.duration_s) for step in steps if step.duration_s is not None]
+    durations = [duration for _index, duration in timed]
+    if len(timed) > 1:
+        durations = [duration for index, duration in timed if index > 0] or durations
     if not durations:
         return None
     ordered = sorted(durations)
@@ -72,53 +73,43 @@ def median_step_seconds(steps: list[dict]) -> float | None:
     return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
-def observe(capture: dict, batch_size: int) -> BatchRun:
-    """Read a capture (the child's part of a snapshot) into a BatchRun."""
-    outcome = capture.get("outcome")
-    steps = capture.get("steps") or []
-    oom = capture.get("oom") if outcome == "oom" else None
+def observe(capture: Snapshot, batch_size: int) -> BatchRun:
+    """Read a run (the failing one, or a replay's capture) into a BatchRun."""
+    outcome = capture.outcome
+    oom = capture.oom if outcome == "oom" else None
     run = BatchRun(
         batch_size=int(batch_size), fits=outcome == "ok", inconclusive=outcome not in ("ok", "oom")
     )
-    by_optimizer = capture.get("step_unit") == "optimizer"
-    oom_step = oom.get("step") if oom else None
-    for step in steps:
-        index = step.get("index", 0)
+    by_optimizer = capture.step_unit == "optimizer"
+    oom_step = oom.step if oom else None
+    for step in capture.steps:
+        index = max(step.index, 0)
         if index > 0 and not by_optimizer:
             # Steps counted per module call do not line up with the
             # optimizer steps of the replays: keep only the first.
             continue
         kind = FIRST if index == 0 else STEADY
-        if index == 0 and isinstance(step.get("start_allocated_bytes"), int):
-            run.start_bytes = step["start_allocated_bytes"]
-        phase_peaks = step.get("phase_peaks") or {}
+        if index == 0 and step.start_allocated_bytes is not None:
+            run.start_bytes = step.start_allocated_bytes
         failing = oom is not None and index == oom_step
-        if failing and step.get("forward_calls", 0) > 1:
+        if failing and step.forward_calls > 1:
             continue  # micro-batches: the step's phases never completed
-        for phase, value in phase_peaks.items():
-            if failing and phase == oom.get("phase"):
+        for phase, value in step.phase_peaks.items():
+            if failing and oom is not None and phase == oom.phase:
                 continue
             key = (kind, phase)
             run.exact[key] = max(run.exact.get(key, 0), int(value))
     if oom is not None:
-        need = int(oom.get("allocated_bytes", 0)) + int(oom.get("requested_bytes", 0))
-        step = oom_step if oom_step is not None else 0
-        if step == 0 or by_optimizer:
-            key = (FIRST if step == 0 else STEADY, oom.get("phase"))
-            run.lower_bounds[key] = max(run.lower_bounds.get(key, 0), need)
-        run.slack_bytes = max(
-            0, int(oom.get("reserved_bytes") or 0) - int(oom.get("allocated_bytes") or 0)
-        )
-        run.oom_signature = (
-            oom_step,
-            oom.get("phase"),
-            int(oom.get("requested_bytes", 0)),
-            int(oom.get("allocated_bytes", 0)),
-        )
-    peak = capture.get("peak") or {}
-    run.peak_allocated_bytes = peak.get("allocated_bytes")
-    run.peak_reserved_bytes = peak.get("reserved_bytes")
-    run.step_s = median_step_seconds(steps) if run.fits else None
+        step_index = oom_step if oom_step is not None else 0
+        if step_index == 0 or by_optimizer:
+            bound_key = (FIRST if step_index == 0 else STEADY, oom.phase or "")
+            run.lower_bounds[bound_key] = max(run.lower_bounds.get(bound_key, 0), oom.needed_bytes)
+        run.slack_bytes = max(0, oom.reserved_bytes - oom.allocated_bytes)
+        run.oom_signature = (oom_step, oom.phase, oom.requested_bytes, oom.allocated_bytes)
+    if capture.peak is not None:
+        run.peak_allocated_bytes = capture.peak.allocated_bytes
+        run.peak_reserved_bytes = capture.peak.reserved_bytes
+    run.step_s = median_step_seconds(capture.steps) if run.fits else None
     return run
 
 
@@ -208,8 +199,8 @@ def fit_model(runs: list[BatchRun]) -> BatchModel:
         lines[key] = line
     for key, observed in bounds.items():
         for batch_size, need in observed:
-            line = lines.get(key)
-            if line is None or line.at(batch_size) >= need:
+            known = lines.get(key)
+            if known is None or known.at(batch_size) >= need:
                 continue
             anchors = [b for b in points.get(key, {}) if b < batch_size]
             if not anchors:
@@ -253,23 +244,27 @@ def first_probe(original_batch_size: int, step0_completed: bool) -> int:
     return max(1, original_batch_size // (2 if step0_completed else 4))
 
 
-def probe_divisor(document: dict) -> int:
+def probe_divisor(snapshot: Snapshot) -> int:
     """2 (probe at half the failing batch) unless the failing run's first
     forward pass alone needed more than twice what the device had left: 4."""
-    oom = document.get("oom") or {}
-    capacity = (document.get("device") or {}).get("capacity_bytes") or 0
-    steps = document.get("steps") or []
-    start = steps[0].get("start_allocated_bytes") if steps else None
-    if oom.get("step") == 0 and oom.get("phase") == "forward" and start is not None and capacity:
+    oom = snapshot.oom
+    capacity = snapshot.device.capacity_bytes
+    start = snapshot.steps[0].start_allocated_bytes if snapshot.steps else None
+    if (
+        oom is not None
+        and oom.step == 0
+        and oom.phase == "forward"
+        and start is not None
+        and capacity
+    ):
         # The forward was cut short: by then it already needed this much.
-        needed = int(oom.get("allocated_bytes") or 0) + int(oom.get("requested_bytes") or 0)
-        if needed - start > 2 * (capacity - start):
+        if oom.needed_bytes - start > 2 * (capacity - start):
             return 4
     return 2
 
 
-def first_probe_for(document: dict, original_batch_size: int) -> int:
-    return max(1, original_batch_size // probe_divisor(document))
+def first_probe_for(snapshot: Snapshot, original_batch_size: int) -> int:
+    return max(1, original_batch_size // probe_divisor(snapshot))
 
 
 def search_max_batch(

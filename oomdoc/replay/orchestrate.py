@@ -6,38 +6,33 @@ completed and at least two full steps have run (the optimizer creates its
 state in the first step, so the second usually peaks higher), then the
 tracker stops it cleanly. Replays set OOMDOC_REPLAY=1 so that a script can
 skip side effects, and send the script's output to a log.
+
+The orchestrator knows no fix by name: it asks each fix in the catalogue
+(oomdoc.fixes) whether it is worth a replay, what to send the child, and how
+to describe what the replay did. A fix that `searches_batch` is measured by
+the largest-batch search instead of one replay.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import sys
 from dataclasses import dataclass, field
+from typing import Any, Optional, TextIO
 
 from oomdoc.errors import UsageError
-from oomdoc.fixes import CUDA_ONLY, FIXES, REPLAYABLE, combination_parts, fix_info, render_snippet
+from oomdoc.fixes import FIXES, Combination, Fix, fix_named
+from oomdoc.fixes.optimizer import optimizer_state_estimate
+from oomdoc.fixes.ranking import rank_fixes
+from oomdoc.model import BatchSearch, Breakdown, FixResult, ReplaySummary, Skipped, Snapshot
 from oomdoc.replay import batch as batch_model
 from oomdoc.replay.progress import Progress
-from oomdoc.replay.rank import best_pair, rank_fixes
-from oomdoc.runner import ChildRequest, WarmPool, run_child
+from oomdoc.replay.rank import best_pair
+from oomdoc.runner import ChildRequest, ChildResult, WarmPool, run_child
 from oomdoc.sizes import format_bytes
 
 BATCH_FLAGS = ("--batch-size", "--batch_size", "--bs", "--per_device_train_batch_size")
-# State per parameter, in parameter sizes, when the optimizer has not stepped yet.
-OPTIMIZER_STATE_FACTORS = {
-    "Adam": 2,
-    "AdamW": 2,
-    "NAdam": 2,
-    "RAdam": 2,
-    "Adamax": 2,
-    "Adadelta": 2,
-    "RMSprop": 1,
-    "Adagrad": 1,
-}
-# Below this share of the capacity, reserved-but-unallocated memory is not worth a replay.
-FRAGMENTATION_SHARE = 0.02
-OPTIMIZER_SHARE_OF_CAPACITY = 0.10
-OPTIMIZER_SHARE_OF_NEED = 0.25
 MIN_REPLAY_TIMEOUT_S = 120.0
 # Every replay's environment: scripts may skip side effects under
 # OOMDOC_REPLAY=1; a replay needs peaks and step times, not allocation sites,
@@ -46,28 +41,31 @@ MIN_REPLAY_TIMEOUT_S = 120.0
 REPLAY_ENV = {"OOMDOC_REPLAY": "1", "OOMDOC_ALLOCATION_HISTORY": "0"}
 
 
+def replayable() -> list[Fix]:
+    """The fixes a replay can measure, in the order they are tried."""
+    return sorted(FIXES, key=lambda fix: fix.replay_priority)
+
+
 def parse_fix_names(names: list[str] | None) -> list[str] | None:
     """Validate `--fixes`: catalogue names, or `a+b` for a compatible pair."""
     if not names:
         return None
+    known = ", ".join(fix.name for fix in replayable())
     valid = []
     for name in names:
-        if name in REPLAYABLE:
-            valid.append(name)
-            continue
-        parts = combination_parts(name)
-        if parts is None:
-            known = ", ".join(REPLAYABLE)
+        fix = fix_named(name)
+        if fix is None:
             if "+" in name:
                 raise UsageError(
                     f"--fixes: {name!r} is not a combination oomdoc can measure (two compatible fixes a+b from: {known})"
                 )
             raise UsageError(f"--fixes: unknown fix {name!r} (known: {known}, or a+b)")
-        if "smaller_batch" in parts:
+        if isinstance(fix, Combination) and any(part.searches_batch for part in fix.parts):
             raise UsageError(
-                f"--fixes: {name!r}: combinations are measured at the failing batch size, so smaller_batch cannot be part of one"
+                f"--fixes: {name!r}: combinations are measured at the failing batch size, so "
+                f"{next(part.name for part in fix.parts if part.searches_batch)} cannot be part of one"
             )
-        valid.append("+".join(parts))
+        valid.append(fix.name)
     return list(dict.fromkeys(valid))
 
 
@@ -127,15 +125,17 @@ class Replay:
     peak_reserved_bytes: int | None = None
     step_s: float | None = None
     wall_s: float = 0.0
-    capture: dict | None = None
+    capture: Optional[Snapshot] = None
     message: str = ""
     log_path: str | None = None
+    # What the child recorded of the fixes it applied: {fix name: record}.
     applied: dict = field(default_factory=dict)
     warm: bool = False
+    fix_name: str = ""
 
     def timing(self) -> dict:
         """Where the replay's time went, for the snapshot's replay summary."""
-        timings = (self.capture or {}).get("timings") or {}
+        timings = (self.capture.timings if self.capture else None) or {}
         return {
             "label": self.label,
             "outcome": self.outcome,
@@ -148,6 +148,10 @@ class Replay:
     def fits(self) -> bool:
         return self.outcome == "fits"
 
+    @property
+    def interrupted(self) -> bool:
+        return self.capture is not None and self.capture.outcome == "interrupted"
+
 
 class ReplaysInterrupted(Exception):
     """Ctrl-C reached a replay: stop replaying, keep what was measured."""
@@ -157,27 +161,35 @@ class Replayer:
     """Runs replays like the failing run, with a fix, and measures them."""
 
     def __init__(
-        self, document: dict, options, request: ChildRequest, progress: Progress, pool: WarmPool
+        self,
+        snapshot: Snapshot,
+        options: Any,
+        request: ChildRequest,
+        progress: Progress,
+        pool: WarmPool,
     ):
-        self.document = document
+        self.snapshot = snapshot
         self.options = options
         self.request = request
         self.progress = progress
         self.pool = pool
-        self.log_dir = pool.log_dir
-        oom = document.get("oom") or {}
-        self.failing_step = int(oom.get("step") or 0)
+        self.failing_step = (snapshot.oom.step if snapshot.oom else None) or 0
         self.max_steps = max(self.failing_step + 1, 2)
         if options.max_steps:
             self.max_steps = min(self.max_steps, max(options.max_steps, 1))
-        self.timeout_s = options.replay_timeout_s or default_timeout(document)
+        self.timeout_s = options.replay_timeout_s or default_timeout(snapshot)
         self.replays: list[Replay] = []
 
     def run(
-        self, fix: dict, label: str, args: list[str] | None = None, extra_env: dict | None = None
+        self,
+        payload: dict,
+        label: str,
+        args: list[str] | None = None,
+        extra_env: dict | None = None,
     ) -> Replay:
         index = len(self.replays) + 1
-        log_path = os.path.join(self.log_dir, f"replay-{index}-{fix['name'].replace('+', '-')}.log")
+        log_name = f"replay-{index}-{payload['name'].replace('+', '-')}.log"
+        log_path = os.path.join(self.pool.log_dir, log_name)
         env = dict(REPLAY_ENV)
         env.update(extra_env or {})
         child = ChildRequest(
@@ -187,7 +199,7 @@ class Replayer:
             capacity_bytes=self.request.capacity_bytes,
             is_module=self.request.is_module,
             max_steps=self.max_steps,
-            fix=fix,
+            fix=payload,
             extra_env=env,
             output_path=log_path,
             timeout_s=self.timeout_s,
@@ -195,9 +207,8 @@ class Replayer:
         self.progress.start(label)
         result = run_child(child, pool=self.pool)
         replay = measure(result, label, log_path)
-        if not result.timed_out and (
-            result.exit_code == 130 or (result.capture or {}).get("outcome") == "interrupted"
-        ):
+        replay.fix_name = payload["name"]
+        if not result.timed_out and (result.exit_code == 130 or replay.interrupted):
             self.progress.finish("interrupted")
             raise ReplaysInterrupted()
         if replay.outcome in ("timeout", "error"):
@@ -214,14 +225,14 @@ def warm_pool(request: ChildRequest) -> WarmPool:
     return pool
 
 
-def default_timeout(document: dict) -> float:
+def default_timeout(snapshot: Snapshot) -> float:
     """Generous: four times what the failing run's steps took, plus start-up."""
-    spent = sum(step.get("duration_s") or 0.0 for step in document.get("steps") or [])
+    spent = sum(step.duration_s or 0.0 for step in snapshot.steps)
     return max(MIN_REPLAY_TIMEOUT_S, 4 * (spent + 15))
 
 
-def measure(result, label: str, log_path: str) -> Replay:
-    capture = result.capture
+def measure(result: ChildResult, label: str, log_path: str) -> Replay:
+    capture = Snapshot.from_dict(result.capture) if result.capture is not None else None
     replay = Replay(
         label=label,
         outcome="error",
@@ -237,27 +248,25 @@ def measure(result, label: str, log_path: str) -> Replay:
     if capture is None:
         replay.message = f"the replay ended without a capture (exit status {result.exit_code})"
         return replay
-    replay.applied = capture.get("fix_applied") or {}
-    peak = capture.get("peak") or {}
-    outcome = capture.get("outcome")
-    if outcome == "ok":
+    applied = capture.extra.get("fix_applied")
+    replay.applied = applied if isinstance(applied, dict) else {}
+    if capture.outcome == "ok":
+        peak = capture.peak
         replay.outcome = "fits"
-        replay.peak_allocated_bytes = int(peak.get("allocated_bytes") or 0)
-        replay.peak_reserved_bytes = int(peak.get("reserved_bytes") or 0)
-        replay.step_s = batch_model.median_step_seconds(capture.get("steps") or [])
-    elif outcome == "oom":
-        oom = capture.get("oom") or {}
+        replay.peak_allocated_bytes = (peak.allocated_bytes if peak else None) or 0
+        replay.peak_reserved_bytes = (peak.reserved_bytes if peak else None) or 0
+        replay.step_s = batch_model.median_step_seconds(capture.steps)
+    elif capture.outcome == "oom" and capture.oom is not None:
+        oom = capture.oom
         replay.outcome = "oom"
         # What it needed when it failed: a lower bound of its peak.
-        replay.peak_allocated_bytes = int(oom.get("allocated_bytes") or 0) + int(
-            oom.get("requested_bytes") or 0
-        )
-        replay.message = f"ran out of memory in step {oom.get('step')} during {oom.get('phase')}"
+        replay.peak_allocated_bytes = oom.needed_bytes
+        replay.message = f"ran out of memory in step {oom.step} during {oom.phase}"
     else:
-        error = capture.get("error") or {}
-        replay.message = f"{error.get('type', outcome)}: {error.get('message', '')}".strip().rstrip(
-            ":"
-        )
+        error = capture.error
+        kind = (error.type if error else None) or capture.outcome
+        message = (error.message if error else None) or ""
+        replay.message = f"{kind}: {message}".strip().rstrip(":")
     return replay
 
 
@@ -274,66 +283,21 @@ def summarise(replay: Replay) -> str:
 # ---------------------------------------------------------------- planning
 
 
-def optimizer_state_estimate(document: dict) -> int:
-    breakdown = document.get("breakdown") or {}
-    measured = int(breakdown.get("optimizer_state") or 0)
-    parameters = int(breakdown.get("parameters") or 0) or sum(
-        m.get("parameters_bytes", 0) for m in document.get("models") or []
-    )
-    factor = max(
-        [OPTIMIZER_STATE_FACTORS.get(name, 0) for name in document.get("optimizers") or []],
-        default=0,
-    )
-    return max(measured, factor * parameters)
-
-
-def plan(document: dict, requested: list[str] | None) -> tuple[list[str], list[dict]]:
+def plan(snapshot: Snapshot, requested: list[str] | None) -> tuple[list[str], list[Skipped]]:
     """The single fixes worth a replay, and the others with the reason."""
-    device = document.get("device") or {}
-    on_cuda = device.get("kind") == "cuda"
-    capacity = int(device.get("capacity_bytes") or 0)
-    oom = document.get("oom") or {}
     explicit = set(requested or [])
-    names = [name for name in (requested or REPLAYABLE) if "+" not in name]
+    names = (
+        [name for name in requested if "+" not in name]
+        if requested
+        else [fix.name for fix in replayable()]
+    )
     chosen, skipped = [], []
-    models = document.get("models") or []
-    need = int(oom.get("allocated_bytes") or 0) + int(oom.get("requested_bytes") or 0)
     for name in names:
-        reason = None
-        if name in CUDA_ONLY and not on_cuda:
-            reason = "CUDA only: the simulated device has no caching allocator"
-        elif name == "expandable_segments":
-            unused = int(oom.get("reserved_bytes") or 0) - int(oom.get("allocated_bytes") or 0)
-            conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower()
-            if "expandable_segments:true" in conf:
-                reason = "PYTORCH_CUDA_ALLOC_CONF already sets expandable_segments:True"
-            elif name not in explicit and unused < FRAGMENTATION_SHARE * capacity:
-                reason = (
-                    f"only {format_bytes(max(unused, 0))} was reserved but unallocated at the OOM"
-                )
-        elif name == "checkpointing":
-            if not models:
-                reason = "no model ran a forward pass before the OOM"
-            elif not any(model.get("repeated_blocks") for model in models):
-                reason = "the model has no repeated blocks (same-class children of an nn.ModuleList or nn.Sequential)"
-        elif name == "autocast" and not models:
-            reason = "no model ran a forward pass before the OOM"
-        elif name == "lighter_optimizer":
-            heavy = [o for o in document.get("optimizers") or [] if o in OPTIMIZER_STATE_FACTORS]
-            state = optimizer_state_estimate(document)
-            if not heavy:
-                optimizers = ", ".join(document.get("optimizers") or []) or "none"
-                reason = f"the script's optimizers ({optimizers}) are not Adam-like optimizers with large state"
-            elif (
-                name not in explicit
-                and state < OPTIMIZER_SHARE_OF_CAPACITY * capacity
-                and state < OPTIMIZER_SHARE_OF_NEED * need
-            ):
-                reason = (
-                    f"optimizer state (about {format_bytes(state)}) is a small share of the memory"
-                )
+        fix = fix_named(name)
+        assert fix is not None, name  # --fixes was validated
+        reason = fix.skip_reason(snapshot, explicit=name in explicit)
         if reason:
-            skipped.append({"name": name, "reason": reason})
+            skipped.append(Skipped(name, reason))
         else:
             chosen.append(name)
     return chosen, skipped
@@ -343,182 +307,126 @@ def plan(document: dict, requested: list[str] | None) -> tuple[list[str], list[d
 
 
 def replay_fixes(
-    document: dict, options, request: ChildRequest, stderr=None, pool: WarmPool | None = None
+    snapshot: Snapshot,
+    options: Any,
+    request: ChildRequest,
+    stderr: TextIO | None = None,
+    pool: WarmPool | None = None,
 ) -> None:
-    """Measure the fixes for an OOM and store them, ranked, in `document`.
+    """Measure the fixes for an OOM and store them, ranked, in `snapshot`.
     `pool`: warm children started earlier (one is made when not given)."""
-    import sys
-
     stderr = stderr or sys.stderr
     own_pool = pool is None
     pool = pool or warm_pool(request)
     requested = parse_fix_names(options.fixes)
-    singles, skipped = plan(document, requested)
+    singles, skipped = plan(snapshot, requested)
     combinations = [name for name in (requested or []) if "+" in name]
     progress = Progress(stderr)
     progress.header("replaying the failing step with fixes (OOMDOC_REPLAY=1 is set in replays)")
-    replayer = Replayer(document, options, request, progress, pool)
-    device = document.get("device") or {}
-    entries: list[dict] = []
+    replayer = Replayer(snapshot, options, request, progress, pool)
+    results: list[FixResult] = []
+    applied: set[str] = set()  # fixes that ran with the fix in effect (fit or not)
     search = None
     batch_info: dict = {}
     try:
         try:
-            if "smaller_batch" in singles:
-                search, batch_info, reason = search_batch(replayer, document, options)
-                if reason:
-                    skipped.append({"name": "smaller_batch", "reason": reason})
             for name in singles:
-                if name == "smaller_batch":
+                fix = fix_named(name)
+                assert fix is not None
+                if fix.searches_batch:
+                    search, batch_info, reason = search_batch(replayer, snapshot, options)
+                    if reason:
+                        skipped.append(Skipped(name, reason))
                     continue
-                entry = replay_single(replayer, name, device, skipped)
-                if entry is not None:
-                    entries.append(entry)
+                replay_single(replayer, fix, snapshot, skipped, results, applied)
             if requested is None:
-                pair = best_pair([entry for entry in entries if entry.get("_applied")])
+                pair = best_pair([result for result in results if result.name in applied])
                 if pair is not None:
                     combinations.append("+".join(pair))
             for name in combinations:
-                entry = replay_single(replayer, name, device, skipped)
-                if entry is not None:
-                    entries.append(entry)
+                fix = fix_named(name)
+                assert fix is not None
+                replay_single(replayer, fix, snapshot, skipped, results, applied)
         except ReplaysInterrupted:
-            document.setdefault("notes", []).append(
+            snapshot.notes.append(
                 "Replays were interrupted: the fixes below are those measured before."
             )
-        finish(document, replayer, entries, search, batch_info, skipped, progress)
+        finish(snapshot, replayer, results, search, batch_info, skipped, progress)
     except Exception as exc:  # the snapshot of the OOM must be written whatever happens here
         progress.header(f"replays failed: {type(exc).__name__}: {exc}")
-        document.setdefault("notes", []).append(
+        snapshot.notes.append(
             f"Replays failed ({type(exc).__name__}: {exc}); no fixes were measured."
         )
-        document["fixes"], document["max_batch_size"] = [], None
+        snapshot.fixes, snapshot.max_batch_size = [], None
     finally:
         if own_pool:
             pool.close()
 
 
-def fix_request(name: str, device: dict) -> tuple[dict, dict, dict]:
-    """(fix for the child, extra environment, context for the snippet)."""
-    fix: dict = {"name": name}
-    env: dict = {}
-    context: dict = {}
-    parts = name.split("+")
-    if "autocast" in parts:
-        on_cuda = device.get("kind") == "cuda"
-        dtype = "bfloat16" if (not on_cuda or device.get("supports_bf16")) else "float16"
-        fix.update(device_type="cuda" if on_cuda else "cpu", dtype=dtype)
-        context.update(device_type=fix["device_type"], dtype=dtype)
-    if "expandable_segments" in parts:
-        conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
-        env["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(
-            p for p in (conf, "expandable_segments:True") if p
-        )
-    # lighter_optimizer: the child picks the optimizer its torch has (the
-    # parent does not import torch) and records it.
-    return fix, env, context
-
-
-def not_applied(name: str, applied: dict) -> str | None:
-    """Why a fix changed nothing in the replay, from what the child recorded."""
-    for part in name.split("+"):
-        record = applied.get(part) or {}
-        if part == "autocast" and record.get("already_enabled") and not record.get("regions"):
-            return "the script already runs its forward pass under autocast"
-        if part == "autocast" and not record.get("regions"):
-            return "no model forward pass ran"
-        if part == "checkpointing" and not record.get("wrapped"):
-            return "no repeated blocks were found to wrap"
-        if part == "lighter_optimizer" and not record.get("replaced"):
-            return "the script created no Adam-like optimizer"
-        if part == "empty_cache" and not record.get("calls"):
-            return "CUDA was never initialised in the replay"
-    return None
-
-
-def replay_single(replayer: Replayer, name: str, device: dict, skipped: list) -> dict | None:
-    fix, env, context = fix_request(name, device)
-    replay = replayer.run(fix, name, extra_env=env)
-    reason = not_applied(name, replay.applied) if replay.outcome in ("fits", "oom") else None
+def replay_single(
+    replayer: Replayer,
+    fix: Fix,
+    snapshot: Snapshot,
+    skipped: list[Skipped],
+    results: list[FixResult],
+    applied: set[str],
+) -> None:
+    """Replay one fix (or pair) and add its result, or say why it changed nothing."""
+    request = fix.request(snapshot)
+    replay = replayer.run(request.payload, fix.name, extra_env=request.env)
+    ran = replay.outcome in ("fits", "oom")
+    reason = fix.not_applied(replay.applied) if ran else None
     if reason:
-        skipped.append({"name": name, "reason": reason})
-        return None
-    details = []
-    for part in name.split("+"):
-        record = replay.applied.get(part) or {}
-        if part == "autocast":
-            details.append(
-                f"{record.get('dtype', fix.get('dtype'))} autocast on {record.get('device_type', fix.get('device_type'))}"
-            )
-            if fix.get("dtype") == "float16":
-                details.append("float16 needs torch.amp.GradScaler (loss scaling)")
-        elif part == "checkpointing":
-            wrapped = record.get("wrapped") or []
-            details.append(
-                "checkpointed "
-                + ", ".join(f"{w['count']} x {w['class']} in {w['path']}" for w in wrapped)
-            )
-            if wrapped:
-                context.update(
-                    blocks_path=wrapped[0]["path"],
-                    blocks_class=wrapped[0]["class"],
-                    blocks_count=wrapped[0]["count"],
-                )
-        elif part == "lighter_optimizer":
-            context["optimizer"] = record.get("optimizer")
-            replaced = sorted(set(record.get("replaced") or []))
-            details.append(
-                f"measured torch.optim.{record.get('optimizer')} in place of {', '.join(replaced)}"
-            )
-        elif part == "expandable_segments":
-            details.append("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
-        elif part == "empty_cache":
-            details.append("torch.cuda.empty_cache() before each forward pass")
-    entry = entry_from(replay, name, "; ".join(details), render_snippet(name, context))
-    entry["_applied"] = replay.outcome in ("fits", "oom")
-    return entry
+        skipped.append(Skipped(fix.name, reason))
+        return
+    detail = fix.describe(replay.applied, request)
+    results.append(result_from(replay, fix, detail, fix.snippet(request.context)))
+    if ran:
+        applied.add(fix.name)
 
 
-def entry_from(replay: Replay, name: str, detail: str, snippet: str) -> dict:
+def result_from(replay: Replay, fix: Fix, detail: str, snippet: str) -> FixResult:
     if replay.outcome != "fits" and replay.message:
         detail = f"{replay.message}; {detail}" if detail else replay.message
     if replay.outcome in ("timeout", "error") and replay.log_path:
         detail += f" (its output: {replay.log_path})"
-    return {
-        "name": name,
-        "title": (fix_info(name).title if fix_info(name) else name),
-        "outcome": replay.outcome,
-        "fits": replay.fits,
-        "peak_allocated_bytes": replay.peak_allocated_bytes,
-        "peak_reserved_bytes": replay.peak_reserved_bytes,
-        "saved_bytes": None,
-        "step_time_ratio": None,
-        "step_s": replay.step_s,
-        "replay_s": round(replay.wall_s, 2),
-        "detail": detail,
-        "snippet": snippet,
-        "measured": True,
-    }
+    return FixResult(
+        name=fix.name,
+        title=fix.title,
+        outcome=replay.outcome,
+        fits=replay.fits,
+        peak_allocated_bytes=replay.peak_allocated_bytes,
+        peak_reserved_bytes=replay.peak_reserved_bytes,
+        saved_bytes=None,
+        step_time_ratio=None,
+        step_s=replay.step_s,
+        replay_s=round(replay.wall_s, 2),
+        detail=detail,
+        snippet=snippet,
+        measured=True,
+    )
 
 
 # ---------------------------------------------------------------- batch size
 
 
-def search_batch(replayer: Replayer, document: dict, options):
+def search_batch(
+    replayer: Replayer, snapshot: Snapshot, options: Any
+) -> tuple[Optional[batch_model.SearchResult], dict, Optional[str]]:
     """The largest batch size that fits. Returns (search result or None,
     information for the report, reason when it could not be searched)."""
     args = list(replayer.request.args)
     found = find_batch_arg(args, options.batch_arg)
-    baseline = batch_model.observe(document, 0)
+    baseline = batch_model.observe(snapshot, 0)
     info: dict = {}
     if found is not None:
         position, flag, original = found
         info.update(source=flag, original_batch_size=original)
 
         def trial(batch_size: int) -> batch_model.BatchRun:
-            fix = {"name": "smaller_batch", "batch_mode": "argv", "batch_size": batch_size}
+            payload = {"name": "smaller_batch", "batch_mode": "argv", "batch_size": batch_size}
             replay = replayer.run(
-                fix,
+                payload,
                 f"smaller_batch ({flag} {batch_size})",
                 args=with_batch_size(args, position, flag, batch_size),
             )
@@ -530,7 +438,7 @@ def search_batch(replayer: Replayer, document: dict, options):
             replayer.progress.header(
                 f"{options.batch_arg} is not on the command line: trying the DataLoader's batch size"
             )
-        divisor = batch_model.probe_divisor(document)
+        divisor = batch_model.probe_divisor(snapshot)
         probe_replay = replayer.run(
             {"name": "smaller_batch", "batch_mode": "dataloader", "batch_divisor": divisor},
             f"smaller_batch (DataLoader batch / {divisor})",
@@ -551,27 +459,26 @@ def search_batch(replayer: Replayer, document: dict, options):
         info.update(source="DataLoader", original_batch_size=original)
 
         def trial(batch_size: int) -> batch_model.BatchRun:
-            fix = {
+            payload = {
                 "name": "smaller_batch",
                 "batch_mode": "dataloader",
                 "batch_size": batch_size,
                 "original_batch_size": original,
             }
             return to_batch_run(
-                replayer.run(fix, f"smaller_batch (DataLoader batch {batch_size})"), batch_size
+                replayer.run(payload, f"smaller_batch (DataLoader batch {batch_size})"), batch_size
             )
 
         runs = [to_batch_run(probe_replay, int(record["batch_size"]))]
     if original <= 1:
         return None, info, "the batch size is already 1"
     baseline.batch_size = original
-    capacity = int((document.get("device") or {}).get("capacity_bytes") or 0)
     result = batch_model.search_max_batch(
         original,
-        capacity,
+        snapshot.device.capacity_bytes,
         [baseline, *runs],
         trial,
-        probe=batch_model.first_probe_for(document, original),
+        probe=batch_model.first_probe_for(snapshot, original),
     )
     result.trials[:0] = runs  # the DataLoader probe was a trial too
     return result, info, None
@@ -592,43 +499,41 @@ def to_batch_run(replay: Replay, batch_size: int) -> batch_model.BatchRun:
 # ---------------------------------------------------------------- results
 
 
-def reference_step_seconds(document: dict, search) -> tuple[float | None, str]:
+def reference_step_seconds(
+    snapshot: Snapshot, search: Optional[batch_model.SearchResult]
+) -> tuple[float | None, str]:
     """What a step of the failing run would take if it fit: its own complete
     steady steps when it had any, else the largest fitting smaller batch's
     step scaled per sample."""
-    oom_step = (document.get("oom") or {}).get("step")
-    steady = [
-        s
-        for s in document.get("steps") or []
-        if 0 < s.get("index", 0) < (oom_step or 0) and s.get("duration_s")
-    ]
+    oom_step = (snapshot.oom.step if snapshot.oom else None) or 0
+    steady = [step for step in snapshot.steps if 0 < step.index < oom_step and step.duration_s]
     if steady:
         return batch_model.median_step_seconds(steady), "the failing run's completed steps"
-    if search is not None and search.best_run is not None and search.best_run.step_s:
-        best = search.best_run
+    best = search.best_run if search is not None else None
+    if search is not None and best is not None and best.step_s:
         return best.step_s * search.original_batch_size / best.batch_size, (
             f"a step at batch size {best.batch_size} scaled to {search.original_batch_size} samples (an estimate)"
         )
     return None, "no step of the failing configuration completed"
 
 
-def smaller_batch_entry(search, info: dict, reference_s: float | None) -> dict | None:
+def smaller_batch_result(
+    fix: Fix, search: batch_model.SearchResult, info: dict, reference_s: float | None
+) -> Optional[FixResult]:
     best = search.best_run
     if best is None:
         last = search.trials[-1] if search.trials else None
         replay = getattr(last, "replay", None) if last else None
         if replay is None:
             return None
-        entry = entry_from(
-            replay,
-            "smaller_batch",
-            search.stopped or "no smaller batch fits",
-            FIXES["smaller_batch"].snippet,
+        result = result_from(
+            replay, fix, search.stopped or "no smaller batch fits", fix.snippet({})
         )
-        entry["fits"] = False
-        return entry
+        result.fits = False
+        return result
     original = search.original_batch_size
     maximum = search.max_batch_size
+    assert maximum is not None
     micro, steps = batch_model.accumulation_plan(original, maximum)
     how = info.get("source", "batch size")
     how_text = f"{how} {maximum}" if how.startswith("-") else f"DataLoader(batch_size={maximum})"
@@ -641,122 +546,102 @@ def smaller_batch_entry(search, info: dict, reference_s: float | None) -> dict |
         f"largest batch that fits: {maximum} ({exactness}; {len(search.trials)} replays); "
         f"keep the effective batch of {original} with {steps} accumulation steps of {micro}"
     )
-    snippet = render_snippet(
-        "smaller_batch",
+    snippet = fix.snippet(
         {
             "micro_batch": micro,
             "accumulation_steps": steps,
             "how": how if how.startswith("-") else "batch_size",
-        },
+        }
     )
-    entry = entry_from(best.replay, "smaller_batch", detail, snippet)
-    entry.update(
+    result = result_from(best.replay, fix, detail, snippet)
+    result.extra.update(
         max_batch_size=maximum, micro_batch_size=micro, accumulation_steps=steps, how=how_text
     )
     if reference_s and best.step_s:
         # Accumulation processes the original batch in `steps` micro-steps.
-        entry["step_time_ratio"] = round(steps * best.step_s * (micro / maximum) / reference_s, 3)
-    return entry
+        result.step_time_ratio = round(steps * best.step_s * (micro / maximum) / reference_s, 3)
+    return result
 
 
-def sharding_estimate(static: dict) -> dict:
-    """Per-rank bytes saved by sharding over 2, 4 and 8 GPUs, from the
-    breakdown (an estimate: communication buffers and the gathered layer of
-    FSDP are not counted)."""
-    parameters, gradients, state = (
-        static.get(k, 0) for k in ("parameters", "gradients", "optimizer_state")
-    )
-    stages = {
-        "zero1_optimizer_state": state,
-        "zero2_plus_gradients": state + gradients,
-        "fsdp_full_shard": state + gradients + parameters,
-    }
-    return {
-        stage: {str(n): int(total * (1 - 1 / n)) for n in (2, 4, 8)}
-        for stage, total in stages.items()
-    }
-
-
-def static_breakdown(document: dict, replayer: Replayer) -> dict:
+def static_breakdown(snapshot: Snapshot, replayer: Replayer) -> Breakdown:
     """Parameters, gradients and optimizer state at their largest, from the
     failing run and every replay that kept the script's optimizer."""
-    static = {
-        key: int((document.get("breakdown") or {}).get(key) or 0)
-        for key in ("parameters", "gradients", "optimizer_state")
-    }
+    static = Breakdown(
+        parameters=snapshot.breakdown.parameters,
+        gradients=snapshot.breakdown.gradients,
+        optimizer_state=snapshot.breakdown.optimizer_state,
+    )
     for replay in replayer.replays:
-        if (
-            replay.capture is None
-            or "lighter_optimizer" in replay.applied
-            or "smaller_batch" not in replay.applied
-        ):
+        fix = fix_named(replay.fix_name)
+        # Only the batch search's replays keep the script's own model and optimizer.
+        if replay.capture is None or fix is None or not fix.searches_batch:
             continue
-        breakdown = replay.capture.get("breakdown") or {}
-        for key in static:
-            static[key] = max(static[key], int(breakdown.get(key) or 0))
-    if not static["optimizer_state"]:
-        static["optimizer_state"] = optimizer_state_estimate(document)
-    if not static["gradients"]:
-        static["gradients"] = static["parameters"]
+        measured = replay.capture.breakdown
+        static.parameters = max(static.parameters, measured.parameters)
+        static.gradients = max(static.gradients, measured.gradients)
+        static.optimizer_state = max(static.optimizer_state, measured.optimizer_state)
+    if not static.optimizer_state:
+        static.optimizer_state = optimizer_state_estimate(snapshot)
+    if not static.gradients:
+        static.gradients = static.parameters
     return static
 
 
-def finish(document, replayer, entries, search, batch_info, skipped, progress) -> None:
-    oom = document.get("oom") or {}
-    lower_bound = int(oom.get("allocated_bytes") or 0) + int(oom.get("requested_bytes") or 0)
+def finish(
+    snapshot: Snapshot,
+    replayer: Replayer,
+    results: list[FixResult],
+    search: Optional[batch_model.SearchResult],
+    batch_info: dict,
+    skipped: list[Skipped],
+    progress: Progress,
+) -> None:
+    """Rank what the replays measured and record it in the snapshot."""
+    lower_bound = snapshot.oom.needed_bytes if snapshot.oom else 0
     need, estimated = lower_bound, False
     if search is not None and search.model is not None:
         predicted = search.model.need(search.original_batch_size)
         if predicted is not None and predicted > lower_bound:
             need, estimated = int(predicted), True
-    reference_s, reference_text = reference_step_seconds(document, search)
+    reference_s, reference_text = reference_step_seconds(snapshot, search)
     if search is not None:
-        entry = smaller_batch_entry(search, batch_info, reference_s)
-        if entry is not None:
-            entries.insert(0, entry)
-    for entry in entries:
-        if entry["fits"] and entry.get("peak_allocated_bytes") is not None:
-            entry["saved_bytes"] = int(need - entry["peak_allocated_bytes"])
-            if entry["name"] != "smaller_batch" and reference_s and entry.get("step_s"):
-                entry["step_time_ratio"] = round(entry["step_s"] / reference_s, 3)
-        if entry["name"] == "lighter_optimizer":
-            static = static_breakdown(document, replayer)
-            estimate = sharding_estimate(static)
-            entry["sharding_estimate"] = {"per_rank_saved_bytes": estimate, "basis": static}
-            full = estimate["fsdp_full_shard"]
-            entry["detail"] += (
-                "; ESTIMATE (not measured), per-rank saving of sharding over 2/4/8 GPUs: "
-                f"ZeRO-1 {'/'.join(format_bytes(v) for v in estimate['zero1_optimizer_state'].values())}, "
-                f"ZeRO-2 {'/'.join(format_bytes(v) for v in estimate['zero2_plus_gradients'].values())}, "
-                f"FSDP/ZeRO-3 {'/'.join(format_bytes(v) for v in full.values())}"
-            )
-        entry.pop("_applied", None)
-    document["fixes"] = rank_fixes(entries)
-    document["max_batch_size"] = (
-        search.max_batch_size if search is not None and search.exact else None
+        batch_fix = next(fix for fix in FIXES if fix.searches_batch)
+        found = smaller_batch_result(batch_fix, search, batch_info, reference_s)
+        if found is not None:
+            results.insert(0, found)
+    static = static_breakdown(snapshot, replayer)
+    for result in results:
+        if result.fits and result.peak_allocated_bytes is not None:
+            result.saved_bytes = int(need - result.peak_allocated_bytes)
+            if result.step_time_ratio is None and reference_s and result.step_s:
+                result.step_time_ratio = round(result.step_s / reference_s, 3)
+        fix = fix_named(result.name)
+        if fix is not None:
+            fix.annotate(result, static)
+    snapshot.fixes = rank_fixes(results)
+    snapshot.max_batch_size = search.max_batch_size if search is not None and search.exact else None
+    summary = ReplaySummary(
+        replays=len(replayer.replays),
+        total_s=round(progress.total(), 2),
+        max_steps=replayer.max_steps,
+        timeout_s=replayer.timeout_s,
+        baseline_need_bytes=int(need),
+        baseline_need_estimated=estimated,
+        reference_step_s=reference_s,
+        reference=reference_text,
+        skipped=skipped,
+        runs=[replay.timing() for replay in replayer.replays],
     )
-    summary = {
-        "replays": len(replayer.replays),
-        "total_s": round(progress.total(), 2),
-        "max_steps": replayer.max_steps,
-        "timeout_s": replayer.timeout_s,
-        "baseline_need_bytes": int(need),
-        "baseline_need_estimated": estimated,
-        "reference_step_s": reference_s,
-        "reference": reference_text,
-        "skipped": skipped,
-        "runs": [replay.timing() for replay in replayer.replays],
-    }
     if search is not None:
-        summary["batch_search"] = {
-            "source": batch_info.get("source"),
-            "original_batch_size": search.original_batch_size,
-            "max_batch_size": search.max_batch_size,
-            "exact": search.exact,
-            "trials": [[run.batch_size, run.fits] for run in search.trials],
-            "stopped": search.stopped or None,
-        }
-    document["replay"] = summary
+        summary.batch_search = BatchSearch(
+            source=batch_info.get("source"),
+            original_batch_size=search.original_batch_size,
+            max_batch_size=search.max_batch_size,
+            exact=search.exact,
+            trials=[[run.batch_size, run.fits] for run in search.trials],
+            stopped=search.stopped or None,
+        )
+    snapshot.replay = summary
     progress.header(f"{len(replayer.replays)} replays in {progress.total():.1f} s")
 
 

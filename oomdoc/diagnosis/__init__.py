@@ -1,0 +1,69 @@
+"""Diagnosis: from a snapshot to an ordered list of findings.
+
+Each rule is one module in this package with a `rule(snapshot)` function
+that returns a Diagnosis, a list of them, or None; `RULES` registers them,
+one line each. Order, most important first: bugs (grad_in_eval, leak), then
+causes that decided the OOM on their own (fragmentation, other processes, a
+host that ran out of RAM), then what filled the device, largest first.
+
+Kinds: leak, grad_in_eval, fragmentation, other_processes, host_memory,
+activations, optimizer_state, parameters, gradients, unattributed (the
+breakdown's `other`: tensors made outside the model and optimizer).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Union
+
+from oomdoc.diagnosis import (
+    breakdown,
+    fragmentation,
+    grad_in_eval,
+    host_memory,
+    leak,
+    other_processes,
+)
+from oomdoc.diagnosis.base import (
+    BUG_KINDS,
+    TIER_BREAKDOWN,
+    TIER_BUG,
+    TIER_CONTEXT,
+    TIER_DECISIVE,
+    Diagnosis,
+)
+from oomdoc.model import Snapshot
+
+__all__ = [
+    "BUG_KINDS",
+    "RULES",
+    "TIER_BREAKDOWN",
+    "TIER_BUG",
+    "TIER_CONTEXT",
+    "TIER_DECISIVE",
+    "Diagnosis",
+    "diagnose",
+]
+
+RuleResult = Union[Diagnosis, "list[Diagnosis]", None]
+
+RULES: tuple[Callable[[Snapshot], RuleResult], ...] = (
+    grad_in_eval.rule,
+    leak.rule,
+    fragmentation.rule,
+    other_processes.rule,
+    host_memory.rule,
+    breakdown.rule,
+)
+
+
+def diagnose(snapshot: Snapshot) -> list[Diagnosis]:
+    """All diagnoses for a snapshot, the most important first."""
+    found: list[Diagnosis] = []
+    for rule in RULES:
+        result = rule(snapshot)
+        if isinstance(result, list):
+            found.extend(result)
+        elif result is not None:
+            found.append(result)
+    found.sort(key=lambda diagnosis: (diagnosis.tier, -diagnosis.bytes))
+    return found

@@ -1,0 +1,112 @@
+"""What filled the device: the largest category, and any other holding a
+large share, each with the fixes that shrink it."""
+
+from __future__ import annotations
+
+from oomdoc.diagnosis.base import TIER_BREAKDOWN, Diagnosis
+from oomdoc.fixes import FIXES
+from oomdoc.formatting import format_location, percent, tensor_description
+from oomdoc.model import CATEGORIES, Snapshot
+from oomdoc.sizes import format_bytes
+
+# A category is diagnosed when it holds at least this share of the memory in
+# use (the largest category always is).
+CATEGORY_SHARE = 0.2
+
+KIND_OF_CATEGORY = {
+    "activations": "activations",
+    "optimizer_state": "optimizer_state",
+    "parameters": "parameters",
+    "gradients": "gradients",
+    "other": "unattributed",
+}
+
+ADVICE = {
+    "activations": "activation checkpointing of the repeated blocks, autocast to bf16, or a smaller batch with gradient accumulation",
+    "optimizer_state": "a lighter optimizer (SGD with momentum, Adafactor, 8-bit AdamW from bitsandbytes), or shard the state with ZeRO/FSDP",
+    "parameters": "keep the weights in bf16 (model.to(torch.bfloat16)), shard them with FSDP, or offload them to the CPU",
+    "gradients": "shard gradients with FSDP/ZeRO-2, keep them in bf16, and free them with optimizer.zero_grad(set_to_none=True)",
+    "other": "tensors made outside the model and optimizer (a dataset moved to the device up front, caches): keep data on the CPU and move one batch at a time",
+}
+
+
+def rule(snapshot: Snapshot) -> list[Diagnosis]:
+    breakdown = snapshot.breakdown
+    total = breakdown.total
+    if total <= 0:
+        return []
+    largest = breakdown.largest()
+    capacity = snapshot.capacity_bytes
+    found = []
+    for category in CATEGORIES:
+        nbytes = breakdown.bytes_of(category)
+        if nbytes <= 0 or (category != largest and nbytes < CATEGORY_SHARE * total):
+            continue
+        evidence = [
+            f"{format_bytes(nbytes)} of {format_bytes(total)} in use {snapshot.moment_label}"
+            + (
+                f" ({percent(nbytes, capacity, 0)} of the {format_bytes(capacity)} capacity)"
+                if capacity
+                else ""
+            )
+        ]
+        evidence += _category_evidence(snapshot, category)
+        name = (
+            "Unattributed tensors"
+            if category == "other"
+            else category.replace("_", " ").capitalize()
+        )
+        summary = (
+            f"{name}: {'the largest' if category == largest else 'a large'} share, "
+            f"{percent(nbytes, total, 0)} of the memory in use {snapshot.moment_label}; {ADVICE[category]}"
+        )
+        fixes = [fix.name for fix in FIXES if category in fix.addresses]
+        found.append(
+            Diagnosis(
+                KIND_OF_CATEGORY[category],
+                summary,
+                evidence,
+                nbytes,
+                tier=TIER_BREAKDOWN,
+                fixes=fixes,
+            )
+        )
+    return found
+
+
+def _category_evidence(snapshot: Snapshot, category: str) -> list[str]:
+    evidence = []
+    sites = [site for site in snapshot.top_allocations if site.category == category]
+    for site in sites[:2]:
+        description = tensor_description(site)
+        evidence.append(
+            f"{format_bytes(site.bytes)} allocated at {format_location(site.location, snapshot.cwd)}"
+            + (f" ({description})" if description else "")
+        )
+    if category == "activations":
+        if snapshot.is_oom and snapshot.oom and snapshot.oom.phase:
+            evidence.append(f"the OOM came during {snapshot.oom.phase}")
+        for model in snapshot.models[:2]:
+            blocks = model.blocks_outermost_first()
+            if blocks:
+                block = blocks[0]
+                evidence.append(
+                    f"{model.class_name} repeats {block.count} x {block.class_name} in "
+                    f"`{block.path}`: checkpointing candidates"
+                )
+    elif category == "optimizer_state":
+        from oomdoc.fixes.optimizer import STATE_TENSORS_PER_PARAMETER
+
+        optimizers = snapshot.optimizers
+        if optimizers:
+            line = f"optimizer{'s' if len(optimizers) > 1 else ''}: {', '.join(optimizers)}"
+            if any(STATE_TENSORS_PER_PARAMETER.get(name) == 2 for name in optimizers):
+                line += " (two state tensors per parameter: exp_avg and exp_avg_sq)"
+            evidence.append(line)
+    elif category == "parameters":
+        for model in snapshot.models[:3]:
+            if model.parameters_bytes:
+                evidence.append(
+                    f"{model.class_name} has {format_bytes(model.parameters_bytes)} of parameters"
+                )
+    return evidence

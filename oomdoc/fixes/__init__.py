@@ -1,0 +1,57 @@
+"""The catalogue of fixes: one module (one Fix subclass) per fix, registered
+in `FIXES`, one line each. Replays measure them (oomdoc.replay), `oomdoc
+suggest` estimates them from a breakdown; both read names, snippets and
+costs from here, so a fix reads the same wherever it is shown.
+
+Adding a fix: a new module with a Fix subclass (see base.py) and one line
+in FIXES.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from oomdoc.fixes.allocator import EmptyCache, ExpandableSegments
+from oomdoc.fixes.autocast import Autocast
+from oomdoc.fixes.base import Combination, Effect, Fix, FixRequest
+from oomdoc.fixes.checkpointing import Checkpointing
+from oomdoc.fixes.optimizer import LighterOptimizer
+from oomdoc.fixes.smaller_batch import SmallerBatch
+
+__all__ = ["FIXES", "Combination", "Effect", "Fix", "FixRequest", "fix_named", "compatible"]
+
+# Catalogue order: estimates and diagnoses list fixes in this order.
+FIXES: tuple[Fix, ...] = (
+    ExpandableSegments(),
+    EmptyCache(),
+    Checkpointing(),
+    Autocast(),
+    LighterOptimizer(),
+    SmallerBatch(),
+)
+
+_BY_NAME = {fix.name: fix for fix in FIXES}
+
+
+def compatible(first: Fix, second: Fix) -> bool:
+    """Two different fixes that can be measured together."""
+    return first.name != second.name and (
+        second.name in first.combines_with or first.name in second.combines_with
+    )
+
+
+def fix_named(name: str) -> Optional[Fix]:
+    """The fix called `name`, or for `a+b` the combination of two compatible
+    fixes (in that order); None when there is none."""
+    if name in _BY_NAME:
+        return _BY_NAME[name]
+    parts = name.split("+")
+    if len(parts) != 2 or not all(part in _BY_NAME for part in parts):
+        return None
+    first, second = (_BY_NAME[part] for part in parts)
+    return Combination(first, second) if compatible(first, second) else None
+
+
+def replay_order() -> list[Fix]:
+    """The fixes in the order replays try them."""
+    return sorted(FIXES, key=lambda fix: getattr(fix, "replay_priority", 9))

@@ -1,0 +1,144 @@
+"""What a fix is: one object that knows when it is worth a replay, how the
+child applies it, how to describe what the replay did, its snippet, its
+estimate from a breakdown, and what it combines with.
+
+The parent never imports torch: a fix's `apply` (run in the capture child,
+before the user's script starts) imports torch inside the method.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from oomdoc.model import Breakdown, FixResult, Snapshot
+
+
+@dataclass
+class FixRequest:
+    """One replay of a fix: what the child is sent (`payload`, with the fix's
+    `name`), the replay's extra environment, and what the snippet needs."""
+
+    payload: dict = field(default_factory=dict)
+    env: dict = field(default_factory=dict)
+    context: dict = field(default_factory=dict)
+
+
+@dataclass
+class Effect:
+    """A fix's estimated effect: a share of activations saved, plus bytes."""
+
+    activation_share: float = 0.0
+    other_bytes: int = 0
+    detail: str = ""
+
+
+class Fix:
+    """A fix in the catalogue. Subclasses set the class attributes and
+    override what applies to them."""
+
+    name: str = "?"
+    title: str = "?"
+    # Lower is cheaper. Ranking puts fixes that fit first, then the smaller
+    # cost to training semantics, then to speed, then the larger saving.
+    semantics_cost: int = 0  # 0: none, 1: numerics change, 2: optimisation changes
+    speed_cost: int = 0  # 0: none expected, 1: some recompute or overhead
+    # Breakdown categories it shrinks: the category's diagnosis lists it.
+    addresses: tuple[str, ...] = ()
+    # Fixes it can be measured together with, as `a+b`.
+    combines_with: tuple[str, ...] = ()
+    cuda_only: bool = False
+    # Measured by the largest-batch search rather than by one replay.
+    searches_batch: bool = False
+    # Replays try fixes in this order (lowest first).
+    replay_priority: int = 9
+
+    @property
+    def parts(self) -> list[Fix]:
+        return [self]
+
+    # ------------------------------------------------------------ parent
+    def skip_reason(self, snapshot: Snapshot, explicit: bool) -> Optional[str]:
+        """Why a replay of this fix is not worth it for this run (None: replay
+        it). `explicit`: the user asked for it with --fixes."""
+        if self.cuda_only and not snapshot.device.on_cuda:
+            return "CUDA only: the simulated device has no caching allocator"
+        return None
+
+    def request(self, snapshot: Snapshot) -> FixRequest:
+        """What a replay of this fix sends to the child."""
+        return FixRequest(payload={"name": self.name})
+
+    def record_in(self, applied: dict) -> dict:
+        """What the child recorded for this fix (see `apply`), from the
+        replay's `fix_applied`: {fix name: record}."""
+        record = applied.get(self.name)
+        return record if isinstance(record, dict) else {}
+
+    def not_applied(self, applied: dict) -> Optional[str]:
+        """Why the fix changed nothing in the replay, from what the child
+        recorded (None: it was applied)."""
+        return None
+
+    def describe(self, applied: dict, request: FixRequest) -> str:
+        """What the replay did, for the fix's detail; may add to
+        `request.context` what the snippet needs."""
+        return ""
+
+    def snippet(self, context: dict) -> str:
+        """How to apply the fix by hand, made concrete with `context`."""
+        raise NotImplementedError
+
+    def annotate(self, result: FixResult, static: Breakdown) -> None:
+        """Add to a measured result what only this fix knows, given the run's
+        largest parameters, gradients and optimizer state (`static`)."""
+
+    def estimate(self, snapshot: Snapshot) -> Optional[Effect]:
+        """What the fix would save, estimated from the breakdown (None: it
+        cannot be estimated for this snapshot)."""
+        return None
+
+    # ------------------------------------------------------------- child
+    def apply(self, payload: dict, record: dict, tracker: Any) -> None:
+        """Patch the libraries in the capture child before the script starts;
+        record in `record` what was done (read back by `not_applied`)."""
+
+
+class Combination(Fix):
+    """Two compatible fixes measured together (`a+b`)."""
+
+    def __init__(self, first: Fix, second: Fix):
+        self.first, self.second = first, second
+        self.name = f"{first.name}+{second.name}"
+        self.title = f"{first.title} + {second.title}"
+        self.semantics_cost = max(first.semantics_cost, second.semantics_cost)
+        self.speed_cost = max(first.speed_cost, second.speed_cost)
+        self.addresses = tuple(sorted(set(first.addresses) | set(second.addresses)))
+        self.cuda_only = first.cuda_only or second.cuda_only
+
+    @property
+    def parts(self) -> list[Fix]:
+        return [self.first, self.second]
+
+    def request(self, snapshot: Snapshot) -> FixRequest:
+        merged = FixRequest(payload={"name": self.name})
+        for part in self.parts:
+            request = part.request(snapshot)
+            merged.payload.update({k: v for k, v in request.payload.items() if k != "name"})
+            merged.env.update(request.env)
+            merged.context.update(request.context)
+        return merged
+
+    def not_applied(self, applied: dict) -> Optional[str]:
+        for part in self.parts:
+            reason = part.not_applied(applied)
+            if reason:
+                return reason
+        return None
+
+    def describe(self, applied: dict, request: FixRequest) -> str:
+        details = [part.describe(applied, request) for part in self.parts]
+        return "; ".join(detail for detail in details if detail)
+
+    def snippet(self, context: dict) -> str:
+        return "\n\n".join(f"# {part.name}\n{part.snippet(context)}" for part in self.parts)

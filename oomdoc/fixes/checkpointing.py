@@ -1,0 +1,156 @@
+"""checkpointing: activation checkpointing of the repeated blocks."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Optional
+
+from oomdoc.fixes.base import Effect, Fix, FixRequest
+from oomdoc.model import Snapshot
+from oomdoc.sizes import format_bytes
+
+_CHECKPOINTED = "_oomdoc_checkpointed"
+
+
+class Checkpointing(Fix):
+    name = "checkpointing"
+    title = "Activation checkpointing of the repeated blocks"
+    semantics_cost, speed_cost = 0, 1
+    addresses = ("activations",)
+    combines_with = (
+        "autocast",
+        "lighter_optimizer",
+        "expandable_segments",
+        "empty_cache",
+        "smaller_batch",
+    )
+    replay_priority = 2
+
+    def skip_reason(self, snapshot: Snapshot, explicit: bool) -> Optional[str]:
+        if not snapshot.models:
+            return "no model ran a forward pass before the OOM"
+        if not any(model.repeated_blocks for model in snapshot.models):
+            return "the model has no repeated blocks (same-class children of an nn.ModuleList or nn.Sequential)"
+        return None
+
+    def not_applied(self, applied: dict) -> Optional[str]:
+        if not self.record_in(applied).get("wrapped"):
+            return "no repeated blocks were found to wrap"
+        return None
+
+    def describe(self, applied: dict, request: FixRequest) -> str:
+        wrapped = self.record_in(applied).get("wrapped") or []
+        if wrapped:
+            first = wrapped[0]
+            request.context.update(
+                blocks_path=first["path"], blocks_class=first["class"], blocks_count=first["count"]
+            )
+        return "checkpointed " + ", ".join(
+            f"{w['count']} x {w['class']} in {w['path']}" for w in wrapped
+        )
+
+    def snippet(self, context: dict) -> str:
+        path = context.get("blocks_path")
+        if not path:
+            path, comment = "blocks", ""
+        else:
+            comment = (
+                f"  # {context.get('blocks_class', 'block')} x {context.get('blocks_count', '?')}"
+            )
+        return (
+            "from torch.utils.checkpoint import checkpoint\n"
+            f"for block in model.{path}:{comment}\n"
+            "    x = checkpoint(block, x, use_reentrant=False)"
+        )
+
+    def estimate(self, snapshot: Snapshot) -> Optional[Effect]:
+        activations = snapshot.breakdown.bytes_of("activations")
+        blocks = snapshot.repeated_blocks
+        if activations <= 0 or not blocks:
+            return None
+        block = max(blocks, key=lambda b: b.count)
+        count = block.count
+        share = (count - 1) / (count + 1)
+        return Effect(
+            share,
+            0,
+            f"with {count} x {block.class_name} checkpointed, about each block's input and one block's "
+            "activations are kept: "
+            f"about {share:.0%} of {format_bytes(activations)} of activations saved; "
+            "the forward of each block runs again in backward",
+        )
+
+    def apply(self, payload: dict, record: dict, tracker: Any) -> None:
+        """Wrap each repeated block's forward in checkpoint(); leaf blocks of
+        an nn.Sequential (a Linear, ...) are checkpointed in segments with the
+        modules that follow them. Applied at each new model's first call."""
+        import torch
+        import torch.nn as nn
+        from torch.utils.checkpoint import checkpoint
+
+        record.update(wrapped=[], models=0)
+        roots: weakref.WeakSet = weakref.WeakSet()
+        segmented: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+        def checkpointed_forward(forward: Any) -> Any:
+            def run(*args: Any, **kwargs: Any) -> Any:
+                if torch.is_grad_enabled():
+                    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+                return forward(*args, **kwargs)
+
+            return run
+
+        original_forward = nn.Sequential.forward
+
+        def sequential_forward(self: Any, input: Any) -> Any:
+            # Patched on the class so that it also takes effect for a call
+            # that has already started its hooks.
+            segments = segmented.get(self)
+            if segments is None or not torch.is_grad_enabled():
+                return original_forward(self, input)
+            for is_checkpointed, modules in segments:
+
+                def run(x: Any, modules: Any = modules) -> Any:
+                    for module in modules:
+                        x = module(x)
+                    return x
+
+                input = (
+                    checkpoint(run, input, use_reentrant=False) if is_checkpointed else run(input)
+                )
+            return input
+
+        nn.Sequential.forward = sequential_forward  # type: ignore[method-assign]
+
+        def wrap(module: Any) -> None:
+            if module in roots:
+                return
+            roots.add(module)
+            record["models"] += 1
+            for path, container, class_name, blocks, composite in tracker.checkpoint_targets(
+                module
+            ):
+                if composite:
+                    for block in blocks:
+                        if not getattr(block, _CHECKPOINTED, False):
+                            block.forward = checkpointed_forward(block.forward)
+                            setattr(block, _CHECKPOINTED, True)
+                else:
+                    segments: list = []
+                    current: Any = None
+                    for child in container.children():
+                        if isinstance(child, type(blocks[0])) or current is None:
+                            current = (isinstance(child, type(blocks[0])), [])
+                            segments.append(current)
+                        current[1].append(child)
+                    segmented[container] = segments
+                record["wrapped"].append(
+                    {
+                        "path": path or "(root)",
+                        "class": class_name,
+                        "count": len(blocks),
+                        "segments": not composite,
+                    }
+                )
+
+        tracker.forward_start_callbacks.append(wrap)

@@ -1,0 +1,103 @@
+"""smaller_batch: the largest batch that fits, with gradient accumulation to
+keep the effective batch. Measured by the batch search (oomdoc.replay.batch)."""
+
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Any, Optional
+
+from oomdoc.fixes.base import Effect, Fix
+from oomdoc.model import Snapshot
+from oomdoc.sizes import format_bytes
+
+FACTOR = 0.5  # half the batch, two accumulation steps
+
+
+class SmallerBatch(Fix):
+    name = "smaller_batch"
+    title = "A smaller batch, with gradient accumulation to keep the effective batch"
+    semantics_cost, speed_cost = 2, 1
+    addresses = ("activations",)
+    combines_with = ("autocast", "checkpointing")
+    searches_batch = True
+    replay_priority = 0
+
+    def snippet(self, context: dict) -> str:
+        if context.get("micro_batch"):
+            micro, steps = context["micro_batch"], context["accumulation_steps"]
+            how = context.get("how", "batch_size")
+            head = (
+                f"# {how} {micro}: {steps} micro-batches of {micro} keep the effective batch at {micro * steps}\n"
+                f"accumulation_steps = {steps}\n"
+            )
+        else:
+            head = "accumulation_steps = 2  # effective batch = batch_size * accumulation_steps\n"
+        return (
+            head + "for i, (x, y) in enumerate(loader):\n"
+            "    loss = loss_fn(model(x), y) / accumulation_steps\n"
+            "    loss.backward()\n"
+            "    if (i + 1) % accumulation_steps == 0:\n"
+            "        optimizer.step()\n"
+            "        optimizer.zero_grad(set_to_none=True)"
+        )
+
+    def estimate(self, snapshot: Snapshot) -> Optional[Effect]:
+        activations = snapshot.breakdown.bytes_of("activations")
+        if activations <= 0:
+            return None
+        detail = (
+            f"half the batch and two accumulation steps: about {format_bytes(int(activations * FACTOR))} "
+            "of activations saved (activations grow linearly with the batch)"
+        )
+        capacity = snapshot.capacity_bytes
+        if capacity:
+            ratio = (capacity - (snapshot.needed_bytes - activations)) / activations
+            if 0 < ratio < 1:
+                detail += (
+                    f"; a batch up to about {math.floor(ratio * 100)}% of the current one would fit"
+                )
+            elif ratio <= 0:
+                detail += "; even without activations the rest does not fit"
+        return Effect(FACTOR, 0, detail)
+
+    def apply(self, payload: dict, record: dict, tracker: Any) -> None:
+        """On the command line the parent has already rewritten the batch flag;
+        otherwise the DataLoader that carries the failing batch size gets the
+        new one (the first DataLoader with a batch size above 1, when the
+        parent does not know the original size yet and asks for a fraction)."""
+        record["mode"] = payload.get("batch_mode", "dataloader")
+        record["batch_size"] = payload.get("batch_size")
+        if record["mode"] != "dataloader":
+            return
+        import torch.utils.data
+
+        record["original_batch_size"] = payload.get("original_batch_size")
+        record["patched"] = 0
+        divisor = payload.get("batch_divisor")
+        loader_class = torch.utils.data.DataLoader
+        original_init = loader_class.__init__
+        signature = inspect.signature(original_init)
+
+        def init(self: Any, *args: Any, **kwargs: Any) -> None:
+            try:
+                bound = signature.bind(self, *args, **kwargs)
+            except TypeError:
+                return original_init(self, *args, **kwargs)
+            current = bound.arguments.get("batch_size", 1)
+            if (
+                isinstance(current, int)
+                and current > 1
+                and bound.arguments.get("batch_sampler") is None
+            ):
+                if record["original_batch_size"] is None:
+                    record["original_batch_size"] = current
+                    if record["batch_size"] is None and divisor:
+                        record["batch_size"] = max(1, current // int(divisor))
+                if current == record["original_batch_size"] and record["batch_size"]:
+                    bound.arguments["batch_size"] = int(record["batch_size"])
+                    record["patched"] += 1
+            return original_init(*bound.args, **bound.kwargs)
+
+        init.__wrapped__ = original_init  # type: ignore[attr-defined]
+        loader_class.__init__ = init  # type: ignore[method-assign]

@@ -1,0 +1,515 @@
+"""The snapshot as typed records: parsed once, at the boundary, read by field.
+
+A snapshot file (docs/snapshot.md) is untrusted input. `Snapshot.from_dict`
+turns it into the records below: a field of the wrong type becomes its
+default (None, 0, an empty list), a list item of the wrong shape is dropped,
+and fields this oomdoc does not know are kept in `extra` so that a document
+read and written again loses nothing. The few fields every command relies on
+are checked first, with a one-line error, by `oomdoc.snapshot.validate`.
+
+Every room after the boundary (diagnosis, replays, reports, check) reads
+these fields and the derived values defined here (`Snapshot.needed_bytes`,
+`Breakdown.total`, ...) instead of walking dicts. Sizes are int bytes.
+
+Field names follow the JSON keys, except `class`, which is `class_name`
+here (the JSON key is given in the field's metadata).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, TypeVar, Union
+
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "other")
+OUTCOMES = ("oom", "ok", "error", "interrupted")
+PHASES = ("setup", "forward", "backward", "optimizer", "idle")
+DEVICE_KINDS = ("cuda", "simulated")
+
+Record = TypeVar("Record")
+
+
+def _json_key(spec: dataclasses.Field) -> str:
+    return spec.metadata.get("key", spec.name)
+
+
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    hints = _HINTS.get(cls)
+    if hints is None:
+        module = sys.modules[cls.__module__]
+        hints = _HINTS[cls] = typing.get_type_hints(cls, vars(module))
+    return hints
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+_MISSING = object()
+
+
+def _coerce(kind: Any, value: Any) -> Any:
+    """`value` as `kind`, or _MISSING when it is not one."""
+    origin = typing.get_origin(kind)
+    if kind is Any:
+        return value
+    if origin is Union:
+        options = [arg for arg in typing.get_args(kind) if arg is not type(None)]
+        if value is None:
+            return None
+        for option in options:
+            coerced = _coerce(option, value)
+            if coerced is not _MISSING:
+                return coerced
+        return _MISSING
+    if origin in (list, List):
+        if not isinstance(value, list):
+            return _MISSING
+        (item_kind,) = typing.get_args(kind) or (Any,)
+        items = (_coerce(item_kind, item) for item in value)
+        return [item for item in items if item is not _MISSING]
+    if origin in (dict, Dict):
+        if not isinstance(value, dict):
+            return _MISSING
+        _key_kind, value_kind = typing.get_args(kind) or (str, Any)
+        pairs = ((str(k), _coerce(value_kind, v)) for k, v in value.items())
+        return {k: v for k, v in pairs if v is not _MISSING}
+    if isinstance(kind, type) and dataclasses.is_dataclass(kind):
+        return parse(kind, value) if isinstance(value, dict) else _MISSING
+    if kind is int:
+        return value if _is_int(value) else _MISSING
+    if kind is float:
+        return (
+            float(value)
+            if isinstance(value, (int, float)) and not isinstance(value, bool)
+            else _MISSING
+        )
+    if kind is bool:
+        return value if isinstance(value, bool) else _MISSING
+    if kind is str:
+        return value if isinstance(value, str) else _MISSING
+    return value if isinstance(value, kind) else _MISSING
+
+
+def parse(cls: type[Record], data: dict) -> Record:
+    """A record from a dict, leniently: see the module docstring."""
+    hints = _hints(cls)
+    values: dict[str, Any] = {}
+    known = set()
+    for spec in dataclasses.fields(cls):  # type: ignore[arg-type]
+        if spec.name == "extra":
+            continue
+        key = _json_key(spec)
+        known.add(key)
+        if key not in data:
+            continue
+        coerced = _coerce(hints[spec.name], data[key])
+        if coerced is not _MISSING:
+            values[spec.name] = coerced
+    record = cls(**values)
+    if hasattr(record, "extra"):
+        record.extra = {k: v for k, v in data.items() if k not in known}
+    # Written back, a field the input did not have stays absent while it
+    # keeps its default: a document read and written again is unchanged.
+    record.__dict__["_absent"] = known - set(data)
+    return record
+
+
+def _default_of(spec: dataclasses.Field) -> Any:
+    if spec.default is not dataclasses.MISSING:
+        return spec.default
+    if spec.default_factory is not dataclasses.MISSING:
+        return spec.default_factory()
+    return _MISSING
+
+
+def to_dict(record: Any) -> Any:
+    """A record (or a list or dict of them) back to JSON-ready values."""
+    if dataclasses.is_dataclass(record) and not isinstance(record, type):
+        out: dict[str, Any] = {}
+        absent = record.__dict__.get("_absent", ())
+        for spec in dataclasses.fields(record):
+            if spec.name == "extra":
+                continue
+            key, value = _json_key(spec), getattr(record, spec.name)
+            if key in absent and value == _default_of(spec):
+                continue
+            out[key] = to_dict(value)
+        out.update(to_dict(getattr(record, "extra", None) or {}))
+        return out
+    if isinstance(record, list):
+        return [to_dict(item) for item in record]
+    if isinstance(record, dict):
+        return {key: to_dict(value) for key, value in record.items()}
+    return record
+
+
+# --------------------------------------------------------------------- parts
+
+
+@dataclass
+class Location:
+    """A line of the user's code."""
+
+    file: str = "?"
+    line: int = 0
+    function: str = "?"
+
+
+@dataclass
+class OtherProcess:
+    pid: int = -1
+    used_bytes: int = 0
+
+
+@dataclass
+class Device:
+    kind: str = "simulated"
+    name: str = "unknown"
+    capacity_bytes: int = 0
+    total_bytes: Optional[int] = None
+    supports_bf16: Optional[bool] = None
+    other_processes: List[OtherProcess] = field(default_factory=list)
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def on_cuda(self) -> bool:
+        return self.kind == "cuda"
+
+
+@dataclass
+class Host:
+    total_bytes: int = 0
+    available_bytes: Optional[int] = None
+    process_rss_bytes: int = 0
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ErrorInfo:
+    type: Optional[str] = None
+    message: Optional[str] = None
+
+
+@dataclass
+class Breakdown:
+    """Bytes per category at one moment."""
+
+    parameters: int = 0
+    gradients: int = 0
+    optimizer_state: int = 0
+    activations: int = 0
+    other: int = 0
+
+    @property
+    def total(self) -> int:
+        return sum(self.bytes_of(category) for category in CATEGORIES)
+
+    def bytes_of(self, category: str) -> int:
+        return max(0, int(getattr(self, category)))
+
+    def items(self) -> list[tuple[str, int]]:
+        return [(category, self.bytes_of(category)) for category in CATEGORIES]
+
+    def largest(self) -> str:
+        return max(CATEGORIES, key=self.bytes_of)
+
+
+@dataclass
+class Oom:
+    step: Optional[int] = None
+    phase: Optional[str] = None
+    requested_bytes: int = 0
+    allocated_bytes: int = 0
+    reserved_bytes: int = 0
+    free_bytes: int = 0
+    capacity_bytes: int = 0
+    message: str = ""
+    location: Optional[Location] = None
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def needed_bytes(self) -> int:
+        """What the failing moment needed: in use plus the failed request. A
+        lower bound of the configuration's real need."""
+        return self.allocated_bytes + self.requested_bytes
+
+
+@dataclass
+class Peak:
+    allocated_bytes: Optional[int] = None
+    reserved_bytes: Optional[int] = None
+    step: Optional[int] = None
+    phase: Optional[str] = None
+
+
+@dataclass
+class RetainedGraph:
+    """A variable whose autograd graph outlives its step (e.g. `total += loss`)."""
+
+    variable: str = "?"
+    file: str = "?"
+    line: int = 0
+    function: str = "?"
+    from_step: int = 0
+
+    @property
+    def location(self) -> Location:
+        return Location(self.file, self.line, self.function)
+
+
+@dataclass
+class Step:
+    index: int = -1
+    peak_allocated_bytes: int = 0
+    peak_reserved_bytes: int = 0
+    peak_phase: Optional[str] = None
+    end_allocated_bytes: Optional[int] = None
+    phase_peaks: Dict[str, int] = field(default_factory=dict)
+    start_allocated_bytes: Optional[int] = None
+    forward_calls: int = 0
+    forward_calls_with_grad: int = 0
+    eval_mode_forward_calls_with_grad: int = 0
+    backward_calls: int = 0
+    optimizer_steps: int = 0
+    duration_s: Optional[float] = None
+    retained_graphs: List[RetainedGraph] = field(default_factory=list)
+    retained_activation_bytes: int = 0
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Site:
+    """Live allocations grouped by the user's code location, shape and dtype."""
+
+    bytes: int = 0
+    count: int = 1
+    category: str = "other"
+    location: Optional[Location] = None
+    shape: Optional[List[Any]] = None
+    dtype: Optional[str] = None
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class TraceEvent:
+    """An allocator event just before the OOM (PyTorch snapshots)."""
+
+    action: str = "?"
+    bytes: int = 0
+    category: str = "other"
+    location: Optional[Location] = None
+
+
+@dataclass
+class RepeatedBlock:
+    path: str = "?"
+    class_name: str = field(default="?", metadata={"key": "class"})
+    count: int = 0
+
+
+@dataclass
+class ModelInfo:
+    class_name: str = field(default="?", metadata={"key": "class"})
+    parameters_bytes: int = 0
+    repeated_blocks: List[RepeatedBlock] = field(default_factory=list)
+
+    def blocks_outermost_first(self) -> list[RepeatedBlock]:
+        """Repeated blocks (two or more), the outermost (shortest path) first."""
+        blocks = [block for block in self.repeated_blocks if block.count >= 2]
+        return sorted(blocks, key=lambda block: (block.path.count("."), -block.count))
+
+
+@dataclass
+class Allocator:
+    """The CUDA caching allocator's state (empty on the simulated device)."""
+
+    reserved_bytes: int = 0
+    allocated_bytes: int = 0
+    inactive_split_bytes: int = 0
+    inactive_split_blocks: int = 0
+    largest_free_block_bytes: Optional[int] = None
+    expandable_segments: Optional[bool] = None
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class FixResult:
+    """A fix as measured by a replay, or estimated from the breakdown."""
+
+    name: str = "?"
+    rank: Optional[int] = None
+    measured: bool = True
+    title: Optional[str] = None
+    outcome: Optional[str] = None  # fits | oom | timeout | error (measured)
+    fits: bool = False
+    peak_allocated_bytes: Optional[int] = None
+    peak_reserved_bytes: Optional[int] = None
+    saved_bytes: Optional[int] = None
+    step_time_ratio: Optional[float] = None
+    step_s: Optional[float] = None
+    replay_s: Optional[float] = None
+    detail: Optional[str] = None
+    snippet: Optional[str] = None
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def parts(self) -> list[str]:
+        return self.name.split("+")
+
+
+@dataclass
+class Skipped:
+    name: str = "?"
+    reason: str = ""
+
+
+@dataclass
+class BatchSearch:
+    source: Optional[str] = None
+    original_batch_size: Optional[int] = None
+    max_batch_size: Optional[int] = None
+    exact: bool = False
+    trials: List[List[Any]] = field(default_factory=list)
+    stopped: Optional[str] = None
+
+
+@dataclass
+class ReplaySummary:
+    """How the replays went (see docs/snapshot.md, `replay`)."""
+
+    replays: int = 0
+    total_s: float = 0.0
+    max_steps: Optional[int] = None
+    timeout_s: Optional[float] = None
+    baseline_need_bytes: Optional[int] = None
+    baseline_need_estimated: bool = False
+    reference_step_s: Optional[float] = None
+    reference: Optional[str] = None
+    skipped: List[Skipped] = field(default_factory=list)
+    batch_search: Optional[BatchSearch] = None
+    runs: List[Dict[str, Any]] = field(default_factory=list)
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Options:
+    device: Optional[str] = None
+    capacity_bytes: Optional[int] = None
+    max_steps: Optional[int] = None
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Snapshot:
+    """One run (or one PyTorch memory snapshot), as `oomdoc run` writes it."""
+
+    schema_version: int = 1
+    oomdoc_version: str = "?"
+    created_at: str = ""
+    command: List[str] = field(default_factory=list)
+    cwd: Optional[str] = None
+    python: Optional[str] = None
+    torch_version: str = "unknown"
+    options: Optional[Options] = None
+    device: Device = field(default_factory=Device)
+    host: Optional[Host] = None
+    outcome: str = "error"
+    exit_code: int = 0
+    error: Optional[ErrorInfo] = None
+    step_unit: Optional[str] = None
+    oom: Optional[Oom] = None
+    breakdown: Breakdown = field(default_factory=Breakdown)
+    breakdown_at: Optional[str] = None
+    category_peaks: Optional[Breakdown] = None
+    peak: Optional[Peak] = None
+    steps: List[Step] = field(default_factory=list)
+    top_allocations: List[Site] = field(default_factory=list)
+    allocator: Optional[Allocator] = None
+    optimizers: List[str] = field(default_factory=list)
+    models: List[ModelInfo] = field(default_factory=list)
+    artifacts: Dict[str, Any] = field(default_factory=dict)
+    notes: List[str] = field(default_factory=list)
+    fixes: List[FixResult] = field(default_factory=list)
+    max_batch_size: Optional[int] = None
+    replay: Optional[ReplaySummary] = None
+    timings: Optional[Dict[str, Any]] = None
+    source: Optional[Dict[str, Any]] = None
+    trace_before_oom: Optional[List[TraceEvent]] = None
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Snapshot:
+        return parse(cls, data)
+
+    def to_dict(self) -> dict:
+        return to_dict(self)
+
+    def write_every_field(self) -> None:
+        """Written, this snapshot has every top-level field, also those the
+        document it was parsed from lacked (a new run's snapshot)."""
+        self.__dict__.pop("_absent", None)
+
+    # ------------------------------------------------------------ derived
+    @property
+    def is_oom(self) -> bool:
+        return self.outcome == "oom" and self.oom is not None
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.device.capacity_bytes or (self.oom.capacity_bytes if self.oom else 0)
+
+    @property
+    def needed_bytes(self) -> int:
+        """At an OOM, in use plus the failed request; else the peak."""
+        if self.is_oom:
+            assert self.oom is not None
+            return self.oom.needed_bytes
+        peak = self.peak.allocated_bytes if self.peak else None
+        return peak if peak is not None else self.breakdown.total
+
+    @property
+    def source_format(self) -> str:
+        value = (self.source or {}).get("format")
+        return value if isinstance(value, str) else ""
+
+    @property
+    def from_pytorch(self) -> bool:
+        """A PyTorch memory snapshot converted by oomdoc.loaders."""
+        return self.source_format.startswith("torch")
+
+    @property
+    def moment_label(self) -> str:
+        """When the breakdown was taken, as a phrase."""
+        return {
+            "oom": "at the OOM",
+            "peak": "at the peak",
+            "end": "at the end",
+            "snapshot": "in the snapshot",
+        }.get(self.breakdown_at or "", "at the end")
+
+    @property
+    def moment_step(self) -> Optional[int]:
+        """The step the breakdown describes, when known."""
+        if self.breakdown_at == "oom" and self.oom is not None:
+            return self.oom.step
+        if self.breakdown_at == "peak" and self.peak is not None:
+            return self.peak.step
+        return None
+
+    @property
+    def repeated_blocks(self) -> list[RepeatedBlock]:
+        """Each model's outermost repeated blocks."""
+        return [
+            model.blocks_outermost_first()[0]
+            for model in self.models
+            if model.blocks_outermost_first()
+        ]
+
+    def fix_named(self, name: str) -> Optional[FixResult]:
+        return next((fix for fix in self.fixes if fix.name == name), None)

@@ -1,0 +1,30 @@
+"""Reporters: one class per output format, each built `from_analysis()` and
+`render()`ed to a string; `REPORTERS` registers them, one line each.
+`oomdoc run`, `oomdoc suggest` and `oomdoc check` pick theirs by format name.
+
+Adding a format: a new module with a reporter class and one line here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from oomdoc.reporters.check_reports import CheckTextReporter, GithubSummaryReporter, JunitReporter
+from oomdoc.reporters.json_report import JsonReporter
+from oomdoc.reporters.markdown import MarkdownReporter
+from oomdoc.reporters.text import TextReporter
+
+REPORTERS: dict[str, Any] = {
+    "table": TextReporter,
+    "json": JsonReporter,
+    "markdown": MarkdownReporter,
+    # oomdoc check renders a CheckResult:
+    "check-text": CheckTextReporter,
+    "github-summary": GithubSummaryReporter,
+    "junit": JunitReporter,
+}
+
+
+def render(output_format: str, analysis: Any, **options: Any) -> str:
+    """The report of `analysis` in `output_format` (a key of REPORTERS)."""
+    return REPORTERS[output_format].from_analysis(analysis, **options).render()

@@ -1,0 +1,232 @@
+"""Reporters of `oomdoc check`: the terminal verdict, the GitHub job
+summary (Markdown) and JUnit XML. Each renders a CheckResult."""
+
+from __future__ import annotations
+
+import xml.etree.ElementTree as ElementTree
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from tabulate import tabulate
+
+from oomdoc.formatting import format_location
+from oomdoc.model import CATEGORIES, Location, parse
+from oomdoc.sizes import format_bytes
+
+# Allocation sites shown when a check fails.
+SHOWN_SITES = 5
+
+if TYPE_CHECKING:  # the reporters render check's results; check imports them
+    from oomdoc.check import CheckOptions, CheckResult
+
+
+def comparison_rows(result: CheckResult) -> list[list[str]]:
+    return [
+        [
+            c.name,
+            format_bytes(c.baseline) if c.baseline is not None else "-",
+            format_bytes(c.current),
+            c.change_text(),
+            f"+{format_bytes(c.allowed_growth)}",
+            c.status(),
+        ]
+        for c in result.comparisons
+    ]
+
+
+COMPARISON_HEADERS = ["quantity", "baseline", "current", "change", "allowed", "status"]
+SITE_HEADERS = ["location", "category", "baseline", "current", "change"]
+
+
+def site_change_rows(result: CheckResult) -> list[list[str]]:
+    rows = []
+    for entry in result.site_changes[:SHOWN_SITES]:
+        change = entry["change"]
+        rows.append(
+            [
+                format_location(parse(Location, entry["location"]) if entry["location"] else None),
+                entry["category"],
+                format_bytes(entry["baseline"]) if entry["baseline"] else "-",
+                format_bytes(entry["current"]) if entry["current"] else "-",
+                ("+" if change > 0 else "") + format_bytes(change),
+            ]
+        )
+    return rows
+
+
+def verdict(result: CheckResult, options: CheckOptions) -> str:
+    """One line that says how the check ended."""
+    unwritten = " The baseline was not written." if options.update_baseline else ""
+    if not result.measured:
+        return f"FAIL: nothing was measured. {result.headline}.{unwritten}"
+    if result.oom:
+        return f"FAIL: the script ran out of memory. {result.headline}.{unwritten}"
+    if options.update_baseline:
+        return (
+            f"baseline written to {options.baseline_path}: peak {format_bytes(result.current['peak']['allocated_bytes'])} "
+            f"allocated over {result.current['steps_run']} step(s)"
+        )
+    regressions = result.regressions
+    if regressions:
+        names = ", ".join(c.name for c in sorted(regressions, key=lambda c: -c.change))
+        return f"FAIL: {names} grew beyond the {options.tolerance_text} tolerance (baseline {options.baseline_path})"
+    return (
+        f"OK: peak {format_bytes(result.current['peak']['allocated_bytes'])} allocated; every quantity within "
+        f"{options.tolerance_text} of the baseline ({options.baseline_path})"
+    )
+
+
+def _blocks(
+    result: CheckResult, options: CheckOptions
+) -> list[tuple[str, list[str], list[list[str]]]]:
+    """The tables of a check report as (title, headers, rows), shared by the
+    text and Markdown renderings."""
+    blocks = []
+    if result.comparisons:
+        title = (
+            "Peak memory against the baseline"
+            if not options.update_baseline
+            else "Changes from the previous baseline"
+        )
+        blocks.append((title, COMPARISON_HEADERS, comparison_rows(result)))
+    sites = site_change_rows(result)
+    if sites and (result.failed or options.update_baseline):
+        blocks.append(
+            ("Allocation sites that differ from the baseline (at the peak)", SITE_HEADERS, sites)
+        )
+    if result.measured and result.baseline is None:
+        rows = [["peak allocated", format_bytes(result.current["peak"]["allocated_bytes"])]]
+        rows += [[c, format_bytes(result.current["categories"][c])] for c in CATEGORIES]
+        blocks.append(("Measured", ["quantity", "bytes"], rows))
+    return blocks
+
+
+def _all_notes(result: CheckResult) -> list[str]:
+    notes = list(result.notes)
+    shrank = [c.name for c in result.comparisons if c.shrank]
+    if shrank and not result.failed:
+        notes.append(
+            f"{', '.join(shrank)} shrank beyond the tolerance: refresh the baseline with --update-baseline to keep the gain"
+        )
+    return notes
+
+
+def render_text(result: CheckResult, options: CheckOptions) -> str:
+    lines = ["", f"oomdoc check: {verdict(result, options)}"]
+    for title, headers, rows in _blocks(result, options):
+        lines += ["", title, tabulate(rows, headers=headers, disable_numparse=True)]
+    for note in _all_notes(result):
+        lines.append(f"note: {note}")
+    return "\n".join(lines) + "\n"
+
+
+def render_markdown(result: CheckResult, options: CheckOptions) -> str:
+    command = " ".join(result.current.get("command") or [options.run.target])
+    lines = [f"### oomdoc check: `{command}`", "", f"**{verdict(result, options)}**"]
+    for title, headers, rows in _blocks(result, options):
+        lines += [
+            "",
+            f"#### {title}",
+            tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True),
+        ]
+    for note in _all_notes(result):
+        lines += ["", f"> {note}"]
+    return "\n".join(lines) + "\n\n"
+
+
+def junit_xml(result: CheckResult, options: CheckOptions) -> str:
+    """One test case for the run itself and one per compared quantity."""
+    suite_name = f"oomdoc check {Path(options.run.target).name}"
+    classname = "oomdoc.check." + Path(options.run.target).stem
+    cases = []
+    run_failure = None
+    if not result.measured or result.oom:
+        run_failure = verdict(result, options)
+    cases.append(("run", run_failure, result.headline))
+    for comparison in result.comparisons:
+        failure = (
+            comparison.failure_message(options.tolerance_text)
+            if comparison.grew and not options.update_baseline
+            else None
+        )
+        detail = (
+            f"baseline {comparison.baseline} bytes, current {comparison.current} bytes, "
+            f"change {comparison.change} bytes, allowed growth {comparison.allowed_growth} bytes"
+        )
+        cases.append((comparison.name, failure, detail))
+    failures = sum(1 for _name, failure, _detail in cases if failure)
+    suite = ElementTree.Element(
+        "testsuite",
+        {
+            "name": suite_name,
+            "tests": str(len(cases)),
+            "failures": str(failures),
+            "errors": "0",
+            "skipped": "0",
+            "time": f"{result.wall_s:.3f}",
+        },
+    )
+    properties = ElementTree.SubElement(suite, "properties")
+    for name, value in (
+        ("baseline", options.baseline_path),
+        ("tolerance", options.tolerance_text),
+        ("device", result.current["device"]["kind"]),
+        ("torch_version", result.current["torch_version"]),
+    ):
+        ElementTree.SubElement(properties, "property", {"name": name, "value": str(value)})
+    for name, failure, detail in cases:
+        case = ElementTree.SubElement(
+            suite, "testcase", {"classname": classname, "name": name, "time": "0"}
+        )
+        if failure:
+            element = ElementTree.SubElement(
+                case, "failure", {"message": failure, "type": "oomdoc.MemoryRegression"}
+            )
+            element.text = detail
+        else:
+            ElementTree.SubElement(case, "system-out").text = detail
+    root = ElementTree.Element("testsuites", {"tests": str(len(cases)), "failures": str(failures)})
+    root.append(suite)
+    ElementTree.indent(root)
+    return (
+        '<?xml version="1.0" encoding="utf-8"?>\n'
+        + ElementTree.tostring(root, encoding="unicode")
+        + "\n"
+    )
+
+
+class CheckTextReporter:
+    """The verdict and tables `oomdoc check` prints on stderr."""
+
+    format = "check-text"
+
+    def __init__(self, result: CheckResult):
+        self.result = result
+
+    @classmethod
+    def from_analysis(cls, result: CheckResult) -> CheckTextReporter:
+        return cls(result)
+
+    def render(self) -> str:
+        assert self.result.options is not None
+        return render_text(self.result, self.result.options)
+
+
+class GithubSummaryReporter(CheckTextReporter):
+    """Markdown for $GITHUB_STEP_SUMMARY."""
+
+    format = "github-summary"
+
+    def render(self) -> str:
+        assert self.result.options is not None
+        return render_markdown(self.result, self.result.options)
+
+
+class JunitReporter(CheckTextReporter):
+    """JUnit XML: a test case for the run and one per compared quantity."""
+
+    format = "junit"
+
+    def render(self) -> str:
+        assert self.result.options is not None
+        return junit_xml(self.result, self.result.options)

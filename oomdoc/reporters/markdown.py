@@ -1,0 +1,94 @@
+"""The Markdown report (`oomdoc suggest --format markdown`): for pull
+requests and issue threads."""
+
+from __future__ import annotations
+
+from tabulate import tabulate
+
+from oomdoc.analysis import Analysis
+from oomdoc.formatting import format_location
+from oomdoc.reporters import tables
+
+
+class MarkdownReporter:
+    format = "markdown"
+
+    def __init__(self, analysis: Analysis):
+        self.analysis = analysis
+
+    @classmethod
+    def from_analysis(
+        cls, analysis: Analysis, snapshot_path: str | None = None
+    ) -> MarkdownReporter:
+        return cls(analysis)
+
+    def render(self) -> str:
+        analysis = self.analysis
+        snapshot = analysis.snapshot
+        lines = [f"**oomdoc:** {analysis.headline}", ""]
+        if snapshot.is_oom and snapshot.oom and snapshot.oom.location:
+            lines += [f"at `{format_location(snapshot.oom.location, snapshot.cwd)}`", ""]
+        lines.append(f"### {tables.breakdown_title(snapshot)}")
+        lines.append(
+            tabulate(
+                tables.breakdown_rows(snapshot), headers=tables.BREAKDOWN_HEADERS, tablefmt="github"
+            )
+        )
+        sites = tables.site_rows(snapshot.top_allocations, snapshot.cwd, analysis.top)
+        if sites:
+            lines += ["", "### Top allocation sites"]
+            lines.append(tabulate(sites, headers=tables.SITE_HEADERS, tablefmt="github"))
+        trace = tables.trace_rows(snapshot)
+        if trace:
+            lines += ["", "### Allocator events before the OOM"]
+            lines.append(tabulate(trace, headers=tables.TRACE_HEADERS, tablefmt="github"))
+        if analysis.diagnoses:
+            lines += ["", "### Diagnosis"]
+            for number, item in enumerate(analysis.diagnoses, 1):
+                lines.append(f"{number}. **{item.kind}**: {item.summary}")
+                lines.extend(f"   - {line}" for line in item.evidence)
+                if item.remedy:
+                    lines += [
+                        "",
+                        "   ```python",
+                        *[f"   {code}" for code in item.remedy.splitlines()],
+                        "   ```",
+                    ]
+        lines.extend(self._fix_lines())
+        lines.extend(f"\n> {note}" for note in analysis.notes)
+        return "\n".join(lines) + "\n"
+
+    def _fix_lines(self) -> list[str]:
+        analysis = self.analysis
+        fixes = analysis.fixes
+        if not fixes:
+            return []
+        lines = ["", f"### {tables.fixes_title(analysis.fixes_measured)}"]
+        lines.extend(f"> {note}\n" for note in tables.bug_first_notes(analysis))
+        if analysis.fixes_measured:
+            lines.append(
+                tabulate(
+                    tables.measured_fix_rows(analysis),
+                    headers=tables.MEASURED_FIX_HEADERS,
+                    tablefmt="github",
+                    colalign=("right", "left", "right", "right", "right", "left", "right"),
+                )
+            )
+            lines.extend(tables.replay_summary_lines(analysis))
+            for position, fix in enumerate(fixes, start=1):
+                rank = fix.rank if fix.rank is not None else position
+                lines += ["", f"**{rank}. {fix.name}: {fix.detail or fix.title or ''}**"]
+                if fix.snippet:
+                    lines += ["```python", fix.snippet, "```"]
+            return lines
+        lines.append(
+            tabulate(
+                tables.fix_rows(fixes[: analysis.top]),
+                headers=tables.FIX_HEADERS,
+                tablefmt="github",
+            )
+        )
+        first = tables.first_fix_to_apply(fixes)
+        if first is not None and first.snippet:
+            lines += ["", f"How to apply {first.name}:", "", "```python", first.snippet, "```"]
+        return lines

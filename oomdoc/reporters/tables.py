@@ -1,0 +1,168 @@
+"""Rows of the report's tables, shared by the text and Markdown reporters.
+Bytes are humanised here, at the edge."""
+
+from __future__ import annotations
+
+from oomdoc.analysis import Analysis
+from oomdoc.formatting import format_location, percent, tensor_description
+from oomdoc.model import FixResult, Site, Snapshot
+from oomdoc.sizes import format_bytes
+
+BREAKDOWN_HEADERS = ["category", "bytes", "% of capacity"]
+SITE_HEADERS = ["bytes", "category", "location", "tensors"]
+TRACE_HEADERS = ["action", "bytes", "category", "location"]
+FIX_HEADERS = ["fix", "peak", "saved", "fits", "step time", "how known"]
+MEASURED_FIX_HEADERS = ["rank", "fix", "peak", "saved", "% of need", "fits", "step time"]
+
+
+def breakdown_title(snapshot: Snapshot) -> str:
+    device = snapshot.device
+    what = "the simulated device" if device.kind == "simulated" else (device.name or "the GPU")
+    moment = {"oom": "at the OOM", "peak": "at the peak", "snapshot": "in the snapshot"}.get(
+        snapshot.breakdown_at or "", "at the end"
+    )
+    return f"What filled {what} ({moment})"
+
+
+def breakdown_rows(snapshot: Snapshot) -> list[list[str]]:
+    capacity = snapshot.device.capacity_bytes
+    breakdown = snapshot.breakdown
+    rows = [
+        [category, format_bytes(nbytes), percent(nbytes, capacity)]
+        for category, nbytes in breakdown.items()
+    ]
+    rows.append(["total", format_bytes(breakdown.total), percent(breakdown.total, capacity)])
+    return rows
+
+
+def site_rows(sites: list[Site], relative_to: str | None, limit: int = 5) -> list[list[str]]:
+    return [
+        [
+            format_bytes(site.bytes),
+            site.category,
+            format_location(site.location, relative_to),
+            tensor_description(site),
+        ]
+        for site in sites[:limit]
+    ]
+
+
+def trace_rows(snapshot: Snapshot) -> list[list[str]]:
+    return [
+        [
+            event.action,
+            format_bytes(event.bytes),
+            event.category,
+            format_location(event.location, snapshot.cwd)
+            if event.location
+            else "(no Python stack)",
+        ]
+        for event in snapshot.trace_before_oom or []
+    ]
+
+
+def ratio_text(ratio: object) -> str:
+    return (
+        f"{ratio:.2f}x" if isinstance(ratio, (int, float)) and not isinstance(ratio, bool) else "-"
+    )
+
+
+def fix_rows(fixes: list[FixResult]) -> list[list[str]]:
+    """One row per fix, measured or estimated alike."""
+    return [
+        [
+            fix.name,
+            format_bytes(fix.peak_allocated_bytes) if fix.peak_allocated_bytes is not None else "?",
+            format_bytes(fix.saved_bytes) if fix.saved_bytes is not None else "?",
+            "yes" if fix.fits else "no",
+            ratio_text(fix.step_time_ratio),
+            "measured" if fix.measured is not False else "estimated",
+        ]
+        for fix in fixes
+    ]
+
+
+def measured_fix_rows(analysis: Analysis) -> list[list[str]]:
+    """Rank, fix, peak, saved (bytes and % of the failing run's need), fits,
+    step-time ratio. A fix that ran out of memory shows what it needed then."""
+    replay = analysis.snapshot.replay
+    need = replay.baseline_need_bytes if replay else None
+    rows = []
+    for position, fix in enumerate(analysis.fixes, start=1):
+        peak = fix.peak_allocated_bytes
+        if peak is None:
+            peak_text = "-"
+        else:
+            peak_text = format_bytes(peak) if fix.fits else f"> {format_bytes(peak)}"
+        fits_text = (
+            "yes"
+            if fix.fits
+            else {"timeout": "timed out", "error": "failed"}.get(fix.outcome or "", "no")
+        )
+        saved = fix.saved_bytes
+        rows.append(
+            [
+                str(fix.rank if fix.rank is not None else position),
+                fix.name,
+                peak_text,
+                format_bytes(saved) if saved is not None else "-",
+                percent(saved, need) if saved is not None and need else "-",
+                fits_text,
+                ratio_text(fix.step_time_ratio),
+            ]
+        )
+    return rows
+
+
+def replay_summary_lines(analysis: Analysis) -> list[str]:
+    """What the measured fixes are measured against, the fixes not tried and
+    why, and how long the replays took."""
+    snapshot = analysis.snapshot
+    replay = snapshot.replay
+    lines = []
+    need = replay.baseline_need_bytes if replay else None
+    batch = replay.batch_search.original_batch_size if replay and replay.batch_search else None
+    at = f" at batch size {batch}" if batch else ""
+    if replay is not None and need:
+        capacity = format_bytes(snapshot.device.capacity_bytes)
+        if replay.baseline_need_estimated:
+            lines.append(
+                f"Need of the failing run{at}: {format_bytes(need)} (ESTIMATE from the batch-size model); capacity {capacity}"
+            )
+        else:
+            lines.append(
+                f"Need of the failing run{at}: at least {format_bytes(need)} (what it held when it failed); capacity {capacity}"
+            )
+    maximum = snapshot.max_batch_size
+    if maximum is not None and maximum > 0:
+        lines.append(
+            f"Largest batch size that fits: {maximum} (measured: {maximum + 1} ran out of memory)"
+        )
+    if replay is not None and replay.reference_step_s:
+        lines.append(f"Step time relative to {replay.reference}")
+    for skipped in replay.skipped if replay else []:
+        lines.append(f"not tried: {skipped.name}: {skipped.reason}")
+    if replay is not None:
+        lines.append(
+            f"{replay.replays} replays in {replay.total_s:.1f} s "
+            f"(each ran {replay.max_steps or 2} steps with OOMDOC_REPLAY=1)"
+        )
+    return lines
+
+
+def first_fix_to_apply(fixes: list[FixResult]) -> FixResult | None:
+    """The fix whose snippet an estimate report shows: the first that fits."""
+    return next((fix for fix in fixes if fix.fits), fixes[0] if fixes else None)
+
+
+def fixes_title(measured: bool) -> str:
+    if measured:
+        return "Fixes, measured by replaying the failing step"
+    return "Fixes, estimated from the breakdown (not measured: `oomdoc run` replays measure them)"
+
+
+def bug_first_notes(analysis: Analysis) -> list[str]:
+    bug = analysis.bug_first
+    if bug is None:
+        return []
+    return [f"fix the {bug.kind} above first; these fixes treat the memory it wastes as needed."]

@@ -1,0 +1,112 @@
+"""The terminal report: what `oomdoc run` prints on stderr and `oomdoc
+suggest` on stdout."""
+
+from __future__ import annotations
+
+from tabulate import tabulate
+
+from oomdoc.analysis import Analysis
+from oomdoc.formatting import format_location
+from oomdoc.reporters import tables
+
+
+class TextReporter:
+    format = "text"
+
+    def __init__(self, analysis: Analysis, snapshot_path: str | None = None):
+        self.analysis = analysis
+        self.snapshot_path = snapshot_path
+
+    @classmethod
+    def from_analysis(cls, analysis: Analysis, snapshot_path: str | None = None) -> TextReporter:
+        return cls(analysis, snapshot_path)
+
+    def render(self) -> str:
+        analysis = self.analysis
+        snapshot = analysis.snapshot
+        lines = ["", f"oomdoc: {analysis.headline}"]
+        if snapshot.is_oom and snapshot.oom and snapshot.oom.location:
+            lines.append(f"  at {format_location(snapshot.oom.location, snapshot.cwd)}")
+        lines.append("")
+        lines.append(tables.breakdown_title(snapshot))
+        lines.append(
+            tabulate(
+                tables.breakdown_rows(snapshot),
+                headers=tables.BREAKDOWN_HEADERS,
+                colalign=("left", "right", "right"),
+            )
+        )
+        sites = tables.site_rows(snapshot.top_allocations, snapshot.cwd, analysis.top)
+        if sites:
+            lines += ["", f"Top {len(sites)} allocation sites"]
+            lines.append(
+                tabulate(
+                    sites, headers=tables.SITE_HEADERS, colalign=("right", "left", "left", "left")
+                )
+            )
+        trace = tables.trace_rows(snapshot)
+        if trace:
+            lines += ["", "Allocator events just before the OOM (oldest first)"]
+            lines.append(
+                tabulate(
+                    trace, headers=tables.TRACE_HEADERS, colalign=("left", "right", "left", "left")
+                )
+            )
+        lines.extend(self._diagnosis_lines())
+        lines.extend(self._fix_lines())
+        lines.extend(f"note: {note}" for note in analysis.notes)
+        if self.snapshot_path:
+            lines += ["", f"Snapshot: {self.snapshot_path}"]
+            torch_snapshot = snapshot.artifacts.get("torch_snapshot_file")
+            if torch_snapshot:
+                lines.append(
+                    f"PyTorch memory snapshot (drag into https://pytorch.org/memory_viz): {torch_snapshot}"
+                )
+        return "\n".join(lines) + "\n"
+
+    def _diagnosis_lines(self) -> list[str]:
+        diagnoses = self.analysis.diagnoses
+        if not diagnoses:
+            return []
+        lines = ["", "Diagnosis (most important first)"]
+        for number, item in enumerate(diagnoses, 1):
+            lines.append(f"{number}. {item.kind}: {item.summary}")
+            lines.extend(f"     - {line}" for line in item.evidence)
+            if item.remedy:
+                lines.append("     fix:")
+                lines.extend(f"       {code}" for code in item.remedy.splitlines())
+            elif item.fixes:
+                lines.append(f"     fixes: {', '.join(item.fixes)}")
+        return lines
+
+    def _fix_lines(self) -> list[str]:
+        analysis = self.analysis
+        fixes = analysis.fixes
+        if not fixes:
+            return []
+        lines = ["", tables.fixes_title(analysis.fixes_measured)]
+        lines.extend(f"note: {note}" for note in tables.bug_first_notes(analysis))
+        if analysis.fixes_measured:
+            lines.append(
+                tabulate(
+                    tables.measured_fix_rows(analysis),
+                    headers=tables.MEASURED_FIX_HEADERS,
+                    tablefmt="simple",
+                    colalign=("right", "left", "right", "right", "right", "left", "right"),
+                )
+            )
+            lines.extend(tables.replay_summary_lines(analysis))
+            for position, fix in enumerate(fixes, start=1):
+                rank = fix.rank if fix.rank is not None else position
+                lines += ["", f"{rank}. {fix.name}: {fix.detail or fix.title or ''}"]
+                if fix.snippet:
+                    lines.extend("    " + line for line in fix.snippet.splitlines())
+            return lines
+        shown = fixes[: analysis.top]
+        lines.append(tabulate(tables.fix_rows(shown), headers=tables.FIX_HEADERS))
+        lines.extend(f"  {fix.name}: {fix.detail}" for fix in shown if fix.detail)
+        first = tables.first_fix_to_apply(fixes)
+        if first is not None and first.snippet:
+            lines += ["", f"How to apply {first.name}:"]
+            lines.extend(f"    {line}" for line in first.snippet.splitlines())
+        return lines
