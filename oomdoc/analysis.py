@@ -22,8 +22,7 @@ class Analysis:
     snapshot: Snapshot
     headline: str
     diagnoses: list[Diagnosis]
-    # The fixes to show: measured ones whenever the snapshot has them;
-    # estimates only for an OOM (on a run that fit they would be noise).
+    # Measured fixes when the snapshot has them, else estimates.
     fixes: list[FixResult]
     fixes_measured: bool
     # Where the snapshot came from: "oomdoc", "torch_pickle", "torch_json".
@@ -32,6 +31,14 @@ class Analysis:
     path: Optional[str] = None
     top: int = 5
     notes: list[str] = field(default_factory=list)
+
+    @property
+    def shown_fixes(self) -> list[FixResult]:
+        """The fixes a report shows: measured ones whenever the snapshot has
+        them; estimates only for an OOM (on a run that fit they are noise)."""
+        if not self.fixes_measured and self.snapshot.outcome != "oom" and not self.snapshot.fixes:
+            return []
+        return self.fixes
 
     @property
     def bug_first(self) -> Optional[Diagnosis]:
@@ -46,8 +53,6 @@ def analyse(
     snapshot: Snapshot, *, top: int = 5, source_format: str = "oomdoc", path: Optional[str] = None
 ) -> Analysis:
     fixes, measured = fixes_for(snapshot)
-    if not measured and snapshot.outcome != "oom" and not snapshot.fixes:
-        fixes = []
     notes = []
     if snapshot.device.kind == "simulated":
         notes.append(

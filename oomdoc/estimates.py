@@ -13,7 +13,7 @@ import itertools
 from oomdoc.diagnosis.steps import is_evaluation_only
 from oomdoc.fixes import FIXES, Combination, Effect, Fix, compatible
 from oomdoc.fixes.ranking import rank_fixes
-from oomdoc.model import FixResult, Snapshot
+from oomdoc.model import FixResult, Snapshot, parse
 
 
 def estimate_fixes(snapshot: Snapshot) -> list[FixResult]:
@@ -51,13 +51,18 @@ def _result(snapshot: Snapshot, fix: Fix, effects: list[Effect]) -> FixResult:
     saved = int(snapshot.breakdown.bytes_of("activations") * (1.0 - remaining_share)) + other
     peak = snapshot.needed_bytes - saved
     capacity = snapshot.capacity_bytes
-    return FixResult(
-        name=fix.name,
-        measured=False,
-        peak_allocated_bytes=int(peak),
-        saved_bytes=int(saved),
-        fits=bool(capacity and peak <= capacity),
-        step_time_ratio=None,
-        detail="; ".join(effect.detail for effect in effects),
-        snippet=fix.snippet({}),
+    # Parsed from the fields an estimate has, so that it is written (JSON)
+    # without the measured-only fields (outcome, step_s, ...).
+    return parse(
+        FixResult,
+        {
+            "name": fix.name,
+            "peak_allocated_bytes": int(peak),
+            "saved_bytes": int(saved),
+            "fits": bool(capacity and peak <= capacity),
+            "step_time_ratio": None,
+            "detail": "; ".join(effect.detail for effect in effects),
+            "snippet": fix.snippet({}),
+            "measured": False,
+        },
     )

@@ -159,12 +159,14 @@ class Location:
     file: str = "?"
     line: int = 0
     function: str = "?"
+    extra: Dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
 class OtherProcess:
     pid: int = -1
     used_bytes: int = 0
+    extra: Dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -194,6 +196,7 @@ class Host:
 class ErrorInfo:
     type: Optional[str] = None
     message: Optional[str] = None
+    extra: Dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -205,6 +208,7 @@ class Breakdown:
     optimizer_state: int = 0
     activations: int = 0
     other: int = 0
+    extra: Dict[str, Any] = field(default_factory=dict)
 
     @property
     def total(self) -> int:
@@ -246,6 +250,7 @@ class Peak:
     reserved_bytes: Optional[int] = None
     step: Optional[int] = None
     phase: Optional[str] = None
+    extra: Dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -257,6 +262,7 @@ class RetainedGraph:
     line: int = 0
     function: str = "?"
     from_step: int = 0
+    extra: Dict[str, Any] = field(default_factory=dict)
 
     @property
     def location(self) -> Location:
@@ -304,6 +310,7 @@ class TraceEvent:
     bytes: int = 0
     category: str = "other"
     location: Optional[Location] = None
+    extra: Dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -311,6 +318,7 @@ class RepeatedBlock:
     path: str = "?"
     class_name: str = field(default="?", metadata={"key": "class"})
     count: int = 0
+    extra: Dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -318,6 +326,7 @@ class ModelInfo:
     class_name: str = field(default="?", metadata={"key": "class"})
     parameters_bytes: int = 0
     repeated_blocks: List[RepeatedBlock] = field(default_factory=list)
+    extra: Dict[str, Any] = field(default_factory=dict)
 
     def blocks_outermost_first(self) -> list[RepeatedBlock]:
         """Repeated blocks (two or more), the outermost (shortest path) first."""
@@ -367,6 +376,7 @@ class FixResult:
 class Skipped:
     name: str = "?"
     reason: str = ""
+    extra: Dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -377,6 +387,7 @@ class BatchSearch:
     exact: bool = False
     trials: List[List[Any]] = field(default_factory=list)
     stopped: Optional[str] = None
+    extra: Dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

@@ -60,7 +60,7 @@ class MarkdownReporter:
 
     def _fix_lines(self) -> list[str]:
         analysis = self.analysis
-        fixes = analysis.fixes
+        fixes = analysis.shown_fixes
         if not fixes:
             return []
         lines = ["", f"### {tables.fixes_title(analysis.fixes_measured)}"]

@@ -88,7 +88,7 @@ def measured_fix_rows(analysis: Analysis) -> list[list[str]]:
     replay = analysis.snapshot.replay
     need = replay.baseline_need_bytes if replay else None
     rows = []
-    for position, fix in enumerate(analysis.fixes, start=1):
+    for position, fix in enumerate(analysis.shown_fixes, start=1):
         peak = fix.peak_allocated_bytes
         if peak is None:
             peak_text = "-"

@@ -81,7 +81,7 @@ class TextReporter:
 
     def _fix_lines(self) -> list[str]:
         analysis = self.analysis
-        fixes = analysis.fixes
+        fixes = analysis.shown_fixes
         if not fixes:
             return []
         lines = ["", tables.fixes_title(analysis.fixes_measured)]
