@@ -26,7 +26,7 @@ import io
 import os
 import pickle
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from oomdoc.model import Snapshot
 from oomdoc.snapshot import (
@@ -367,30 +367,33 @@ def _choose_device(shape: _Shape, segments: list, traces: list) -> int:
     return max(reserved, key=lambda d: (reserved[d], -d)) if reserved else 0
 
 
-def torch_snapshot_document(data, origin: str, source_format: str) -> dict:
-    """An oomdoc-shaped document from PyTorch's snapshot dict."""
-    shape = _Shape(origin)
-    data = shape.dict_(data, "the top level")
-    if "segments" not in data:
-        shape.fail("no segments")
-    segments = shape.list_(data.get("segments"), "segments")
-    traces = shape.list_(data.get("device_traces"), "device_traces")
-    device = _choose_device(shape, segments, traces)
+@dataclass
+class _Segments:
+    """What the allocator's segments on one device add up to."""
 
-    reserved = allocated = requested_live = 0
-    inactive_split_bytes = inactive_split_blocks = 0
-    largest_free_block = 0
-    segment_count = blocks_seen = 0
-    expandable = False
-    blocks_live = []
+    reserved: int = 0
+    allocated: int = 0
+    requested_live: int = 0
+    inactive_split_bytes: int = 0
+    inactive_split_blocks: int = 0
+    largest_free_block: int = 0
+    count: int = 0
+    expandable: bool = False
+    # (size, requested size, address, frames) of each block a tensor uses.
+    live_blocks: list = field(default_factory=list)
+
+
+def _read_segments(shape: _Shape, segments: list, device: int) -> _Segments:
+    totals = _Segments()
+    blocks_seen = 0
     for s_pos, segment in enumerate(segments):
         where = f"segments[{s_pos}]"
         segment = shape.dict_(segment, where)
         if shape.int_(segment.get("device"), f"{where}.device", 0) != device:
             continue
-        segment_count += 1
-        reserved += shape.int_(segment.get("total_size"), f"{where}.total_size", 0)
-        expandable = expandable or segment.get("is_expandable") is True
+        totals.count += 1
+        totals.reserved += shape.int_(segment.get("total_size"), f"{where}.total_size", 0)
+        totals.expandable = totals.expandable or segment.get("is_expandable") is True
         blocks = shape.list_(segment.get("blocks"), f"{where}.blocks")
         blocks_seen += len(blocks)
         if blocks_seen > MAX_BLOCKS:
@@ -401,10 +404,10 @@ def torch_snapshot_document(data, origin: str, source_format: str) -> dict:
             size = shape.int_(block.get("size"), f"{b_where}.size", 0)
             state = shape.str_(block.get("state"), f"{b_where}.state")
             if state in ACTIVE_STATES:
-                allocated += size
+                totals.allocated += size
                 wanted = shape.int_(block.get("requested_size"), f"{b_where}.requested_size", size)
-                requested_live += wanted
-                blocks_live.append(
+                totals.requested_live += wanted
+                totals.live_blocks.append(
                     (
                         size,
                         wanted,
@@ -413,18 +416,21 @@ def torch_snapshot_document(data, origin: str, source_format: str) -> dict:
                     )
                 )
             elif state == "inactive":
-                largest_free_block = max(largest_free_block, size)
+                totals.largest_free_block = max(totals.largest_free_block, size)
                 # An inactive block in a segment of several blocks is a
                 # split-off remainder: cached, but only usable by requests
                 # that fit in it (what PyTorch counts as inactive_split).
                 if len(blocks) > 1:
-                    inactive_split_bytes += size
-                    inactive_split_blocks += 1
+                    totals.inactive_split_bytes += size
+                    totals.inactive_split_blocks += 1
+    return totals
 
-    trace = (
-        shape.list_(traces[device], f"device_traces[{device}]") if 0 <= device < len(traces) else []
-    )
-    oom_entry, before = None, []
+
+def _read_trace(
+    shape: _Shape, trace: list, device: int
+) -> tuple[tuple[int, dict] | None, int, list[dict]]:
+    """(position and entry of the last OOM, how many OOMs, the events just before it)."""
+    oom_entry = None
     oom_count = 0
     for position, entry in enumerate(trace):
         entry = shape.dict_(entry, f"device_traces[{device}][{position}]")
@@ -433,7 +439,7 @@ def torch_snapshot_document(data, origin: str, source_format: str) -> dict:
             oom_entry = (position, entry)
     events_before = []
     if oom_entry is not None:
-        position, entry = oom_entry
+        position, _entry = oom_entry
         before = trace[max(0, position - TRACE_BEFORE_OOM) : position]
         for offset, event in enumerate(before):
             where = f"device_traces[{device}][{position - len(before) + offset}]"
@@ -447,15 +453,15 @@ def torch_snapshot_document(data, origin: str, source_format: str) -> dict:
                     "category": infer_category(event_frames),
                 }
             )
+    return oom_entry, oom_count, events_before
 
-    settings = data.get("allocator_settings")
-    if isinstance(settings, dict) and settings.get("expandable_segments") is True:
-        expandable = True
 
+def _breakdown_and_sites(live_blocks: list) -> tuple[dict, list[dict]]:
+    """Bytes per inferred category, and the largest sites (category, line)."""
     breakdown = {category: 0 for category in CATEGORIES}
     grouped: dict[tuple, dict] = {}
     judged: dict[int, tuple[str, dict | None]] = {}  # by stack: converted stacks are shared
-    for size, _wanted, _address, block_frames in blocks_live:
+    for size, _wanted, _address, block_frames in live_blocks:
         verdict = judged.get(id(block_frames))
         if verdict is None:
             verdict = judged[id(block_frames)] = (
@@ -481,32 +487,56 @@ def torch_snapshot_document(data, origin: str, source_format: str) -> dict:
         entry["count"] += 1
         entry["largest_block_bytes"] = max(entry["largest_block_bytes"], size)
     top = sorted(grouped.values(), key=lambda e: e["bytes"], reverse=True)[:TOP_BLOCKS]
+    return breakdown, top
+
+
+def _oom_record(shape: _Shape, oom_entry: tuple[int, dict], device: int, totals: _Segments) -> dict:
+    position, entry = oom_entry
+    where = f"device_traces[{device}][{position}]"
+    requested = shape.int_(entry.get("size"), f"{where}.size", 0)
+    device_free = shape.int_(entry.get("device_free"), f"{where}.device_free", 0)
+    oom_frames = shape.frames(entry.get("frames"), f"{where}.frames")
+    return {
+        "step": None,
+        "phase": infer_phase(oom_frames),
+        "requested_bytes": requested,
+        "allocated_bytes": totals.allocated,
+        "reserved_bytes": totals.reserved,
+        "free_bytes": device_free,
+        # What this process could have had: what it held plus what CUDA still had free.
+        "capacity_bytes": totals.reserved + device_free,
+        "message": f"CUDA out of memory: tried to allocate {requested} bytes with {device_free} bytes free on the device",
+        "location": foreign_user_frame(oom_frames),
+    }
+
+
+def torch_snapshot_document(data, origin: str, source_format: str) -> dict:
+    """An oomdoc-shaped document from PyTorch's snapshot dict: the allocator's
+    totals from the segments, the events before the OOM from the trace, and
+    categories and sites inferred from each live block's stack."""
+    shape = _Shape(origin)
+    data = shape.dict_(data, "the top level")
+    if "segments" not in data:
+        shape.fail("no segments")
+    segments = shape.list_(data.get("segments"), "segments")
+    traces = shape.list_(data.get("device_traces"), "device_traces")
+    device = _choose_device(shape, segments, traces)
+    totals = _read_segments(shape, segments, device)
+    trace = (
+        shape.list_(traces[device], f"device_traces[{device}]") if 0 <= device < len(traces) else []
+    )
+    oom_entry, oom_count, events_before = _read_trace(shape, trace, device)
+    settings = data.get("allocator_settings")
+    if isinstance(settings, dict) and settings.get("expandable_segments") is True:
+        totals.expandable = True
+    breakdown, top = _breakdown_and_sites(totals.live_blocks)
 
     notes = [
         "Read from PyTorch's own memory snapshot: categories are inferred from the stacks that "
         "allocated each block (allocations made by the autograd engine carry no Python stack).",
     ]
-    oom = None
-    capacity = 0
-    if oom_entry is not None:
-        position, entry = oom_entry
-        where = f"device_traces[{device}][{position}]"
-        requested = shape.int_(entry.get("size"), f"{where}.size", 0)
-        device_free = shape.int_(entry.get("device_free"), f"{where}.device_free", 0)
-        oom_frames = shape.frames(entry.get("frames"), f"{where}.frames")
-        # What this process could have had: what it held plus what CUDA still had free.
-        capacity = reserved + device_free
-        oom = {
-            "step": None,
-            "phase": infer_phase(oom_frames),
-            "requested_bytes": requested,
-            "allocated_bytes": allocated,
-            "reserved_bytes": reserved,
-            "free_bytes": device_free,
-            "capacity_bytes": capacity,
-            "message": f"CUDA out of memory: tried to allocate {requested} bytes with {device_free} bytes free on the device",
-            "location": foreign_user_frame(oom_frames),
-        }
+    oom = _oom_record(shape, oom_entry, device, totals) if oom_entry is not None else None
+    if oom is not None:
         notes.append(
             "Capacity is taken as reserved memory plus what CUDA reported free at the OOM."
         )
@@ -525,7 +555,7 @@ def torch_snapshot_document(data, origin: str, source_format: str) -> dict:
             "kind": "cuda",
             "name": f"CUDA device {device} (PyTorch memory snapshot)",
             "index": device,
-            "capacity_bytes": capacity,
+            "capacity_bytes": oom["capacity_bytes"] if oom is not None else 0,
         },
         "host": {},
         "outcome": "oom" if oom is not None else "ok",
@@ -536,23 +566,23 @@ def torch_snapshot_document(data, origin: str, source_format: str) -> dict:
         "breakdown": breakdown,
         "breakdown_at": "snapshot",
         "peak": {
-            "allocated_bytes": allocated,
-            "reserved_bytes": reserved,
+            "allocated_bytes": totals.allocated,
+            "reserved_bytes": totals.reserved,
             "step": None,
             "phase": None,
         },
         "steps": [],
         "top_allocations": top,
         "allocator": {
-            "reserved_bytes": reserved,
-            "allocated_bytes": allocated,
-            "requested_bytes": requested_live,
-            "inactive_split_bytes": inactive_split_bytes,
-            "inactive_split_blocks": inactive_split_blocks,
-            "largest_free_block_bytes": largest_free_block,
-            "segments": segment_count,
+            "reserved_bytes": totals.reserved,
+            "allocated_bytes": totals.allocated,
+            "requested_bytes": totals.requested_live,
+            "inactive_split_bytes": totals.inactive_split_bytes,
+            "inactive_split_blocks": totals.inactive_split_blocks,
+            "largest_free_block_bytes": totals.largest_free_block,
+            "segments": totals.count,
             "num_ooms": oom_count,
-            "expandable_segments": expandable,
+            "expandable_segments": totals.expandable,
         },
         "trace_before_oom": events_before,
         "optimizers": [],
