@@ -132,6 +132,12 @@ def run(
         metavar="FLAG",
         help="The script's batch-size flag, if not --batch-size/--batch_size/--bs/--per_device_train_batch_size.",
     ),
+    margin: str = typer.Option(
+        "5%",
+        "--margin",
+        metavar="PERCENT",
+        help="Safety margin the prescribed configuration leaves free, as a share of the capacity.",
+    ),
 ) -> int:
     """Run SCRIPT under oomdoc: catch and explain an OOM, and measure fixes."""
     from oomdoc.replay.orchestrate import check_replay_options
@@ -151,8 +157,21 @@ def run(
         fixes=fix_names,
         replay_timeout_s=replay_timeout,
         batch_arg=batch_arg,
+        margin_fraction=margin_option(margin),
     )
     return run_session(options)
+
+
+def margin_option(text: str) -> float:
+    """`--margin 5%` (or 0.05): a share of the capacity below 50%."""
+    stripped = text.strip()
+    try:
+        value = float(stripped[:-1]) / 100 if stripped.endswith("%") else float(stripped)
+    except ValueError:
+        raise UsageError(f"--margin: {text!r} is not a percentage (e.g. 5%)") from None
+    if not 0 <= value < 0.5:
+        raise UsageError(f"--margin: {text!r} must be at least 0% and below 50%")
+    return value
 
 
 SUGGEST_FORMATS = ("table", "json", "markdown")

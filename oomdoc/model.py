@@ -409,6 +409,51 @@ class ReplaySummary:
 
 
 @dataclass
+class ModuleUsage:
+    """Bytes a module (repeated blocks folded into one entry) holds, by category."""
+
+    path: str = "?"
+    class_name: str = field(default="?", metadata={"key": "class"})
+    blocks: int = 1
+    bytes: Breakdown = field(default_factory=Breakdown)
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Framework:
+    """The training framework the run used: `transformers`, `lightning`,
+    `accelerate` or `plain` (a loop of the user's own)."""
+
+    name: str = "plain"
+    version: Optional[str] = None
+    entry: Optional[str] = None  # Trainer, Fabric, Accelerator...
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Prescription:
+    """The configuration to use instead: measured by the replays (or, for a
+    leak, the code change that stops it)."""
+
+    fixes: List[str] = field(default_factory=list)
+    batch_size: Optional[int] = None
+    accumulation_steps: int = 1
+    peak_allocated_bytes: Optional[int] = None
+    fits: bool = False
+    samples_per_second: Optional[float] = None
+    measured: bool = True
+    # "config" (a measured configuration) or "leak" (fix the leak first).
+    kind: str = "config"
+    headroom_bytes: Optional[int] = None
+    margin_bytes: Optional[int] = None
+    # Throughput relative to the failing configuration at its largest fitting batch.
+    throughput_ratio: Optional[float] = None
+    detail: Optional[str] = None
+    snippet: Optional[str] = None
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
 class Options:
     device: Optional[str] = None
     capacity_bytes: Optional[int] = None
@@ -450,6 +495,10 @@ class Snapshot:
     max_batch_size: Optional[int] = None
     replay: Optional[ReplaySummary] = None
     timings: Optional[Dict[str, Any]] = None
+    modules: List[ModuleUsage] = field(default_factory=list)
+    framework: Optional[Framework] = None
+    script_options: List[str] = field(default_factory=list)
+    prescription: Optional[Prescription] = None
     source: Optional[Dict[str, Any]] = None
     trace_before_oom: Optional[List[TraceEvent]] = None
     extra: Dict[str, Any] = field(default_factory=dict)

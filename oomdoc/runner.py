@@ -338,6 +338,8 @@ class RunOptions:
     fixes: list[str] | None = None
     replay_timeout_s: float | None = None
     batch_arg: str | None = None
+    # The share of the capacity the prescription leaves free.
+    margin_fraction: float = 0.05
 
     @property
     def command(self) -> list[str]:

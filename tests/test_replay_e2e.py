@@ -212,3 +212,23 @@ def test_replay_options_are_checked_before_anything_runs(tmp_path, args, message
     assert result.stderr.startswith("oomdoc: error:") and message in result.stderr
     assert "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_the_prescription_fits_when_run_by_hand(replayed, tmp_path):
+    """The measured prescription, applied by hand with the script's own
+    flags, fits with a peak within 5% of the reported one."""
+    result, document, _ = replayed
+    prescription = document["prescription"]
+    assert prescription["kind"] == "config" and prescription["measured"] and prescription["fits"]
+    capacity = document["device"]["capacity_bytes"]
+    assert prescription["peak_allocated_bytes"] <= capacity - prescription["margin_bytes"]
+    assert prescription["samples_per_second"] > 0
+    assert "Prescription (measured)" in result.stderr
+    flags = {"autocast": ["--autocast"], "checkpointing": ["--checkpointing"]}
+    by_hand = ["--batch-size", str(prescription["batch_size"])]
+    for fix in prescription["fixes"]:
+        by_hand += flags[fix]
+    run, checked = run_no_replay(tmp_path, "prescribed", *by_hand)
+    assert run.returncode == 0, run.stderr[-2000:]
+    peak = checked["peak"]["allocated_bytes"]
+    assert abs(peak - prescription["peak_allocated_bytes"]) <= 0.05 * peak, (peak, prescription)

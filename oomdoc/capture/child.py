@@ -36,9 +36,12 @@ def apply_fix(payload: dict, tracker: Tracker) -> None:
     fix = fix_named(payload["name"])
     if fix is None:
         raise ValueError(f"oomdoc: unknown fix {payload['name']!r}")
+    # `also`: fixes applied with it, e.g. smaller_batch when the largest
+    # batch under a combination is searched.
+    parts = fix.parts + [extra for name in payload.get("also") or [] if (extra := fix_named(name))]
     applied: dict = {}
     tracker.fix_applied = applied
-    for part in fix.parts:
+    for part in parts:
         part.apply(payload, applied.setdefault(part.name, {}), tracker)
 
 

@@ -75,6 +75,21 @@ def rule(snapshot: Snapshot) -> Optional[Diagnosis]:
             f"(set_per_process_memory_fraction), which the snapshot does not record, set the limit"
         )
     summary = f"Fragmentation: {format_bytes(split_bytes or unused)} is reserved but split into pieces too small to use"
+    # One story: the replays have the last word. A fragmentation fix that was
+    # replayed and still ran out of memory means fragmentation did not decide
+    # the OOM; it would only have added the cached bytes.
+    replayed = [
+        fix
+        for fix in snapshot.fixes
+        if fix.measured
+        and any(part in ("expandable_segments", "empty_cache") for part in fix.parts)
+    ]
+    if (decisive or possibly_decisive) and replayed and not any(fix.fits for fix in replayed):
+        decisive = possibly_decisive = False
+        evidence.append(
+            f"but {', '.join(fix.name for fix in replayed)} still ran out of memory when replayed: "
+            f"recovering the cached pieces would add at most {format_bytes(unused)}, not enough"
+        )
     if decisive:
         summary += " (this decided the OOM)"
     elif possibly_decisive:

@@ -41,15 +41,17 @@ def compatible(first: Fix, second: Fix) -> bool:
 
 
 def fix_named(name: str) -> Optional[Fix]:
-    """The fix called `name`, or for `a+b` the combination of two compatible
-    fixes (in that order); None when there is none."""
+    """The fix called `name`, or for `a+b` (`a+b+c`) the combination of
+    pairwise compatible fixes, in that order; None when there is none."""
     if name in _BY_NAME:
         return _BY_NAME[name]
     parts = name.split("+")
-    if len(parts) != 2 or not all(part in _BY_NAME for part in parts):
+    if len(parts) < 2 or not all(part in _BY_NAME for part in parts):
         return None
-    first, second = (_BY_NAME[part] for part in parts)
-    return Combination(first, second) if compatible(first, second) else None
+    fixes = [_BY_NAME[part] for part in parts]
+    if not all(compatible(a, b) for i, a in enumerate(fixes) for b in fixes[i + 1 :]):
+        return None
+    return Combination(*fixes)
 
 
 def replay_order() -> list[Fix]:

@@ -24,6 +24,7 @@ class Autocast(Fix):
         "empty_cache",
         "smaller_batch",
     )
+    prescribable = True
     replay_priority = 1
 
     def skip_reason(self, snapshot: Snapshot, explicit: bool) -> Optional[str]:

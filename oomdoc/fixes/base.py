@@ -52,6 +52,9 @@ class Fix:
     searches_batch: bool = False
     # Replays try fixes in this order (lowest first).
     replay_priority: int = 9
+    # Saves memory at any batch size, so the prescription may combine it with
+    # other such fixes and a batch size (allocator settings are not).
+    prescribable: bool = False
 
     @property
     def parts(self) -> list[Fix]:
@@ -105,20 +108,21 @@ class Fix:
 
 
 class Combination(Fix):
-    """Two compatible fixes measured together (`a+b`)."""
+    """Compatible fixes measured together (`a+b`, `a+b+c`)."""
 
-    def __init__(self, first: Fix, second: Fix):
-        self.first, self.second = first, second
-        self.name = f"{first.name}+{second.name}"
-        self.title = f"{first.title} + {second.title}"
-        self.semantics_cost = max(first.semantics_cost, second.semantics_cost)
-        self.speed_cost = max(first.speed_cost, second.speed_cost)
-        self.addresses = tuple(sorted(set(first.addresses) | set(second.addresses)))
-        self.cuda_only = first.cuda_only or second.cuda_only
+    def __init__(self, *fixes: Fix):
+        self.fixes = list(fixes)
+        self.name = "+".join(fix.name for fix in fixes)
+        self.title = " + ".join(fix.title for fix in fixes)
+        self.semantics_cost = max(fix.semantics_cost for fix in fixes)
+        self.speed_cost = max(fix.speed_cost for fix in fixes)
+        self.addresses = tuple(sorted({c for fix in fixes for c in fix.addresses}))
+        self.cuda_only = any(fix.cuda_only for fix in fixes)
+        self.prescribable = all(fix.prescribable for fix in fixes)
 
     @property
     def parts(self) -> list[Fix]:
-        return [self.first, self.second]
+        return list(self.fixes)
 
     def request(self, snapshot: Snapshot) -> FixRequest:
         merged = FixRequest(payload={"name": self.name})

@@ -24,6 +24,7 @@ class Checkpointing(Fix):
         "empty_cache",
         "smaller_batch",
     )
+    prescribable = True
     replay_priority = 2
 
     def skip_reason(self, snapshot: Snapshot, explicit: bool) -> Optional[str]:

@@ -62,6 +62,7 @@ class LighterOptimizer(Fix):
     semantics_cost, speed_cost = 2, 0
     addresses = ("optimizer_state",)
     combines_with = ("autocast", "checkpointing", "expandable_segments")
+    prescribable = True
     replay_priority = 5
 
     def skip_reason(self, snapshot: Snapshot, explicit: bool) -> Optional[str]:

@@ -21,12 +21,24 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Optional, TextIO
 
+from oomdoc.diagnosis.leak import rule as leak_rule
+from oomdoc.diagnosis.steps import steady_growth
 from oomdoc.errors import UsageError
 from oomdoc.fixes import FIXES, Combination, Fix, fix_named
 from oomdoc.fixes.optimizer import optimizer_state_estimate
 from oomdoc.fixes.ranking import rank_fixes
-from oomdoc.model import BatchSearch, Breakdown, FixResult, ReplaySummary, Skipped, Snapshot
+from oomdoc.model import (
+    BatchSearch,
+    Breakdown,
+    FixResult,
+    Prescription,
+    ReplaySummary,
+    Skipped,
+    Snapshot,
+    to_dict,
+)
 from oomdoc.replay import batch as batch_model
+from oomdoc.replay import prescribe
 from oomdoc.replay.progress import Progress
 from oomdoc.replay.rank import best_pair
 from oomdoc.runner import ChildRequest, ChildResult, WarmPool, run_child
@@ -34,6 +46,9 @@ from oomdoc.sizes import format_bytes
 
 BATCH_FLAGS = ("--batch-size", "--batch_size", "--bs", "--per_device_train_batch_size")
 MIN_REPLAY_TIMEOUT_S = 120.0
+# Under a leak, replays run this many steps: enough to see whether memory
+# still grows per step (and by how much), far fewer than the failing run.
+LEAK_REPLAY_STEPS = 6
 # Every replay's environment: scripts may skip side effects under
 # OOMDOC_REPLAY=1; a replay needs peaks and step times, not allocation sites,
 # and without the allocator's history (and the _snapshot() calls it feeds)
@@ -167,6 +182,7 @@ class Replayer:
         request: ChildRequest,
         progress: Progress,
         pool: WarmPool,
+        leak: bool = False,
     ):
         self.snapshot = snapshot
         self.options = options
@@ -175,8 +191,11 @@ class Replayer:
         self.pool = pool
         self.failing_step = (snapshot.oom.step if snapshot.oom else None) or 0
         self.max_steps = max(self.failing_step + 1, 2)
+        if leak:
+            self.max_steps = LEAK_REPLAY_STEPS
         if options.max_steps:
             self.max_steps = min(self.max_steps, max(options.max_steps, 1))
+        self.leak = leak
         self.timeout_s = options.replay_timeout_s or default_timeout(snapshot)
         self.replays: list[Replay] = []
 
@@ -313,8 +332,9 @@ def replay_fixes(
     stderr: TextIO | None = None,
     pool: WarmPool | None = None,
 ) -> None:
-    """Measure the fixes for an OOM and store them, ranked, in `snapshot`.
-    `pool`: warm children started earlier (one is made when not given)."""
+    """Measure the fixes for an OOM, store them ranked in `snapshot`, and
+    the prescription. `pool`: warm children started earlier (one is made
+    when not given)."""
     stderr = stderr or sys.stderr
     own_pool = pool is None
     pool = pool or warm_pool(request)
@@ -323,35 +343,40 @@ def replay_fixes(
     combinations = [name for name in (requested or []) if "+" in name]
     progress = Progress(stderr)
     progress.header("replaying the failing step with fixes (OOMDOC_REPLAY=1 is set in replays)")
-    replayer = Replayer(snapshot, options, request, progress, pool)
-    results: list[FixResult] = []
-    applied: set[str] = set()  # fixes that ran with the fix in effect (fit or not)
-    search = None
-    batch_info: dict = {}
+    leak = leak_rule(snapshot) is not None
+    replayer = Replayer(snapshot, options, request, progress, pool, leak=leak)
+    state = ReplayState(skipped=skipped)
     try:
         try:
             for name in singles:
                 fix = fix_named(name)
                 assert fix is not None
                 if fix.searches_batch:
-                    search, batch_info, reason = search_batch(replayer, snapshot, options)
+                    if leak:
+                        skipped.append(Skipped(name, LEAK_NO_BATCH_SEARCH))
+                        continue
+                    state.search, state.batch_info, reason = search_batch(
+                        replayer, snapshot, options
+                    )
                     if reason:
                         skipped.append(Skipped(name, reason))
                     continue
-                replay_single(replayer, fix, snapshot, skipped, results, applied)
-            if requested is None:
-                pair = best_pair([result for result in results if result.name in applied])
-                if pair is not None:
-                    combinations.append("+".join(pair))
+                replay_single(replayer, fix, snapshot, state)
+            if requested is None and not leak:
+                combination = combination_to_measure(snapshot, state)
+                if combination is not None:
+                    combinations.append(combination)
             for name in combinations:
                 fix = fix_named(name)
                 assert fix is not None
-                replay_single(replayer, fix, snapshot, skipped, results, applied)
+                replay_single(replayer, fix, snapshot, state)
+            if requested is None and not leak:
+                search_under_savers(replayer, snapshot, options, state)
         except ReplaysInterrupted:
             snapshot.notes.append(
                 "Replays were interrupted: the fixes below are those measured before."
             )
-        finish(snapshot, replayer, results, search, batch_info, skipped, progress)
+        finish(snapshot, replayer, state, progress)
     except Exception as exc:  # the snapshot of the OOM must be written whatever happens here
         progress.header(f"replays failed: {type(exc).__name__}: {exc}")
         snapshot.notes.append(
@@ -363,26 +388,171 @@ def replay_fixes(
             pool.close()
 
 
-def replay_single(
-    replayer: Replayer,
-    fix: Fix,
-    snapshot: Snapshot,
-    skipped: list[Skipped],
-    results: list[FixResult],
-    applied: set[str],
+LEAK_NO_BATCH_SEARCH = (
+    "a leak decides this OOM: a smaller batch only delays it (see the leak diagnosis)"
+)
+
+
+@dataclass
+class ReplayState:
+    """What the replays of one run have measured so far."""
+
+    skipped: list[Skipped]
+    results: list[FixResult] = field(default_factory=list)
+    # The replay behind each result, by fix name.
+    replays: dict[str, Replay] = field(default_factory=dict)
+    # Fixes that ran with the fix in effect (fit or not).
+    applied: set[str] = field(default_factory=set)
+    search: Optional[batch_model.SearchResult] = None
+    batch_info: dict = field(default_factory=dict)
+    # The largest batch under the combined memory savers.
+    saver_search: Optional[batch_model.SearchResult] = None
+    saver_fix: Optional[Fix] = None
+
+
+def failing_signature(snapshot: Snapshot) -> Optional[tuple]:
+    oom = snapshot.oom
+    return (oom.step, oom.phase, oom.requested_bytes, oom.allocated_bytes) if oom else None
+
+
+def helpful(snapshot: Snapshot, state: ReplayState, name: str) -> bool:
+    """The fix applied and saved at least 1% of the failing run's need."""
+    replay = state.replays.get(name)
+    if name not in state.applied or replay is None:
+        return False
+    signature = batch_model.observe(replay.capture, 0).oom_signature if replay.capture else None
+    return not prescribe.is_no_op(
+        replay.peak_allocated_bytes,
+        replay.fits,
+        signature,
+        failing_signature(snapshot),
+        snapshot.oom.needed_bytes if snapshot.oom else 0,
+    )
+
+
+def combination_to_measure(snapshot: Snapshot, state: ReplayState) -> Optional[str]:
+    """Every memory saver that helped, together (autocast+checkpointing is
+    the pair most likely to fit at the user's own batch); else the two
+    helpful fixes with the lowest peaks. Never a fix that saved under 1%."""
+    useful = [
+        result
+        for result in state.results
+        if "+" not in result.name and helpful(snapshot, state, result.name)
+    ]
+    savers = {result.name for result in useful if _prescribable(result.name)}
+    if len(savers) >= 2:
+        return "+".join(fix.name for fix in replayable() if fix.name in savers)
+    pair = best_pair(useful)
+    return "+".join(pair) if pair is not None else None
+
+
+def _prescribable(name: str) -> bool:
+    fix = fix_named(name)
+    return fix is not None and fix.prescribable
+
+
+def search_under_savers(
+    replayer: Replayer, snapshot: Snapshot, options: Any, state: ReplayState
 ) -> None:
-    """Replay one fix (or pair) and add its result, or say why it changed nothing."""
+    """When the combined savers (or the one saver that helped) do not fit at
+    the failing batch with the margin free, the largest batch under them."""
+    if state.search is None or not state.batch_info.get("source"):
+        return
+    original = state.search.original_batch_size
+    capacity = snapshot.device.capacity_bytes
+    limit = capacity - int(getattr(options, "margin_fraction", 0.05) * capacity)
+    savers = [
+        result
+        for result in state.results
+        if all(
+            _prescribable(part) and helpful(snapshot, state, part)
+            for part in result.name.split("+")
+        )
+    ]
+    if not savers:
+        return
+    best = max(savers, key=lambda result: (len(result.parts), -(result.peak_allocated_bytes or 0)))
+    if best.fits and best.peak_allocated_bytes is not None and best.peak_allocated_bytes <= limit:
+        return  # it fits at the user's own batch
+    fix = fix_named(best.name)
+    replay = state.replays.get(best.name)
+    if fix is None or replay is None or replay.capture is None:
+        return
+    at_original = to_batch_run(replay, original)
+    if at_original.inconclusive:
+        return
+    request = fix.request(snapshot)
+    args = list(replayer.request.args)
+    source = state.batch_info["source"]
+    found = find_batch_arg(args, options.batch_arg) if source.startswith("-") else None
+
+    def trial(batch_size: int) -> batch_model.BatchRun:
+        payload = dict(request.payload, also=["smaller_batch"], batch_size=batch_size)
+        if found is not None:
+            position, flag, _value = found
+            payload["batch_mode"] = "argv"
+            label = f"{fix.name} ({flag} {batch_size})"
+            rewritten = with_batch_size(args, position, flag, batch_size)
+            return to_batch_run(
+                replayer.run(payload, label, args=rewritten, extra_env=request.env), batch_size
+            )
+        payload.update(batch_mode="dataloader", original_batch_size=original)
+        label = f"{fix.name} (DataLoader batch {batch_size})"
+        return to_batch_run(replayer.run(payload, label, extra_env=request.env), batch_size)
+
+    plain_max = state.search.max_batch_size or 0
+    probe = min(original - 1, max(plain_max + 1, (plain_max + original) // 2))
+    if probe < 1:
+        return
+    state.saver_search = batch_model.search_max_batch(
+        original, capacity, [at_original], trial, probe=probe, max_trials=4
+    )
+    state.saver_fix = fix
+
+
+def replay_single(replayer: Replayer, fix: Fix, snapshot: Snapshot, state: ReplayState) -> None:
+    """Replay one fix (or combination) and add its result, or say why it
+    changed nothing."""
     request = fix.request(snapshot)
     replay = replayer.run(request.payload, fix.name, extra_env=request.env)
     ran = replay.outcome in ("fits", "oom")
     reason = fix.not_applied(replay.applied) if ran else None
     if reason:
-        skipped.append(Skipped(fix.name, reason))
+        state.skipped.append(Skipped(fix.name, reason))
         return
     detail = fix.describe(replay.applied, request)
-    results.append(result_from(replay, fix, detail, fix.snippet(request.context)))
+    result = result_from(replay, fix, detail, fix.snippet(request.context))
+    if replayer.leak and replay.fits and replay.capture is not None:
+        still_leaking(result, replay.capture, snapshot)
+    state.results.append(result)
+    state.replays[fix.name] = replay
     if ran:
-        applied.add(fix.name)
+        state.applied.add(fix.name)
+
+
+def still_leaking(result: FixResult, capture: Snapshot, failing: Snapshot) -> None:
+    """Under a leak, a replay that ran its few steps without an OOM fits only
+    if memory stopped growing; otherwise it says by how many steps it would
+    delay the OOM."""
+    growth = steady_growth(capture)
+    if growth is None:
+        return
+    _first, last, per_step, count = growth
+    result.fits = False
+    result.outcome = "grows"
+    capacity = failing.device.capacity_bytes
+    last_step = capture.steps[-1] if capture.steps else None
+    oom_step = (failing.oom.step if failing.oom else None) or 0
+    text = f"memory still grows by {format_bytes(per_step)} per step (the leak)"
+    if per_step > 0 and last_step is not None and capacity:
+        reaches = last_step.index + max(0, capacity - last_step.peak_allocated_bytes) // per_step
+        delay = int(reaches - oom_step)
+        text += (
+            f": it would run out of memory near step {reaches}, "
+            f"{delay:+d} steps from the failing run's step {oom_step}"
+        )
+        result.extra["delays_oom_by_steps"] = delay
+    result.detail = f"{text}; {result.detail}" if result.detail else text
 
 
 def result_from(replay: Replay, fix: Fix, detail: str, snippet: str) -> FixResult:
@@ -587,16 +757,11 @@ def static_breakdown(snapshot: Snapshot, replayer: Replayer) -> Breakdown:
     return static
 
 
-def finish(
-    snapshot: Snapshot,
-    replayer: Replayer,
-    results: list[FixResult],
-    search: Optional[batch_model.SearchResult],
-    batch_info: dict,
-    skipped: list[Skipped],
-    progress: Progress,
-) -> None:
-    """Rank what the replays measured and record it in the snapshot."""
+def finish(snapshot: Snapshot, replayer: Replayer, state: ReplayState, progress: Progress) -> None:
+    """Rank what the replays measured, choose the prescription, and record
+    both in the snapshot."""
+    search = state.search
+    results = state.results
     lower_bound = snapshot.oom.needed_bytes if snapshot.oom else 0
     need, estimated = lower_bound, False
     if search is not None and search.model is not None:
@@ -606,7 +771,7 @@ def finish(
     reference_s, reference_text = reference_step_seconds(snapshot, search)
     if search is not None:
         batch_fix = next(fix for fix in FIXES if fix.searches_batch)
-        found = smaller_batch_result(batch_fix, search, batch_info, reference_s)
+        found = smaller_batch_result(batch_fix, search, state.batch_info, reference_s)
         if found is not None:
             results.insert(0, found)
     static = static_breakdown(snapshot, replayer)
@@ -620,6 +785,7 @@ def finish(
             fix.annotate(result, static)
     snapshot.fixes = rank_fixes(results)
     snapshot.max_batch_size = search.max_batch_size if search is not None and search.exact else None
+    snapshot.prescription = prescription_for(snapshot, replayer, state)
     summary = ReplaySummary(
         replays=len(replayer.replays),
         total_s=round(progress.total(), 2),
@@ -629,20 +795,114 @@ def finish(
         baseline_need_estimated=estimated,
         reference_step_s=reference_s,
         reference=reference_text,
-        skipped=skipped,
+        skipped=state.skipped,
         runs=[replay.timing() for replay in replayer.replays],
     )
     if search is not None:
-        summary.batch_search = BatchSearch(
-            source=batch_info.get("source"),
-            original_batch_size=search.original_batch_size,
-            max_batch_size=search.max_batch_size,
-            exact=search.exact,
-            trials=[[run.batch_size, run.fits] for run in search.trials],
-            stopped=search.stopped or None,
+        summary.batch_search = batch_search_record(search, state.batch_info.get("source"))
+    if state.saver_search is not None and state.saver_fix is not None:
+        summary.extra["saver_batch_search"] = dict(
+            to_dict(batch_search_record(state.saver_search, state.batch_info.get("source"))),
+            fixes=state.saver_fix.name,
         )
     snapshot.replay = summary
     progress.header(f"{len(replayer.replays)} replays in {progress.total():.1f} s")
+
+
+def batch_search_record(search: batch_model.SearchResult, source: Optional[str]) -> BatchSearch:
+    return BatchSearch(
+        source=source,
+        original_batch_size=search.original_batch_size,
+        max_batch_size=search.max_batch_size,
+        exact=search.exact,
+        trials=[[run.batch_size, run.fits] for run in search.trials],
+        stopped=search.stopped or None,
+    )
+
+
+def prescription_for(
+    snapshot: Snapshot, replayer: Replayer, state: ReplayState
+) -> Optional[Prescription]:
+    """The leak's remedy under a leak; else the measured configuration with
+    the highest throughput that leaves the margin free."""
+    if replayer.leak:
+        leak = leak_rule(snapshot)
+        return Prescription(
+            fixes=[],
+            batch_size=None,
+            measured=False,
+            fits=False,
+            kind="leak",
+            detail=(leak.summary if leak else "a leak decides this OOM")
+            + "; no configuration fixes a leak: every fix only delays the OOM (see the fixes below)",
+            snippet=leak.remedy if leak else None,
+        )
+    search = state.search
+    original = search.original_batch_size if search is not None else None
+    candidates: list[prescribe.Candidate] = []
+    reference = None
+    best_plain = search.best_run if search is not None else None
+    for run in search.trials if search is not None else []:
+        if run.fits and run.peak_allocated_bytes is not None and run.replay is not None:
+            candidate = prescribe.Candidate(
+                [], run.batch_size, run.peak_allocated_bytes, run.step_s, run.replay.label
+            )
+            candidates.append(candidate)
+            if run is best_plain:
+                reference = candidate
+    for result in state.results:
+        if not result.measured or not result.fits or result.peak_allocated_bytes is None:
+            continue
+        fix = fix_named(result.name)
+        if fix is None or fix.searches_batch:
+            continue
+        candidates.append(
+            prescribe.Candidate(
+                result.parts, original or 1, result.peak_allocated_bytes, result.step_s, result.name
+            )
+        )
+    if state.saver_search is not None and state.saver_fix is not None:
+        parts = [part.name for part in state.saver_fix.parts]
+        for run in state.saver_search.trials:
+            if run.fits and run.peak_allocated_bytes is not None and run.replay is not None:
+                candidates.append(
+                    prescribe.Candidate(
+                        parts,
+                        run.batch_size,
+                        run.peak_allocated_bytes,
+                        run.step_s,
+                        run.replay.label,
+                    )
+                )
+    margin = float(getattr(replayer.options, "margin_fraction", 0.05))
+    chosen = prescribe.choose(
+        candidates, original or 1, snapshot.device.capacity_bytes, margin, reference
+    )
+    if chosen is None:
+        return None
+    if original is None:
+        chosen.batch_size, chosen.accumulation_steps = None, 1
+    chosen.snippet = prescription_snippet(chosen, state, original)
+    return chosen
+
+
+def prescription_snippet(
+    prescription: Prescription, state: ReplayState, original: Optional[int]
+) -> str:
+    """The prescribed changes, each as its replay rendered it, and the
+    micro-batch with gradient accumulation when the batch changes."""
+    snippets = {result.name: result.snippet for result in state.results if result.snippet}
+    parts = [f"# {name}\n{snippets[name]}" for name in prescription.fixes if name in snippets]
+    if original is not None and prescription.batch_size and prescription.accumulation_steps > 1:
+        batch_fix = next(fix for fix in FIXES if fix.searches_batch)
+        how = state.batch_info.get("source") or "batch_size"
+        context = {
+            "micro_batch": prescription.batch_size,
+            "accumulation_steps": prescription.accumulation_steps,
+            "how": how if how.startswith("-") else "batch_size",
+        }
+        parts.append(f"# {batch_fix.name}\n{batch_fix.snippet(context)}")
+    return "\n\n".join(parts)
 
 
 def keep_log(log_path: str, artifact_dir: str | None) -> str | None:

@@ -43,6 +43,8 @@ class JsonReporter:
             else None,
             "top_allocations": to_dict(snapshot.top_allocations[: analysis.top]),
         }
+        if snapshot.prescription is not None:
+            result["prescription"] = to_dict(snapshot.prescription)
         if snapshot.oom is not None:
             result["oom"] = to_dict(snapshot.oom)
         if snapshot.trace_before_oom is not None:

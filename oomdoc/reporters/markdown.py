@@ -28,6 +28,13 @@ class MarkdownReporter:
         lines = [f"**oomdoc:** {analysis.headline}", ""]
         if snapshot.is_oom and snapshot.oom and snapshot.oom.location:
             lines += [f"at `{format_location(snapshot.oom.location, snapshot.cwd)}`", ""]
+        prescription = tables.prescription_lines(analysis)
+        if prescription:
+            lines += [f"### {prescription[0]}", *(f"- {line.strip()}" for line in prescription[1:])]
+            snippet = snapshot.prescription.snippet if snapshot.prescription else None
+            if snippet:
+                lines += ["", "```python", snippet, "```"]
+            lines.append("")
         lines.append(f"### {tables.breakdown_title(snapshot)}")
         lines.append(
             tabulate(
@@ -76,10 +83,15 @@ class MarkdownReporter:
             )
             lines.extend(tables.replay_summary_lines(analysis))
             for position, fix in enumerate(fixes, start=1):
+                if not fix.fits:
+                    continue
                 rank = fix.rank if fix.rank is not None else position
                 lines += ["", f"**{rank}. {fix.name}: {fix.detail or fix.title or ''}**"]
                 if fix.snippet:
                     lines += ["```python", fix.snippet, "```"]
+            alone = tables.not_enough_alone(fixes)
+            if alone:
+                lines += ["", "**Not enough alone:**", *(f"- {line}" for line in alone)]
             return lines
         lines.append(
             tabulate(

@@ -166,3 +166,61 @@ def bug_first_notes(analysis: Analysis) -> list[str]:
     if bug is None:
         return []
     return [f"fix the {bug.kind} above first; these fixes treat the memory it wastes as needed."]
+
+
+def prescription_lines(analysis: Analysis) -> list[str]:
+    """The prescription, first and as one block: what to change, its peak,
+    headroom and measured throughput. Plain lines; the reporters frame them."""
+    prescription = analysis.snapshot.prescription
+    if prescription is None:
+        return []
+    capacity = analysis.snapshot.device.capacity_bytes
+    if prescription.kind == "leak":
+        return [
+            "Prescription: fix the leak first (no configuration fixes it; every fix below only delays the OOM)",
+            f"  {prescription.detail or ''}",
+        ]
+    changes = ", ".join(prescription.fixes) or "no fix"
+    batch = ""
+    if prescription.batch_size is not None:
+        batch = f" at batch size {prescription.batch_size}"
+        if prescription.accumulation_steps > 1:
+            batch += f" x {prescription.accumulation_steps} gradient accumulation steps"
+    head = "Prescription (measured)" if prescription.fits else "Closest measured configuration"
+    lines = [f"{head}: {changes}{batch}"]
+    if prescription.peak_allocated_bytes is not None:
+        text = (
+            f"  peak {format_bytes(prescription.peak_allocated_bytes)} of {format_bytes(capacity)}"
+        )
+        if prescription.headroom_bytes is not None:
+            text += f", headroom {format_bytes(prescription.headroom_bytes)}"
+        if prescription.margin_bytes:
+            text += (
+                f" (keeps the {format_bytes(prescription.margin_bytes)} safety margin free)"
+                if prescription.fits
+                else (
+                    f" (does not keep the {format_bytes(prescription.margin_bytes)} safety margin free)"
+                )
+            )
+        lines.append(text)
+    if prescription.samples_per_second:
+        text = f"  throughput {prescription.samples_per_second:.1f} samples/s"
+        if prescription.throughput_ratio:
+            text += f", {prescription.throughput_ratio:.2f}x the failing configuration at its largest fitting batch"
+        lines.append(text)
+    return lines
+
+
+def not_enough_alone(fixes: list[FixResult]) -> list[str]:
+    """Fixes that did not fit, with what they needed: no snippet."""
+    lines = []
+    for fix in fixes:
+        if fix.fits:
+            continue
+        need = (
+            f"needs more than {format_bytes(fix.peak_allocated_bytes)}"
+            if fix.peak_allocated_bytes
+            else "did not finish"
+        )
+        lines.append(f"{fix.name}: {need} ({fix.detail or fix.outcome or ''})")
+    return lines

@@ -27,6 +27,12 @@ class TextReporter:
         lines = ["", f"oomdoc: {analysis.headline}"]
         if snapshot.is_oom and snapshot.oom and snapshot.oom.location:
             lines.append(f"  at {format_location(snapshot.oom.location, snapshot.cwd)}")
+        prescription = tables.prescription_lines(analysis)
+        if prescription:
+            lines += ["", *prescription]
+            snippet = snapshot.prescription.snippet if snapshot.prescription else None
+            if snippet:
+                lines.extend(f"    {line}" for line in snippet.splitlines())
         lines.append("")
         lines.append(tables.breakdown_title(snapshot))
         lines.append(
@@ -97,10 +103,15 @@ class TextReporter:
             )
             lines.extend(tables.replay_summary_lines(analysis))
             for position, fix in enumerate(fixes, start=1):
+                if not fix.fits:
+                    continue
                 rank = fix.rank if fix.rank is not None else position
                 lines += ["", f"{rank}. {fix.name}: {fix.detail or fix.title or ''}"]
                 if fix.snippet:
                     lines.extend("    " + line for line in fix.snippet.splitlines())
+            alone = tables.not_enough_alone(fixes)
+            if alone:
+                lines += ["", "Not enough alone:", *(f"  {line}" for line in alone)]
             return lines
         shown = fixes[: analysis.top]
         lines.append(tabulate(tables.fix_rows(shown), headers=tables.FIX_HEADERS))
