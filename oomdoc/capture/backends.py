@@ -190,6 +190,33 @@ class _StorageRef(weakref.ref):
         self.key = None
 
 
+def _dynamo_guard():
+    """(set_eval_frame, skip_code) from TorchDynamo's C extension, or None.
+
+    Newer torch wraps every TorchDispatchMode's __torch_dispatch__ in
+    torch._dynamo.disable, about a dozen Python calls per op, so that
+    torch.compile never traces into the mode. The same guarantee costs two C
+    calls: the frame itself is marked skipped, and the eval-frame callback is
+    off while it runs. Without these APIs torch's own wrapping stays."""
+    try:
+        from torch._C._dynamo import eval_frame
+
+        strategy = eval_frame._FrameExecStrategy(
+            eval_frame._FrameAction.SKIP, eval_frame._FrameAction.DEFAULT
+        )
+        set_code_exec_strategy = eval_frame.set_code_exec_strategy
+
+        def skip_code(code) -> None:
+            set_code_exec_strategy(code, strategy)
+
+        return eval_frame.set_eval_frame, skip_code
+    except Exception:
+        return None
+
+
+_DYNAMO_GUARD = _dynamo_guard()
+
+
 class _CountingMode(TorchDispatchMode):
     """Sees every op; registers each new storage it produces or consumes.
 
@@ -197,35 +224,35 @@ class _CountingMode(TorchDispatchMode):
     take tensors, lists of tensors and scalars) rather than with pytree.
     """
 
+    if _DYNAMO_GUARD is not None:
+
+        @classmethod
+        def _should_skip_dynamo(cls) -> bool:
+            return False  # __torch_dispatch__ keeps TorchDynamo out itself
+
     def __init__(self, backend: SimulatedBackend):
         super().__init__()
         self.backend = backend
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        backend = self.backend
-        if not backend.enabled:
-            return func(*args, **(kwargs or {}))
-        adopt = backend.adopt
-        for item in args:
-            if isinstance(item, _Tensor):
-                adopt(item)
-            elif isinstance(item, (list, tuple)):
-                backend.adopt_inputs(item, None)
-        if kwargs:
-            for item in kwargs.values():
-                if isinstance(item, _Tensor):
-                    adopt(item)
-                elif isinstance(item, (list, tuple)):
-                    backend.adopt_inputs(item, None)
-            out = func(*args, **kwargs)
-        else:
-            out = func(*args)
-        if backend.enabled:
-            if isinstance(out, _Tensor):
-                backend.register_output(out)
-            elif out is not None:
-                backend.register_outputs(out, func)
-        return out
+        if _DYNAMO_GUARD is None:
+            return self.backend.dispatch(func, args, kwargs)
+        set_eval_frame = _DYNAMO_GUARD[0]
+        prior = set_eval_frame(None)
+        try:
+            return self.backend.dispatch(func, args, kwargs)
+        finally:
+            set_eval_frame(prior)
+
+
+if _DYNAMO_GUARD is not None:
+    try:
+        _DYNAMO_GUARD[1](_CountingMode.__torch_dispatch__.__code__)
+    except Exception:  # keep torch's own wrapping
+        del _CountingMode._should_skip_dynamo
+        _CountingMode.__torch_dispatch__ = torch._disable_dynamo(
+            _CountingMode.__dict__["__torch_dispatch__"], recursive=True
+        )
 
 
 def _flat_tensors(value, found: list) -> list:
@@ -286,7 +313,7 @@ class SimulatedBackend(Backend):
         self._mark_known: dict | None = None
         self._mark_records: list | None = None
         self._mark_log_limit = 0
-        self.stats = {"storages_registered": 0, "peak_marks": 0, "peak_log_rebuilds": 0}
+        self.stats = {"peak_marks": 0, "peak_log_rebuilds": 0}
 
     # lifecycle
     def install(self, tracker) -> None:
@@ -311,6 +338,32 @@ class SimulatedBackend(Backend):
             self._mode = None
 
     # bookkeeping: the dispatch hot path
+    def dispatch(self, func, args, kwargs):
+        """Run one op: count new input storages, then its new outputs."""
+        if not self.enabled:
+            return func(*args, **(kwargs or {}))
+        adopt = self.adopt
+        for item in args:
+            if isinstance(item, _Tensor):
+                adopt(item)
+            elif isinstance(item, (list, tuple)):
+                self.adopt_inputs(item, None)
+        if kwargs:
+            for item in kwargs.values():
+                if isinstance(item, _Tensor):
+                    adopt(item)
+                elif isinstance(item, (list, tuple)):
+                    self.adopt_inputs(item, None)
+            out = func(*args, **kwargs)
+        else:
+            out = func(*args)
+        if self.enabled:
+            if isinstance(out, _Tensor):
+                self.register_output(out)
+            elif out is not None:
+                self.register_outputs(out, func)
+        return out
+
     def adopt(self, tensor: torch.Tensor) -> None:
         """Count a tensor made outside dispatch (torch.from_numpy, shared
         memory from DataLoader workers) the first time an op touches it."""
@@ -486,6 +539,9 @@ class SimulatedBackend(Backend):
             record = records[key]
             counts[applied.pop(key)] -= record.nbytes
             counts[record.category] += record.nbytes
+
+    def capture_stats(self) -> dict:
+        return {"storages_registered": self._sequence, **self.stats}
 
     def known_categories(self) -> dict:
         """{key: category} of the live storages named by the last apply_known."""

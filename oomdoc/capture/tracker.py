@@ -225,7 +225,9 @@ class Tracker:
         """How much work the capture did: leak walks and samples stay far
         below the step count however long the run (docs/snapshot.md)."""
         stats = dict(self.stats)
-        stats.update(getattr(self.backend, "stats", {}))
+        backend_stats = getattr(self.backend, "capture_stats", None)
+        if backend_stats is not None:
+            stats.update(backend_stats())
         return {key: int(value) for key, value in stats.items()}
 
     # ------------------------------------------------------------ hooks
