@@ -11,11 +11,9 @@ from __future__ import annotations
 import os
 import sys
 import weakref
-from dataclasses import dataclass
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from oomdoc import frames
 from oomdoc.sizes import format_bytes
@@ -23,16 +21,74 @@ from oomdoc.sizes import format_bytes
 OutOfMemoryError = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
 
 
-@dataclass
 class StorageRecord:
-    """What the simulated device knows about one live storage."""
+    """What the simulated device knows about one live storage.
 
-    nbytes: int
-    step: int
-    phase: str
-    location: dict | None
-    shape: tuple
-    dtype: str
+    Immutable once made (a storage resized in place gets a new record), so
+    that a record list kept for the peak still says what it said then. The
+    location is kept as (code object, line) and turned into a snapshot
+    `location` only when sites are listed.
+    """
+
+    __slots__ = (
+        "nbytes",
+        "step",
+        "phase",
+        "category",
+        "code",
+        "line",
+        "shape",
+        "dtype_object",
+        "sequence",
+    )
+
+    def __init__(self, nbytes, step, phase, category, code, line, shape, dtype_object, sequence):
+        self.nbytes = nbytes
+        self.step = step
+        self.phase = phase
+        # "activations" (made during forward, backward or the optimizer step)
+        # or "other": the category unless the storage is a parameter, a
+        # gradient or optimizer state.
+        self.category = category
+        self.code = code
+        self.line = line
+        self.shape = shape
+        self.dtype_object = dtype_object
+        # Registration order: sites are grouped in it, as they always were.
+        self.sequence = sequence
+
+    @property
+    def location(self) -> dict | None:
+        if self.code is None:
+            return None
+        return frames.location_dict(self.code.co_filename, self.line, self.code.co_name)
+
+    @property
+    def dtype(self) -> str:
+        return _dtype_name(self.dtype_object)
+
+    def resized(self, nbytes: int) -> StorageRecord:
+        return StorageRecord(
+            nbytes,
+            self.step,
+            self.phase,
+            self.category,
+            self.code,
+            self.line,
+            self.shape,
+            self.dtype_object,
+            self.sequence,
+        )
+
+
+_DTYPE_NAMES: dict = {}
+
+
+def _dtype_name(dtype) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).replace("torch.", "")
+    return name
 
 
 class Backend:
@@ -98,22 +154,118 @@ def storage_key(tensor: torch.Tensor):
 
 # --------------------------------------------------------------- simulated
 
+_Tensor = torch.Tensor
+_ACTIVE_PHASES = frozenset(("forward", "backward", "optimizer"))
+_FORWARD_BACKWARD = frozenset(("forward", "backward"))
+
+# Code object -> is it the user's? The innermost user frame is looked up for
+# every new storage: a dict lookup per frame instead of a path check.
+_USER_CODE: dict = {}
+_USER_CODE_LIMIT = 1 << 16
+
+
+def _innermost_user_code(frame) -> tuple:
+    """(code, line) of the innermost user frame at or above `frame`, else (None, 0)."""
+    cache = _USER_CODE
+    while frame is not None:
+        code = frame.f_code
+        user = cache.get(code)
+        if user is None:
+            if len(cache) >= _USER_CODE_LIMIT:
+                cache.clear()
+            user = cache[code] = frames.is_user_file(code.co_filename)
+        if user:
+            return code, frame.f_lineno
+        frame = frame.f_back
+    return None, 0
+
+
+class _StorageRef(weakref.ref):
+    """A weak reference to a storage that names its key when the storage
+    dies: cheaper than weakref.finalize, paid for every new storage."""
+
+    __slots__ = ("key",)
+
+    def detach(self) -> None:
+        self.key = None
+
+
+def _dynamo_guard():
+    """(set_eval_frame, skip_code) from TorchDynamo's C extension, or None.
+
+    Newer torch wraps every TorchDispatchMode's __torch_dispatch__ in
+    torch._dynamo.disable, about a dozen Python calls per op, so that
+    torch.compile never traces into the mode. The same guarantee costs two C
+    calls: the frame itself is marked skipped, and the eval-frame callback is
+    off while it runs. Without these APIs torch's own wrapping stays."""
+    try:
+        from torch._C._dynamo import eval_frame
+
+        strategy = eval_frame._FrameExecStrategy(
+            eval_frame._FrameAction.SKIP, eval_frame._FrameAction.DEFAULT
+        )
+        set_code_exec_strategy = eval_frame.set_code_exec_strategy
+
+        def skip_code(code) -> None:
+            set_code_exec_strategy(code, strategy)
+
+        return eval_frame.set_eval_frame, skip_code
+    except Exception:
+        return None
+
+
+_DYNAMO_GUARD = _dynamo_guard()
+
 
 class _CountingMode(TorchDispatchMode):
-    """Sees every op; registers each new storage it produces or consumes."""
+    """Sees every op; registers each new storage it produces or consumes.
+
+    The simulated device's hot path: arguments are scanned by hand (aten ops
+    take tensors, lists of tensors and scalars) rather than with pytree.
+    """
+
+    if _DYNAMO_GUARD is not None:
+
+        @classmethod
+        def _should_skip_dynamo(cls) -> bool:
+            return False  # __torch_dispatch__ keeps TorchDynamo out itself
 
     def __init__(self, backend: SimulatedBackend):
         super().__init__()
         self.backend = backend
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        backend = self.backend
-        if backend.enabled:
-            backend.adopt_inputs(args, kwargs)
-        out = func(*args, **(kwargs or {}))
-        if backend.enabled:
-            backend.register_outputs(out, func)
-        return out
+        if _DYNAMO_GUARD is None:
+            return self.backend.dispatch(func, args, kwargs)
+        set_eval_frame = _DYNAMO_GUARD[0]
+        prior = set_eval_frame(None)
+        try:
+            return self.backend.dispatch(func, args, kwargs)
+        finally:
+            set_eval_frame(prior)
+
+
+if _DYNAMO_GUARD is not None:
+    try:
+        _DYNAMO_GUARD[1](_CountingMode.__torch_dispatch__.__code__)
+    except Exception:  # keep torch's own wrapping
+        del _CountingMode._should_skip_dynamo
+        _CountingMode.__torch_dispatch__ = torch._disable_dynamo(
+            _CountingMode.__dict__["__torch_dispatch__"], recursive=True
+        )
+
+
+def _flat_tensors(value, found: list) -> list:
+    """The tensors in nested lists, tuples and dicts, in pytree's order."""
+    if isinstance(value, _Tensor):
+        found.append(value)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _flat_tensors(item, found)
+    elif isinstance(value, dict):
+        for item in value.values():
+            _flat_tensors(item, found)
+    return found
 
 
 class SimulatedBackend(Backend):
@@ -121,7 +273,13 @@ class SimulatedBackend(Backend):
 
     Every CPU tensor storage counts, because on the CPU a script's model,
     data and temporaries all share the one memory; the report says so.
-    Frees are seen through weak-reference finalizers on the storages.
+    Frees are seen through weak references to the storages.
+
+    What a phase boundary reads is kept up to date as storages come and go,
+    so reading it costs nothing per live storage: the bytes per category,
+    the live bytes made in each step's forward/backward, and, after
+    `mark_peak`, a log of what changed since the fullest moment, from which
+    the storages live then are rebuilt once, when the snapshot is written.
     """
 
     kind = "simulated"
@@ -130,12 +288,32 @@ class SimulatedBackend(Backend):
     def __init__(self, capacity_bytes: int):
         self._capacity = int(capacity_bytes)
         self._records: dict[int, StorageRecord] = {}
-        self._finalizers: dict[int, weakref.finalize] = {}
+        self._finalizers: dict[int, _StorageRef] = {}
         self._live = 0
         self._peak = 0
         self.enabled = False
         self._mode = None
         self.tracker = None
+        self._sequence = 0
+        # Bytes per category. Parameters, gradients and optimizer state are
+        # the storages the tracker names through apply_known (key -> category);
+        # the rest are activations or other by the phase they were made in.
+        self._category_bytes = dict.fromkeys(
+            ("parameters", "gradients", "optimizer_state", "activations", "other"), 0
+        )
+        self._known_applied: dict[int, str] = {}
+        # Live bytes made in the forward or backward of each step.
+        self._forward_backward_bytes: dict[int, int] = {}
+        self._forward_backward_total = 0
+        self._forward_backward_last_step = 0
+        # The peak mark: what was added and freed since it, or, once that log
+        # grew as large as the live set, the storages live at the mark.
+        self._mark_added: set | None = None
+        self._mark_freed: dict | None = None
+        self._mark_known: dict | None = None
+        self._mark_records: list | None = None
+        self._mark_log_limit = 0
+        self.stats = {"peak_marks": 0, "peak_log_rebuilds": 0}
 
     # lifecycle
     def install(self, tracker) -> None:
@@ -159,79 +337,263 @@ class SimulatedBackend(Backend):
                 pass
             self._mode = None
 
-    # bookkeeping
-    def _track(self, tensor: torch.Tensor, *, check_capacity: bool, pending: list | None):
-        if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu":
-            return 0
+    # bookkeeping: the dispatch hot path
+    def dispatch(self, func, args, kwargs):
+        """Run one op: count new input storages, then its new outputs."""
+        if not self.enabled:
+            return func(*args, **(kwargs or {}))
+        adopt = self.adopt
+        for item in args:
+            if isinstance(item, _Tensor):
+                adopt(item)
+            elif isinstance(item, (list, tuple)):
+                self.adopt_inputs(item, None)
+        if kwargs:
+            for item in kwargs.values():
+                if isinstance(item, _Tensor):
+                    adopt(item)
+                elif isinstance(item, (list, tuple)):
+                    self.adopt_inputs(item, None)
+            out = func(*args, **kwargs)
+        else:
+            out = func(*args)
+        if self.enabled:
+            if isinstance(out, _Tensor):
+                self.register_output(out)
+            elif out is not None:
+                self.register_outputs(out, func)
+        return out
+
+    def adopt(self, tensor: torch.Tensor) -> None:
+        """Count a tensor made outside dispatch (torch.from_numpy, shared
+        memory from DataLoader workers) the first time an op touches it."""
+        if not tensor.is_cpu:
+            return
         try:
             storage = tensor.untyped_storage()
         except Exception:  # sparse and other storage-less layouts
-            return 0
+            return
+        key = storage._cdata
+        record = self._records.get(key)
+        if record is None:
+            if storage.nbytes():
+                self._register(key, storage, tensor)
+        else:
+            nbytes = storage.nbytes()
+            if nbytes != record.nbytes:  # resized in place (resize_, out=)
+                self._resize(key, record, nbytes)
+
+    def adopt_inputs(self, args, kwargs) -> None:
+        for item in _flat_tensors((args, kwargs), []):
+            self.adopt(item)
+
+    def register_output(self, tensor: torch.Tensor) -> None:
+        """One output tensor: the common case of register_outputs."""
+        if not tensor.is_cpu:
+            return
+        try:
+            storage = tensor.untyped_storage()
+        except Exception:
+            return
         key = storage._cdata
         nbytes = storage.nbytes()
         record = self._records.get(key)
         if record is not None:
-            if record.nbytes != nbytes:  # resized in place (resize_, out=)
-                self._live += nbytes - record.nbytes
-                record.nbytes = nbytes
-                self._peak = max(self._peak, self._live)
-            return 0
-        if nbytes == 0:
-            return 0
-        if pending is not None:
-            pending.append((key, storage, tensor))
-            return nbytes
+            if nbytes != record.nbytes:
+                self._resize(key, record, nbytes)
+            return
+        if not nbytes:
+            return
+        if self._live + nbytes > self._capacity:
+            self.raise_oom(nbytes)
         self._register(key, storage, tensor)
-        return nbytes
+
+    def register_outputs(self, out, func=None) -> None:
+        pending: dict = {}
+        for item in _flat_tensors(out, []):
+            if not item.is_cpu:
+                continue
+            try:
+                storage = item.untyped_storage()
+            except Exception:
+                continue
+            key = storage._cdata
+            nbytes = storage.nbytes()
+            record = self._records.get(key)
+            if record is not None:
+                if nbytes != record.nbytes:
+                    self._resize(key, record, nbytes)
+            elif nbytes and key not in pending:
+                # Storages shared between several outputs are counted once.
+                pending[key] = (storage, item)
+        if not pending:
+            return
+        requested = sum(storage.nbytes() for storage, _ in pending.values())
+        if self._live + requested > self._capacity:
+            self.raise_oom(requested)
+        for key, (storage, tensor) in pending.items():
+            self._register(key, storage, tensor)
 
     def _register(self, key, storage, tensor) -> None:
         tracker = self.tracker
         nbytes = storage.nbytes()
+        if tracker is not None:
+            step, phase = tracker.step_index, tracker.phase
+        else:
+            step, phase = 0, "setup"
+        code, line = _innermost_user_code(sys._getframe(1))
+        category = "activations" if phase in _ACTIVE_PHASES else "other"
+        self._sequence += 1
         self._records[key] = StorageRecord(
-            nbytes=nbytes,
-            step=tracker.step_index if tracker else 0,
-            phase=tracker.phase if tracker else "setup",
-            location=frames.current_user_location(sys._getframe()),
-            shape=tuple(tensor.shape),
-            dtype=str(tensor.dtype).replace("torch.", ""),
+            nbytes, step, phase, category, code, line, tensor.shape, tensor.dtype, self._sequence
         )
-        self._finalizers[key] = weakref.finalize(storage, self._on_free, key)
+        reference = _StorageRef(storage, self._on_storage_freed)
+        reference.key = key
+        self._finalizers[key] = reference
         self._live += nbytes
         if self._live > self._peak:
             self._peak = self._live
+        self._category_bytes[category] += nbytes
+        if phase in _FORWARD_BACKWARD:
+            table = self._forward_backward_bytes
+            table[step] = table.get(step, 0) + nbytes
+            self._forward_backward_total += nbytes
+            if step > self._forward_backward_last_step:
+                self._forward_backward_last_step = step
+        if self._mark_added is not None:
+            self._mark_added.add(key)
+            self._check_mark_log()
+
+    def _resize(self, key, record: StorageRecord, nbytes: int) -> None:
+        grown = nbytes - record.nbytes
+        self._records[key] = record.resized(nbytes)
+        self._live += grown
+        if self._live > self._peak:
+            self._peak = self._live
+        self._category_bytes[self._known_applied.get(key) or record.category] += grown
+        if record.phase in _FORWARD_BACKWARD:
+            table = self._forward_backward_bytes
+            table[record.step] = table.get(record.step, 0) + grown
+            self._forward_backward_total += grown
+        added = self._mark_added
+        if added is not None and key not in added:
+            # Live at the mark with its old size: the mark keeps that record.
+            self._mark_freed.setdefault(key, record)
+            added.add(key)
+            self._check_mark_log()
+
+    def _on_storage_freed(self, reference: _StorageRef) -> None:
+        key = reference.key
+        if key is None or self._finalizers.get(key) is not reference:
+            return  # detached, or a stale reference to a key in use again
+        del self._finalizers[key]
+        record = self._records.pop(key, None)
+        if record is not None:
+            self._forget(key, record)
 
     def _on_free(self, key) -> None:
-        record = self._records.pop(key, None)
         self._finalizers.pop(key, None)
+        record = self._records.pop(key, None)
         if record is not None:
-            self._live -= record.nbytes
+            self._forget(key, record)
 
-    def adopt_inputs(self, args, kwargs) -> None:
-        """Count tensors made outside dispatch (torch.from_numpy, shared memory
-        from DataLoader workers) the first time an op touches them."""
-        flat, _ = tree_flatten((args, kwargs))
-        for item in flat:
-            if isinstance(item, torch.Tensor):
-                self._track(item, check_capacity=False, pending=None)
+    def _forget(self, key, record: StorageRecord) -> None:
+        nbytes = record.nbytes
+        self._live -= nbytes
+        self._category_bytes[self._known_applied.pop(key, None) or record.category] -= nbytes
+        if record.phase in _FORWARD_BACKWARD:
+            table = self._forward_backward_bytes
+            left = table.get(record.step, 0) - nbytes
+            if left:
+                table[record.step] = left
+            else:
+                table.pop(record.step, None)
+            self._forward_backward_total -= nbytes
+        added = self._mark_added
+        if added is not None:
+            if key in added:
+                added.discard(key)
+            else:
+                self._mark_freed.setdefault(key, record)
+                self._check_mark_log()
 
-    def register_outputs(self, out, func) -> None:
-        flat, _ = tree_flatten(out)
-        pending: list = []
-        requested = 0
-        for item in flat:
-            if isinstance(item, torch.Tensor):
-                requested += self._track(item, check_capacity=True, pending=pending)
-        if not pending:
-            return
-        # Storages shared between several outputs are counted once.
-        unique = {}
-        for key, storage, tensor in pending:
-            unique.setdefault(key, (storage, tensor))
-        requested = sum(storage.nbytes() for storage, _ in unique.values())
-        if self._live + requested > self._capacity:
-            self.raise_oom(requested)
-        for key, (storage, tensor) in unique.items():
-            self._register(key, storage, tensor)
+    # what the tracker reads at phase boundaries
+    def apply_known(self, known: dict) -> None:
+        """Name the storages that are parameters, gradients or optimizer
+        state now ({key: category}); every other storage falls back to the
+        category of the phase it was made in. Costs O(len(known))."""
+        applied = self._known_applied
+        records = self._records
+        counts = self._category_bytes
+        for key, category in known.items():
+            current = applied.get(key)
+            if current == category:
+                continue
+            record = records.get(key)
+            if record is None:
+                continue  # not a storage of this device (yet)
+            counts[current or record.category] -= record.nbytes
+            counts[category] += record.nbytes
+            applied[key] = category
+        for key in [key for key in applied if key not in known]:
+            record = records[key]
+            counts[applied.pop(key)] -= record.nbytes
+            counts[record.category] += record.nbytes
+
+    def capture_stats(self) -> dict:
+        return {"storages_registered": self._sequence, **self.stats}
+
+    def known_categories(self) -> dict:
+        """{key: category} of the live storages named by the last apply_known."""
+        return dict(self._known_applied)
+
+    def category_bytes(self) -> dict[str, int]:
+        """Live bytes per category, as of the last apply_known."""
+        return dict(self._category_bytes)
+
+    def retained_activation_bytes(self, step: int) -> int:
+        """Live bytes made in the forward or backward of steps before `step`."""
+        total = self._forward_backward_total
+        table = self._forward_backward_bytes
+        for later in range(step, self._forward_backward_last_step + 1):
+            total -= table.get(later, 0)
+        return total
+
+    def mark_peak(self) -> None:
+        """Remember the storages live now (the fullest moment so far) so that
+        marked_storages() can list them later. Costs O(params) now and O(1)
+        per storage made or freed afterwards."""
+        self._mark_added = set()
+        self._mark_freed = {}
+        self._mark_records = None
+        self._mark_known = dict(self._known_applied)
+        self._mark_log_limit = max(4096, 2 * len(self._records))
+        self.stats["peak_marks"] += 1
+
+    def _check_mark_log(self) -> None:
+        if len(self._mark_added) + len(self._mark_freed) > self._mark_log_limit:
+            # The log would outgrow a plain copy of the live set: rebuild the
+            # marked storages now and stop logging (amortised O(1) per change).
+            self._mark_records = self._rebuild_marked()
+            self._mark_added = self._mark_freed = None
+            self.stats["peak_log_rebuilds"] += 1
+
+    def _rebuild_marked(self) -> list:
+        added, freed = self._mark_added, self._mark_freed
+        items = [(key, record) for key, record in self._records.items() if key not in added]
+        items.extend(freed.items())
+        items.sort(key=lambda item: item[1].sequence)
+        return items
+
+    def marked_storages(self) -> tuple[list, dict] | None:
+        """[(key, record)] live at the last mark_peak, in registration order,
+        and the parameters/gradients/state naming then; None without a mark."""
+        if self._mark_known is None:
+            return None
+        records = self._mark_records
+        if records is None:
+            records = self._rebuild_marked()
+        return records, self._mark_known
 
     def raise_oom(self, requested: int) -> None:
         free = max(0, self._capacity - self._live)
@@ -276,23 +638,36 @@ class SimulatedBackend(Backend):
         return peak, peak
 
     def owns(self, tensor: torch.Tensor) -> bool:
-        return tensor.device.type == "cpu"
+        return tensor.is_cpu
 
     def live_storages(self):
         for key, record in list(self._records.items()):
             yield key, record.nbytes, record
 
     def allocation_sites(self) -> list[dict]:
-        return [
+        return storage_sites(list(self._records.items()))
+
+
+def storage_sites(items) -> list[dict]:
+    """allocation_sites() entries for [(key, StorageRecord)]."""
+    locations: dict = {}
+    sites = []
+    for key, record in items:
+        where = (record.code, record.line)
+        location = locations.get(where)
+        if location is None and where not in locations:
+            location = locations[where] = record.location
+        sites.append(
             {
                 "key": key,
                 "bytes": record.nbytes,
-                "location": record.location,
+                "location": location,
                 "shape": list(record.shape),
                 "dtype": record.dtype,
+                "base_category": record.category,
             }
-            for key, record in list(self._records.items())
-        ]
+        )
+    return sites
 
 
 # -------------------------------------------------------------------- cuda
@@ -370,26 +745,37 @@ class CudaBackend(Backend):
         info.update(_nvml_info(self.device_index))
         return info
 
+    def _nested_stats(self) -> dict:
+        # torch.cuda.memory_allocated() and memory_stats() flatten and sort
+        # the allocator's ~150 counters in Python on every call; the nested
+        # dict is what the allocator returns, read where it is needed.
+        return torch.cuda.memory_stats_as_nested_dict(self.device_index)
+
     def allocated_bytes(self) -> int:
-        return int(torch.cuda.memory_allocated(self.device_index))
+        stats = self._nested_stats()
+        return int(stats["allocated_bytes"]["all"]["current"]) if stats else 0
 
     def reserved_bytes(self) -> int:
-        return int(torch.cuda.memory_reserved(self.device_index))
+        stats = self._nested_stats()
+        return int(stats["reserved_bytes"]["all"]["current"]) if stats else 0
 
     def capacity_bytes(self) -> int:
         return self._capacity
 
     def read_and_reset_peak(self) -> tuple[int, int]:
-        stats = self._stats()
+        stats = self._nested_stats()
+        if not stats:
+            return 0, 0
         peak = (
-            int(stats.get("allocated_bytes.all.peak", 0)),
-            int(stats.get("reserved_bytes.all.peak", 0)),
+            int(stats["allocated_bytes"]["all"]["peak"]),
+            int(stats["reserved_bytes"]["all"]["peak"]),
         )
         torch.cuda.reset_peak_memory_stats(self.device_index)
         return peak
 
     def owns(self, tensor: torch.Tensor) -> bool:
-        return tensor.device.type == "cuda" and tensor.device.index == self.device_index
+        # is_cuda and get_device() cost a tenth of building a torch.device.
+        return tensor.is_cuda and tensor.get_device() == self.device_index
 
     def storage_bytes(self, nbytes: int) -> int:
         # The caching allocator hands out multiples of 512 bytes.

@@ -321,6 +321,7 @@ def write_capture(config, backend, tracker, outcome, exit_code, error, timings=N
         "optimizers": sorted(tracker.optimizer_classes),
         "models": tracker.models,
         "artifacts": extra,
+        "capture_stats": tracker.capture_stats(),
     }
     if timings:
         capture["timings"] = timing_summary(timings)

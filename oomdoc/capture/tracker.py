@@ -9,15 +9,17 @@ one iteration form one step and `--max-steps` stops between steps.
 
 from __future__ import annotations
 
+import gc
 import sys
 import time
 import weakref
+from collections import deque
 
 import torch
 import torch.nn as nn
 
 from oomdoc import frames
-from oomdoc.capture.backends import Backend, storage_key
+from oomdoc.capture.backends import Backend, storage_sites
 from oomdoc.snapshot import CATEGORIES
 
 
@@ -29,9 +31,24 @@ class StopRun(BaseException):
 
 
 _GRAPH_STAMP = "oomdoc_step"
+# On an autograd node: the oldest step stamp found below it (what a walk
+# from it would return), so the next walk stops there instead of walking an
+# ever longer chain again (`total += loss` adds one node per step).
+_GRAPH_BELOW = "oomdoc_below"
+_NO_STAMP = 1 << 62
 _GRAPH_WALK_LIMIT = 4000
 _LEAK_FRAMES = 3
 _CONTAINER_ITEMS = 8
+# The deep leak walk (below this step's own graph roots) runs only while
+# end-of-step memory grows, after this many steps of growth in a row, then
+# with gaps that double up to the last value: O(log steps) walks in a leak.
+_DEEP_WALK_AFTER_GROWTH = 3
+_DEEP_WALK_FIRST_GAP = 4
+_DEEP_WALK_MAX_GAP = 256
+# On CUDA, the allocation sites of a new high are read again (an allocator
+# snapshot, costly) only when it is this much above the last one read.
+_CUDA_SITES_GROWTH = 1.1
+_SAMPLED_PHASES = frozenset(("forward", "backward", "optimizer"))
 
 
 class Tracker:
@@ -64,6 +81,31 @@ class Tracker:
         # what `oomdoc check` gates, since the categories peak at different
         # moments (activations at the end of forward, gradients after backward).
         self.category_peaks: dict[str, int] = {category: 0 for category in CATEGORIES}
+        # Parameters of each model called, rebuilt only after a parameter or
+        # module was registered somewhere (torch's global registration hooks).
+        self._registration_epoch = 0
+        self._module_parameters: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # Optimizer state by storage key, read again only after an optimizer
+        # step or when an optimizer's state dict changed.
+        self._state_table: dict | None = None
+        self._state_signature: tuple = ()
+        self._known: tuple[dict, dict, dict] | None = None
+        # Leak walks: end-of-step growth streak and when the next deep walk may run.
+        self._growth_streak = 0
+        self._growth_counted_for: dict | None = None
+        self._next_deep_walk_step = 0
+        self._deep_walk_gap = _DEEP_WALK_FIRST_GAP
+        self._last_sites_allocated = -1
+        self._step_timer = _CudaStepTimer() if backend.kind == "cuda" else None
+        self.stats = {
+            "boundary_samples": 0,
+            "site_samples": 0,
+            "leak_checks": 0,
+            "leak_walks": 0,
+            "graph_nodes_walked": 0,
+            "parameter_list_builds": 0,
+            "state_table_builds": 0,
+        }
         self._new_step()
 
     # ------------------------------------------------------------ steps
@@ -111,21 +153,31 @@ class Tracker:
         step; sampling at the boundaries costs nothing in between, and the
         breakdown is only recomputed when a new high is reached.
         """
-        if self.phase not in ("forward", "backward", "optimizer"):
+        if self.phase not in _SAMPLED_PHASES:
             return
+        self.stats["boundary_samples"] += 1
         allocated = self.backend.allocated_bytes()
-        breakdown, _ = self.breakdown_and_sites(with_sites=False)
+        breakdown = self._breakdown(allocated)
         self._fold_category_peaks(breakdown)
         if self.peak_sample is not None and allocated <= self.peak_sample["allocated_bytes"]:
             return
-        breakdown, sites = self.breakdown_and_sites()
+        previous = self.peak_sample
         self.peak_sample = {
             "allocated_bytes": int(allocated),
             "step": self.step_index,
             "phase": self.phase,
             "breakdown": breakdown,
-            "top_allocations": sites,
+            "top_allocations": None,
         }
+        if self.backend.per_storage:
+            # The sites of this moment are listed when the snapshot is
+            # written, from a log of what changes from now on (finish()).
+            self.backend.mark_peak()
+        elif previous is None or allocated >= self._last_sites_allocated * _CUDA_SITES_GROWTH:
+            self.peak_sample["top_allocations"] = self._sites()
+            self._last_sites_allocated = allocated
+        else:
+            self.peak_sample["top_allocations"] = previous["top_allocations"]
 
     def _fold_category_peaks(self, breakdown: dict) -> None:
         for category, nbytes in breakdown.items():
@@ -133,26 +185,21 @@ class Tracker:
                 self.category_peaks[category] = int(nbytes)
 
     def _close_step(self) -> None:
-        if self.backend.kind == "cuda":
-            # Step durations are compared between replays: wait for the
-            # step's kernels so a duration is the step's, not its launch's.
-            torch.cuda.synchronize()
         self._fold_peak()
         current = self._current
         if current["end_allocated_bytes"] is None:
             current["end_allocated_bytes"] = self.backend.allocated_bytes()
         current["duration_s"] = round(time.perf_counter() - self._step_started, 6)
+        if self._step_timer is not None:
+            # Step durations are compared between replays: a duration must be
+            # the step's kernels, not their launch (events, not a sync).
+            self._step_timer.close(current, self._step_started)
         if "retained_graphs" not in current:  # steps without an optimizer
-            current["retained_graphs"] = self._find_retained_graphs()
+            current["retained_graphs"] = self._find_retained_graphs(self._deep_walk_due())
         if self.backend.per_storage:
-            retained = sum(
-                nbytes
-                for _key, nbytes, record in self.backend.live_storages()
-                if record is not None
-                and record.step < current["index"]
-                and record.phase in ("forward", "backward")
+            current["retained_activation_bytes"] = int(
+                self.backend.retained_activation_bytes(current["index"])
             )
-            current["retained_activation_bytes"] = int(retained)
         self.steps.append(current)
         self.step_index += 1
         self._pending_close = False
@@ -160,12 +207,30 @@ class Tracker:
 
     def finish(self) -> None:
         """Close the last step when the script ends (normally or not)."""
+        # What the script's frames held is freed once the traceback's cycles
+        # are collected: collect now, so the last step's end does not depend
+        # on when the garbage collector happens to run.
+        gc.collect()
         self._sample_peak()
         current = self._current
         if current["forward_calls"] or current["optimizer_steps"] or current["backward_calls"]:
             self._close_step()
         else:
             self._fold_peak()
+        if self._step_timer is not None:
+            self._step_timer.collect(block=True)
+        sample = self.peak_sample
+        if sample is not None and sample["top_allocations"] is None:
+            sample["top_allocations"] = self._marked_sites()
+
+    def capture_stats(self) -> dict:
+        """How much work the capture did: leak walks and samples stay far
+        below the step count however long the run (docs/snapshot.md)."""
+        stats = dict(self.stats)
+        backend_stats = getattr(self.backend, "capture_stats", None)
+        if backend_stats is not None:
+            stats.update(backend_stats())
+        return {key: int(value) for key, value in stats.items()}
 
     # ------------------------------------------------------------ hooks
     def install(self) -> None:
@@ -182,6 +247,13 @@ class Tracker:
 
         self._handles.append(optim.register_optimizer_step_pre_hook(self._on_optimizer_pre))
         self._handles.append(optim.register_optimizer_step_post_hook(self._on_optimizer_post))
+        for name in (
+            "register_module_parameter_registration_hook",
+            "register_module_module_registration_hook",
+        ):
+            register = getattr(module_hooks, name, None)
+            if register is not None:
+                self._handles.append(register(self._on_registration))
         self._patch(torch.autograd, "backward", self._wrap_backward(torch.autograd.backward))
         self._patch(torch.autograd, "grad", self._wrap_backward(torch.autograd.grad))
         original_init = torch.optim.Optimizer.__init__
@@ -198,6 +270,9 @@ class Tracker:
         """The blocks activation checkpointing wraps (see checkpoint_targets):
         replayed fixes reach it through the tracker they are given."""
         return checkpoint_targets(model)
+
+    def _on_registration(self, module, name, value):
+        self._registration_epoch += 1
 
     def _patch(self, owner, name, replacement) -> None:
         self._originals.append((owner, name, getattr(owner, name)))
@@ -258,7 +333,7 @@ class Tracker:
                 self._remember_forward_baseline()
         current["forward_calls"] += 1
         if torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
-            if any(parameter.requires_grad for parameter in module.parameters()):
+            if any(parameter.requires_grad for parameter in self._parameters_of(module)):
                 current["forward_calls_with_grad"] += 1
                 if not module.training:
                     current["eval_mode_forward_calls_with_grad"] += 1
@@ -295,6 +370,7 @@ class Tracker:
 
     def _on_optimizer_pre(self, optimizer, args, kwargs):
         self._add_optimizer(optimizer)
+        self._state_table = None  # the step may create or replace state
         if self.unit != "optimizer":
             self._switch_to_optimizer_unit()
         self._set_phase("optimizer")
@@ -312,7 +388,7 @@ class Tracker:
         known = {(entry["variable"], entry["file"]) for entry in retained}
         retained.extend(
             entry
-            for entry in self._find_retained_graphs()
+            for entry in self._find_retained_graphs(self._deep_walk_due())
             if (entry["variable"], entry["file"]) not in known
         )
         if not self.backend.per_storage:
@@ -346,25 +422,53 @@ class Tracker:
         self.step_index = 0
 
     # ------------------------------------------------------------ leaks
-    def _find_retained_graphs(self) -> list[dict]:
+    def _deep_walk_due(self) -> bool:
+        """Whether this step's leak check should also walk below the step's
+        own graph roots (the deep walk): only while end-of-step memory has
+        grown for several steps in a row, and then with doubling gaps."""
+        current = self._current
+        if self._growth_counted_for is not current:  # once per step, however many optimizers
+            previous = self.steps[-1]["end_allocated_bytes"] if self.steps else None
+            end = current["end_allocated_bytes"]
+            grew = previous is not None and end is not None and end > previous
+            self._growth_streak = self._growth_streak + 1 if grew else 0
+            self._growth_counted_for = current
+        if self._growth_streak < _DEEP_WALK_AFTER_GROWTH:
+            return False
+        if self.step_index < self._next_deep_walk_step:
+            return False
+        self._next_deep_walk_step = self.step_index + self._deep_walk_gap
+        self._deep_walk_gap = min(2 * self._deep_walk_gap, _DEEP_WALK_MAX_GAP)
+        return True
+
+    def _find_retained_graphs(self, deep: bool = False) -> list[dict]:
         """Variables in the user's frames whose autograd graph reaches back into
-        an earlier step (e.g. `total += loss`): graphs that outlive their step."""
-        found = []
+        an earlier step (e.g. `total += loss`): graphs that outlive their step.
+
+        Every step, the variables are checked down to the nearest graph root
+        stamped with a step, which costs what the step added (walks remember
+        on each node what lies below it). A variable that is this step's own
+        root (the model's output, the loss) is walked below only by the deep
+        walk (`deep`), which _deep_walk_due() allows while memory grows."""
+        found: list[dict] = []
         if self.step_index == 0:
             return found
+        self.stats["leak_checks"] += 1
+        if deep:
+            self.stats["leak_walks"] += 1
         try:
             user_frames = frames.user_frames(_LEAK_FRAMES, sys._getframe(1))
         except Exception:
             return found
         seen_tensors = set()
-        visited_nodes: dict[int, object] = {}  # shared: a graph is walked once
+        walked = [0]
         for frame in user_frames:
             for name, value in _frame_locals(frame):
                 for tensor in _candidate_tensors(value):
                     if id(tensor) in seen_tensors:
                         continue
                     seen_tensors.add(id(tensor))
-                    oldest = _oldest_stamp(tensor.grad_fn, self.step_index, visited_nodes)
+                    oldest = _oldest_stamp(tensor.grad_fn, self.step_index, deep, walked)
                     if oldest is not None:
                         found.append(
                             {
@@ -376,6 +480,7 @@ class Tracker:
                             }
                         )
                         break
+        self.stats["graph_nodes_walked"] += walked[0]
         return found
 
     # ------------------------------------------------------------ OOM
@@ -403,39 +508,107 @@ class Tracker:
         }
 
     # ------------------------------------------------------------ breakdown
+    def _parameters_of(self, module) -> list:
+        """The module's parameters, from a list rebuilt only after a parameter
+        or module was registered somewhere. Weak references: a parameter the
+        script drops is not kept alive (nor counted) by oomdoc."""
+        entry = self._module_parameters.get(module)
+        if entry is None or entry[0] != self._registration_epoch:
+            self.stats["parameter_list_builds"] += 1
+            entry = (
+                self._registration_epoch,
+                tuple(weakref.ref(parameter) for parameter in module.parameters()),
+            )
+            self._module_parameters[module] = entry
+        parameters = [reference() for reference in entry[1]]
+        return [parameter for parameter in parameters if parameter is not None]
+
+    def _state_tensors(self) -> dict:
+        """Storage key -> bytes of the optimizers' state tensors. Read again
+        only after an optimizer step or when an optimizer's state dict was
+        replaced or changed size (load_state_dict)."""
+        optimizers = list(self.optimizers)
+        signature = tuple((id(o), id(o.state), len(o.state)) for o in optimizers)
+        if self._state_table is not None and signature == self._state_signature:
+            return self._state_table
+        self.stats["state_table_builds"] += 1
+        table: dict = {}
+        add = self._add_storage
+        for optimizer in optimizers:
+            for per_parameter in list(optimizer.state.values()):
+                if isinstance(per_parameter, dict):
+                    for value in per_parameter.values():
+                        if isinstance(value, torch.Tensor):
+                            add(table, value)
+        self._state_table, self._state_signature = table, signature
+        return table
+
+    def _add_storage(self, table: dict, tensor) -> None:
+        """table[storage key] = device bytes, for a tensor on this device."""
+        if not self.backend.owns(tensor):
+            return
+        try:
+            storage = tensor.untyped_storage()
+            key = storage._cdata
+            if key not in table:
+                table[key] = self.backend.storage_bytes(storage.nbytes())
+        except Exception:
+            pass
+
     def _known_tensors(self):
         """Storage keys of parameters, gradients and optimizer state on the device."""
-        parameters, gradients, state = {}, {}, {}
-        backend = self.backend
-
-        def add(table, tensor):
-            if isinstance(tensor, torch.Tensor) and backend.owns(tensor):
-                key = storage_key(tensor)
-                if key is not None and key not in table:
-                    try:
-                        table[key] = backend.storage_bytes(tensor.untyped_storage().nbytes())
-                    except Exception:
-                        pass
-
+        parameters: dict = {}
+        gradients: dict = {}
+        add = self._add_storage
         all_parameters = []
         for module in list(self.modules):
-            all_parameters.extend(module.parameters())
+            all_parameters.extend(self._parameters_of(module))
         for optimizer in list(self.optimizers):
             for group in optimizer.param_groups:
                 all_parameters.extend(group["params"])
         for parameter in all_parameters:
             add(parameters, parameter)
-            if parameter.grad is not None:
-                add(gradients, parameter.grad)
-        for optimizer in list(self.optimizers):
-            for per_parameter in list(optimizer.state.values()):
-                if isinstance(per_parameter, dict):
-                    for value in per_parameter.values():
-                        add(state, value)
+            grad = parameter.grad
+            if grad is not None:
+                add(gradients, grad)
+        state = self._state_tensors()
         # A storage is counted once, in the first category that claims it.
         gradients = {k: v for k, v in gradients.items() if k not in parameters}
         state = {k: v for k, v in state.items() if k not in parameters and k not in gradients}
+        self._known = (parameters, gradients, state)
         return parameters, gradients, state
+
+    def _breakdown(self, allocated: int | None = None) -> dict:
+        """Live memory split into the five categories: O(parameters and
+        optimizer state), whatever else is alive."""
+        parameters, gradients, state = self._known_tensors()
+        backend = self.backend
+        if backend.per_storage:
+            # The simulated device keeps bytes per category as storages come
+            # and go; it is told which storages are parameters, grads, state.
+            known = dict.fromkeys(state, "optimizer_state")
+            known.update(dict.fromkeys(gradients, "gradients"))
+            known.update(dict.fromkeys(parameters, "parameters"))
+            backend.apply_known(known)
+            counts = backend.category_bytes()
+            return {category: int(counts[category]) for category in CATEGORIES}
+        breakdown = {category: 0 for category in CATEGORIES}
+        breakdown["parameters"] = sum(parameters.values())
+        breakdown["gradients"] = sum(gradients.values())
+        breakdown["optimizer_state"] = sum(state.values())
+        if allocated is None:
+            allocated = backend.allocated_bytes()
+        known_bytes = (
+            breakdown["parameters"] + breakdown["gradients"] + breakdown["optimizer_state"]
+        )
+        baseline = self._forward_baseline
+        if baseline is not None:
+            grown = allocated - baseline["allocated"]
+            grown -= max(0, breakdown["gradients"] - baseline["gradients"])
+            grown -= max(0, breakdown["optimizer_state"] - baseline["optimizer_state"])
+            breakdown["activations"] = max(0, min(grown, allocated - known_bytes))
+        breakdown["other"] = max(0, allocated - known_bytes - breakdown["activations"])
+        return {k: int(v) for k, v in breakdown.items()}
 
     def breakdown_and_sites(
         self, limit: int = 20, with_sites: bool = True
@@ -444,72 +617,38 @@ class Tracker:
         allocation sites (aggregated by user location, shape and dtype).
         Without `with_sites` only the breakdown is computed (no allocator
         snapshot on CUDA), cheap enough for every phase boundary."""
-        parameters, gradients, state = self._known_tensors()
-        breakdown = {category: 0 for category in CATEGORIES}
-        breakdown["parameters"] = sum(parameters.values())
-        breakdown["gradients"] = sum(gradients.values())
-        breakdown["optimizer_state"] = sum(state.values())
-
-        def category_of(key, record) -> str:
-            if key in parameters:
-                return "parameters"
-            if key in gradients:
-                return "gradients"
-            if key in state:
-                return "optimizer_state"
-            if record is not None and record.phase in ("forward", "backward", "optimizer"):
-                return "activations"
-            return "other"
-
-        per_storage = list(self.backend.live_storages())
-        if self.backend.per_storage:
-            # The simulated device sees every storage with the phase it was made in.
-            breakdown = {category: 0 for category in CATEGORIES}
-            for key, nbytes, record in per_storage:
-                breakdown[category_of(key, record)] += nbytes
-        else:
-            allocated = self.backend.allocated_bytes()
-            known = breakdown["parameters"] + breakdown["gradients"] + breakdown["optimizer_state"]
-            baseline = self._forward_baseline
-            if baseline is not None:
-                grown = allocated - baseline["allocated"]
-                grown -= max(0, breakdown["gradients"] - baseline["gradients"])
-                grown -= max(0, breakdown["optimizer_state"] - baseline["optimizer_state"])
-                breakdown["activations"] = max(0, min(grown, allocated - known))
-            breakdown["other"] = max(0, allocated - known - breakdown["activations"])
+        breakdown = self._breakdown()
         if not with_sites:
-            return {k: int(v) for k, v in breakdown.items()}, []
+            return breakdown, []
+        return breakdown, self._sites(limit, refresh=False)
 
-        records = {key: record for key, _nbytes, record in per_storage}
-        sites = self.backend.allocation_sites() or []
+    def _sites(self, limit: int = 20, refresh: bool = True) -> list[dict]:
+        """The largest live allocation sites now (O(live allocations))."""
+        self.stats["site_samples"] += 1
+        backend = self.backend
+        if backend.per_storage:
+            if refresh:
+                self._breakdown()  # names parameters, gradients and state on the device
+            return _group_sites(
+                backend.allocation_sites(), backend.known_categories(), {}, self.phase, limit
+            )
+        if refresh or self._known is None:
+            self._known_tensors()
+        parameters, gradients, state = self._known
+        sites = backend.allocation_sites() or []
         addresses = {}
         if sites and "address" in sites[0]:
             addresses = self._address_categories(parameters, gradients, state)
-        grouped: dict[tuple, dict] = {}
-        for site in sites:
-            if "key" in site:
-                category = category_of(site["key"], records.get(site["key"]))
-            else:
-                category = addresses.get(
-                    site.get("address"), "activations" if self.phase != "setup" else "other"
-                )
-            location = site.get("location")
-            loc_key = (location or {}).get("file"), (location or {}).get("line")
-            group_key = (category, loc_key, tuple(site.get("shape") or ()), site.get("dtype"))
-            entry = grouped.get(group_key)
-            if entry is None:
-                entry = grouped[group_key] = {
-                    "bytes": 0,
-                    "count": 0,
-                    "category": category,
-                    "location": location,
-                    "shape": site.get("shape"),
-                    "dtype": site.get("dtype"),
-                }
-            entry["bytes"] += int(site["bytes"])
-            entry["count"] += 1
-        top = sorted(grouped.values(), key=lambda entry: entry["bytes"], reverse=True)[:limit]
-        return {k: int(v) for k, v in breakdown.items()}, top
+        return _group_sites(sites, {}, addresses, self.phase, limit)
+
+    def _marked_sites(self, limit: int = 20) -> list[dict]:
+        """The sites at the simulated device's peak mark (see _sample_peak)."""
+        marked = self.backend.marked_storages() if self.backend.per_storage else None
+        if marked is None:
+            return []
+        items, known = marked
+        self.stats["site_samples"] += 1
+        return _group_sites(storage_sites(items), known, {}, self.peak_sample["phase"], limit)
 
     _forward_baseline: dict | None = None
 
@@ -519,24 +658,18 @@ class Tracker:
         """Without per-storage tags (CUDA), activations are what was allocated
         since the step's first forward began, less new gradients and state.
 
-        This runs when the GPU may be idle (the step before ended with a
-        sync), so it only sums gradients; the optimizer state, which changes
-        only inside optimizer.step(), was measured after the last step."""
-        gradient_bytes = 0
-        seen = set()
+        It only sums gradients; the optimizer state, which changes only
+        inside optimizer.step(), was measured after the last step."""
+        gradients: dict = {}
+        add = self._add_storage
         for module in list(self.modules):
-            for parameter in module.parameters():
+            for parameter in self._parameters_of(module):
                 grad = parameter.grad
-                if grad is not None and self.backend.owns(grad):
-                    key = storage_key(grad)
-                    if key not in seen:
-                        seen.add(key)
-                        gradient_bytes += self.backend.storage_bytes(
-                            grad.untyped_storage().nbytes()
-                        )
+                if grad is not None:
+                    add(gradients, grad)
         self._forward_baseline = {
             "allocated": self.backend.allocated_bytes(),
-            "gradients": gradient_bytes,
+            "gradients": sum(gradients.values()),
             "optimizer_state": self._state_bytes,
         }
 
@@ -569,6 +702,50 @@ class Tracker:
                         for value in per_parameter.values():
                             if isinstance(value, torch.Tensor):
                                 yield value
+
+
+class _CudaStepTimer:
+    """CUDA step durations without waiting for the GPU at every step.
+
+    An event is recorded on the current stream at each step boundary; a
+    step's duration is the GPU time between its two events (in steady state
+    the step's wall time, whether the GPU or the host is the bottleneck),
+    read once the later event has completed. The first step, which has no
+    event before it, is timed on the host after one synchronize. Until an
+    event is read the host-measured duration stands."""
+
+    def __init__(self):
+        self._last_event = None
+        self._pending: deque = deque()
+
+    def close(self, step: dict, started: float) -> None:
+        try:
+            event = torch.cuda.Event(enable_timing=True)
+            if self._last_event is None:
+                torch.cuda.synchronize()
+                step["duration_s"] = round(time.perf_counter() - started, 6)
+                event.record()
+            else:
+                event.record()
+                self._pending.append((step, self._last_event, event))
+            self._last_event = event
+            self.collect(block=False)
+        except Exception:  # a broken context: keep the host-measured duration
+            self._last_event = None
+
+    def collect(self, block: bool) -> None:
+        pending = self._pending
+        while pending:
+            step, start, end = pending[0]
+            try:
+                if block:
+                    end.synchronize()
+                elif not end.query():
+                    return
+                step["duration_s"] = round(start.elapsed_time(end) / 1000.0, 6)
+            except Exception:
+                pass
+            pending.popleft()
 
 
 _CO_OPTIMIZED = 0x0001
@@ -676,38 +853,122 @@ def _candidate_tensors(value):
                 yield item
 
 
-def _oldest_stamp(grad_fn, current_step: int, visited: dict[int, object]) -> int | None:
+def _group_sites(sites, known: dict, addresses: dict, phase: str, limit: int) -> list[dict]:
+    """Allocation sites grouped by category, user location, shape and dtype,
+    largest first. Simulated sites carry a storage `key` (its category is
+    `known`'s or the phase's it was made in); CUDA sites a block `address`."""
+    grouped: dict[tuple, dict] = {}
+    for site in sites:
+        if "key" in site:
+            category = known.get(site["key"]) or site["base_category"]
+        else:
+            category = addresses.get(
+                site.get("address"), "activations" if phase != "setup" else "other"
+            )
+        location = site.get("location")
+        loc_key = (location or {}).get("file"), (location or {}).get("line")
+        group_key = (category, loc_key, tuple(site.get("shape") or ()), site.get("dtype"))
+        entry = grouped.get(group_key)
+        if entry is None:
+            entry = grouped[group_key] = {
+                "bytes": 0,
+                "count": 0,
+                "category": category,
+                "location": location,
+                "shape": site.get("shape"),
+                "dtype": site.get("dtype"),
+            }
+        entry["bytes"] += int(site["bytes"])
+        entry["count"] += 1
+    return sorted(grouped.values(), key=lambda entry: entry["bytes"], reverse=True)[:limit]
+
+
+def _node_marks(node) -> tuple:
+    """(step stamp, oldest stamp below) recorded on an autograd node, or Nones."""
+    try:
+        metadata = node.metadata
+    except Exception:
+        return None, None
+    if not metadata:
+        return None, None
+    return metadata.get(_GRAPH_STAMP), metadata.get(_GRAPH_BELOW)
+
+
+def _next_nodes(node) -> list:
+    try:
+        return [next_node for next_node, _ in node.next_functions if next_node is not None]
+    except Exception:
+        return []
+
+
+def _stamp_below(start, walked: list) -> int:
+    """The oldest step stamp on the graph roots reachable from `start`'s
+    inputs without passing another root (_NO_STAMP when none).
+
+    Each node walked remembers its answer in its metadata, so a later walk
+    stops there: graphs never change below a node, so per step a walk costs
+    what the step added. At most _GRAPH_WALK_LIMIT nodes are expanded; past
+    that the oldest stamp seen so far is returned and nothing more is
+    remembered (an unfinished node's answer would be wrong)."""
+    budget = _GRAPH_WALK_LIMIT
+    complete = True
+    # Each entry: [node, its inputs, next input to look at, oldest stamp so far].
+    stack = [[start, _next_nodes(start), 0, _NO_STAMP]]
+    result = _NO_STAMP
+    while stack:
+        entry = stack[-1]
+        node, inputs, index, oldest = entry
+        if index < len(inputs):
+            entry[2] = index + 1
+            child = inputs[index]
+            stamp, below = _node_marks(child)
+            if stamp is not None:
+                if stamp < oldest:
+                    entry[3] = stamp
+                continue
+            if below is not None:
+                if below < oldest:
+                    entry[3] = below
+                continue
+            if budget <= 0:
+                complete = False
+                continue
+            budget -= 1
+            walked[0] += 1
+            stack.append([child, _next_nodes(child), 0, _NO_STAMP])
+            continue
+        stack.pop()
+        if complete:
+            try:
+                node.metadata[_GRAPH_BELOW] = oldest
+            except Exception:
+                pass
+        if stack:
+            if oldest < stack[-1][3]:
+                stack[-1][3] = oldest
+        else:
+            result = oldest
+    return result
+
+
+def _oldest_stamp(grad_fn, current_step: int, deep: bool, walked: list) -> int | None:
     """The earliest step stamp older than the current step reachable from
     `grad_fn`, or None.
 
     The walk does not go below a stamped root other than the start: below a
     root of this step lies this step's model graph (nothing to find in the
     usual training loop, and costly to walk), below an older root lies the
-    older step already found. `visited` holds the node wrappers so their ids
-    are not reused while the walk runs.
+    older step already found. Below the start itself when it is a root of
+    this step only when `deep`.
     """
     if grad_fn is None:
         return None
-    oldest = None
-    stack = [grad_fn]
-    budget = _GRAPH_WALK_LIMIT
-    while stack and budget:
-        node = stack.pop()
-        if node is None or id(node) in visited:
-            continue
-        visited[id(node)] = node
-        budget -= 1
-        try:
-            stamp = node.metadata.get(_GRAPH_STAMP) if node.metadata else None
-        except Exception:
-            stamp = None
-        if stamp is not None and stamp < current_step:
-            oldest = stamp if oldest is None else min(oldest, stamp)
-            continue
-        if stamp is not None and node is not grad_fn:
-            continue
-        try:
-            stack.extend(next_node for next_node, _ in node.next_functions)
-        except Exception:
-            pass
-    return oldest
+    stamp, below = _node_marks(grad_fn)
+    if stamp is not None:
+        if stamp < current_step:
+            return stamp
+        if not deep:
+            return None
+    if below is None:
+        below = _stamp_below(grad_fn, walked)
+    return below if below < current_step else None
