@@ -336,8 +336,12 @@ def _fix_items(document: dict, analysis: dict) -> dict:
     need = _int(replay.get("baseline_need_bytes"))
     if not need:
         need = _int(analysis.get("needed_bytes"))
+    fixes = _dicts(analysis.get("fixes"))
+    if analysis.get("fixes_measured") is not True and document.get("outcome") != "oom":
+        # As the text report: estimates for a run that fit would only be noise.
+        fixes = [] if not _list(document.get("fixes")) else fixes
     items = []
-    for position, fix in enumerate(_dicts(analysis.get("fixes"))[:MAX_FIXES], start=1):
+    for position, fix in enumerate(fixes[:MAX_FIXES], start=1):
         items.append(
             {
                 "name": _str(fix.get("name"), "?", 120),
@@ -414,6 +418,16 @@ def _growth_per_step(ends: list) -> int | None:
     return int(slope) if slope >= 1 else None
 
 
+def _x_max(xs: list, oom_view) -> float:
+    """The end of the last step, or just after the OOM: nothing ran after it."""
+    if not xs:
+        return 1
+    end = math.floor(max(xs)) + 1
+    if oom_view and oom_view["x"] >= max(xs):
+        return min(end, oom_view["x"] + 0.2)
+    return end
+
+
 def _timeline(document: dict, capacity: int) -> dict:
     steps = sorted(
         (step for step in _dicts(document.get("steps")) if _int(step.get("index")) is not None),
@@ -457,6 +471,8 @@ def _timeline(document: dict, capacity: int) -> dict:
             "allocated_bytes": allocated_at_oom,
             "need_bytes": allocated_at_oom + _int(oom.get("requested_bytes"), 0),
         }
+        # Nothing ran after the OOM: a phase listed later in its step is not real.
+        allocated = [point for point in allocated if point[0] <= oom_view["x"]]
         if not any(point[0] == oom_view["x"] for point in allocated):
             allocated.append([oom_view["x"], allocated_at_oom, step, phase])
             allocated.sort(key=lambda point: point[0])
@@ -484,7 +500,7 @@ def _timeline(document: dict, capacity: int) -> dict:
         "points_total": total,
         "downsampled": sum(len(series) for series in shown.values()) < total,
         "x_min": math.floor(min(xs)) if xs else 0,
-        "x_max": math.floor(max(xs)) + 1 if xs else 1,
+        "x_max": _x_max(xs, oom_view),
         **shown,
         "reserved_is_allocated": reserved_is_allocated,
         "growth_per_step_bytes": _growth_per_step(ends),
@@ -898,7 +914,7 @@ def _prescription_html(view: dict, ids: _Ids) -> str:
         facts = []
         if prescription.get("batch_size") is not None:
             batch = f"batch size {prescription['batch_size']}"
-            if prescription.get("accumulation_steps"):
+            if (prescription.get("accumulation_steps") or 1) > 1:
                 batch += f" x {prescription['accumulation_steps']} accumulation steps"
             facts.append(batch)
         if prescription.get("peak_allocated_bytes") is not None:
@@ -983,7 +999,9 @@ def _timeline_html(view: dict) -> str:
     if oom:
         values.append(oom["need_bytes"])
     y_max = max([capacity, *values, 1]) * 1.08
-    x_min, x_max = timeline["x_min"], max(timeline["x_max"], timeline["x_min"] + 1)
+    x_min, x_max = timeline["x_min"], timeline["x_max"]
+    if x_max <= x_min:
+        x_max = x_min + 1
 
     def sx(x):
         return left + (x - x_min) / (x_max - x_min) * plot_w
@@ -998,11 +1016,11 @@ def _timeline_html(view: dict) -> str:
     # Alternate steps shaded, when few enough to tell apart.
     step_span = x_max - x_min
     if step_span <= 80:
-        for step in range(int(x_min), int(x_max)):
+        for step in range(int(x_min), math.ceil(x_max)):
             if step % 2 == 0:
                 parts.append(
                     f'<rect class="stepband" x="{sx(step):.1f}" y="{top}" '
-                    f'width="{sx(step + 1) - sx(step):.1f}" height="{plot_h}"/>'
+                    f'width="{sx(min(step + 1, x_max)) - sx(step):.1f}" height="{plot_h}"/>'
                 )
     # Grid and y axis.
     y_step = _nice_byte_step(y_max)
@@ -1020,10 +1038,15 @@ def _timeline_html(view: dict) -> str:
     x_step = _nice_int_step(step_span)
     first_tick = int(math.ceil(x_min / x_step) * x_step)
     few_steps = step_span <= 4
-    for step in range(first_tick, int(x_max) + 1, x_step):
-        x = sx(step + 0.5) if step_span <= 80 else sx(step)
-        if step >= x_max and step_span <= 80:
+    for step in range(first_tick, math.ceil(x_max) + 1, x_step):
+        if step_span <= 80:  # the label in the middle of the step's band
+            if step >= x_max:
+                continue
+            x = sx((step + min(step + 1, x_max)) / 2)
+        elif step > x_max:
             continue
+        else:
+            x = sx(step)
         label = f"step {step}" if few_steps else str(step)
         parts.append(
             f'<text class="tick" x="{x:.1f}" y="{height - bottom + (30 if few_steps else 18)}" '
@@ -1042,6 +1065,10 @@ def _timeline_html(view: dict) -> str:
         )
     parts.append(
         f'<line class="axis" x1="{left}" x2="{width - right}" y1="{top + plot_h}" y2="{top + plot_h}"/>'
+    )
+    parts.append(
+        f'<clipPath id="plot-clip"><rect x="{left}" y="0" width="{plot_w}" height="{top + plot_h}"/>'
+        '</clipPath><g clip-path="url(#plot-clip)">'
     )
     # Reserved: a light area under each step's peak reserved.
     if reserved and not timeline["reserved_is_allocated"]:
@@ -1076,6 +1103,7 @@ def _timeline_html(view: dict) -> str:
                 f'<rect class="enddot" x="{sx(x) - 3:.1f}" y="{sy(value) - 3:.1f}" width="6" height="6">'
                 f"<title>end of step {step}: {_esc(_fmt(value))} allocated</title></rect>"
             )
+    parts.append("</g>")
     # Capacity: labelled at the end away from the OOM marker.
     if capacity:
         y = sy(capacity)
@@ -1091,9 +1119,10 @@ def _timeline_html(view: dict) -> str:
     # Peak (when the run did not run out of memory) and the OOM.
     if peak and not oom:
         x, y = sx(peak["x"]), sy(peak["bytes"])
+        anchor = "start" if x < left + 90 else ("end" if x > width - right - 90 else "middle")
         parts.append(
             f'<g id="peak-marker" class="peak-marker"><circle cx="{x:.1f}" cy="{y:.1f}" r="6"/>'
-            f'<text x="{x:.1f}" y="{y - 11:.1f}" text-anchor="middle">peak {_esc(_fmt(peak["bytes"]))}</text></g>'
+            f'<text x="{x:.1f}" y="{y - 11:.1f}" text-anchor="{anchor}">peak {_esc(_fmt(peak["bytes"]))}</text></g>'
         )
     if oom:
         x = sx(oom["x"])
@@ -1269,7 +1298,7 @@ def _modules_html(view: dict) -> str:
         )
         blocks_badge = " " + _badge(blocks, "neutral") if blocks else ""
         rows.append(
-            f'<tr><td><code>{_esc(item["path"])}</code> <span class="muted">{_esc(item["class"])}</span>'
+            f'<tr><td class="modname"><code>{_esc(item["path"])}</code> <span class="muted">{_esc(item["class"])}</span>'
             f"{blocks_badge}</td>"
             f'<td class="num strong">{_esc(_fmt(item["total_bytes"]))}</td>{cells}'
             f'<td class="barcell"><div class="stack small">{segments}</div></td></tr>'
@@ -1634,14 +1663,14 @@ code,pre{font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,"Liberation Mono
 .page{max-width:1120px;margin:0 auto;padding:28px 24px 48px}
 .top .brand{font-weight:700;letter-spacing:.02em;color:var(--accent);font-size:13px;text-transform:uppercase}
 .top .brand span{color:var(--muted);font-weight:500;text-transform:none;letter-spacing:0;margin-left:6px}
-h1{font-size:22px;line-height:1.35;margin:8px 0 10px;font-weight:650}
+h1{overflow-wrap:anywhere;font-size:22px;line-height:1.35;margin:8px 0 10px;font-weight:650}
 h2{font-size:16px;margin:0 0 4px;font-weight:650}
 h3{font-size:14px;margin:18px 0 6px}
 .meta{color:var(--muted);font-size:13px;display:grid;gap:2px}
 .meta .k{display:inline-block;min-width:72px;color:#94a3b8;font-size:12px;text-transform:uppercase;letter-spacing:.03em}
 .meta code{color:var(--ink);background:#eef2f7;padding:1px 6px;border-radius:4px;word-break:break-all}
 .callout{margin-top:12px;padding:10px 14px;border-radius:8px;border:1px solid #fecaca;background:var(--bad-bg)}
-.callout code{background:#fff;padding:1px 6px;border-radius:4px;border:1px solid #fecaca}
+.callout code{overflow-wrap:anywhere;background:#fff;padding:1px 6px;border-radius:4px;border:1px solid #fecaca}
 .callout details{margin-top:4px}.callout summary{cursor:pointer;color:#991b1b;font-size:13px}
 .callout pre{white-space:pre-wrap;word-break:break-word;margin:6px 0 0;color:#7f1d1d}
 .nav{display:flex;gap:6px;flex-wrap:wrap;margin:18px 0 4px}
@@ -1650,7 +1679,7 @@ h3{font-size:14px;margin:18px 0 6px}
 .stats{display:grid;grid-template-columns:repeat(auto-fit,minmax(190px,1fr));gap:12px;margin:14px 0}
 .stat{background:var(--card);border:1px solid var(--line);border-radius:10px;padding:12px 14px}
 .stat-label{color:var(--muted);font-size:12px;text-transform:uppercase;letter-spacing:.03em}
-.stat-value{font-size:20px;font-weight:650;margin-top:2px;font-variant-numeric:tabular-nums}
+.stat-value{overflow-wrap:anywhere;font-size:20px;font-weight:650;margin-top:2px;font-variant-numeric:tabular-nums}
 .stat-sub{color:var(--muted);font-size:12.5px;min-height:1em}
 .stat.bad .stat-value{color:var(--bad)}.stat.good .stat-value{color:var(--good)}
 .card{background:var(--card);border:1px solid var(--line);border-radius:12px;padding:18px 20px;margin:14px 0;
@@ -1713,7 +1742,7 @@ padding:6px 10px;border-bottom:1px solid var(--line)}
 .tbl .num{text-align:right;white-space:nowrap}
 .tbl tr.total td{font-weight:650;border-top:1px solid var(--line)}
 .tbl tr.requested td{color:#b91c1c}
-.barcell{width:34%}
+.barcell{width:34%}.modules-table .barcell{width:18%}.modname{white-space:nowrap}
 .minibar{height:8px;background:#f1f5f9;border-radius:4px;overflow:hidden}.minibar div{height:100%}
 .scroll{overflow-x:auto}
 .site-head,.site summary{display:grid;grid-template-columns:92px 110px 140px minmax(0,1fr) 190px;gap:12px;align-items:center}
