@@ -77,7 +77,7 @@ from oomdoc.snapshot import CATEGORIES
 MAX_TIMELINE_POINTS = 1600  # per series; min and max per bucket are kept
 MAX_RANK_STEP_POINTS = 120
 MAX_SITES = 50
-MAX_STACK_FRAMES = 40
+MAX_STACK_FRAMES = 30
 MAX_MODULES = 25
 MAX_RANKS = 128
 MAX_DIAGNOSES = 20
@@ -166,13 +166,13 @@ def _relative(filename: str, cwd) -> str:
 def _location(location, cwd=None):
     """`file:line in function`, relative to the run's cwd, or None."""
     if isinstance(location, str):
-        return _str(location, limit=500)
+        return _str(location, limit=420)
     location = _dict(location)
-    filename = _str(location.get("file"), limit=500) or _str(location.get("filename"), limit=500)
+    filename = _str(location.get("file"), limit=300) or _str(location.get("filename"), limit=300)
     if not filename:
         return None
     line = _int(location.get("line"))
-    function = _str(location.get("function"), limit=200) or _str(location.get("name"), limit=200)
+    function = _str(location.get("function"), limit=120) or _str(location.get("name"), limit=120)
     text = _relative(filename, cwd)
     if line is not None:
         text += f":{line}"
@@ -480,7 +480,7 @@ def _timeline(document: dict, capacity: int) -> dict:
     if allocated:
         highest = max(allocated, key=lambda point: point[1])
         peak_view = {"x": highest[0], "step": highest[2], "phase": highest[3], "bytes": highest[1]}
-    per_step_peak = {}
+    per_step_peak: dict[int, int] = {}
     for point in allocated:
         per_step_peak[point[2]] = max(per_step_peak.get(point[2], 0), point[1])
     reserved_is_allocated = all(
@@ -1463,6 +1463,19 @@ def _diagnoses_html(view: dict, ids: _Ids) -> str:
     )
 
 
+def _rank_oom_text(oom: dict) -> str:
+    where = " ".join(
+        part
+        for part in (
+            f"step {oom['step']}" if oom.get("step") is not None else "",
+            oom.get("phase") or "",
+        )
+        if part
+    )
+    asked = f"asked {_fmt(oom['requested_bytes'])}" if oom.get("requested_bytes") else ""
+    return ", ".join(part for part in (where, asked) if part) or "out of memory"
+
+
 def _ranks_html(view: dict) -> str:
     ranks = view.get("ranks")
     if not ranks or not ranks["items"]:
@@ -1508,11 +1521,7 @@ def _ranks_html(view: dict) -> str:
         for item in items
     ]
     oom_cells = [
-        _esc(
-            f"step {item['oom']['step']} {item['oom']['phase'] or ''}, asked {_fmt(item['oom']['requested_bytes'])}"
-        )
-        if item["oom"]
-        else '<span class="muted">-</span>'
+        _esc(_rank_oom_text(item["oom"])) if item["oom"] else '<span class="muted">-</span>'
         for item in items
     ]
     bars = []
