@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Optional, TextIO
 
 import oomdoc
-from oomdoc.analysis import headline
+from oomdoc.analysis import analyse, headline
 from oomdoc.errors import UsageError
 from oomdoc.formatting import relative_path
 from oomdoc.model import CATEGORIES, Location, Snapshot
@@ -57,6 +57,7 @@ class CheckOptions:
     tolerance_text: str = "5%"
     update_baseline: bool = False
     junit_path: str | None = None
+    html_path: str | None = None
 
 
 @dataclass
@@ -419,8 +420,9 @@ def run_check(options: CheckOptions, stderr: TextIO | None = None) -> int:
             if not options.update_baseline:
                 raise
             unreadable = f"the previous baseline could not be read and is replaced ({exc})"
-    if options.junit_path and Path(options.junit_path).is_dir():
-        raise UsageError(f"--junit {options.junit_path}: is a directory")
+    for flag, artifact in (("--junit", options.junit_path), ("--html", options.html_path)):
+        if artifact and Path(artifact).is_dir():
+            raise UsageError(f"{flag} {artifact}: is a directory")
 
     snapshot, wall_s = measure(options)
     result = evaluate(snapshot, baseline, options, wall_s)
@@ -432,6 +434,8 @@ def run_check(options: CheckOptions, stderr: TextIO | None = None) -> int:
     print(render("check-text", result), file=stderr, end="")
     if options.junit_path:
         write_atomic(options.junit_path, render("junit", result), overwrite=True)
+    if options.html_path:
+        write_atomic(options.html_path, render("html", analyse(snapshot)), overwrite=True)
     summary_path = os.environ.get("GITHUB_STEP_SUMMARY")
     if summary_path:
         with open(summary_path, "a", encoding="utf-8") as handle:

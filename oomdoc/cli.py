@@ -132,6 +132,12 @@ def run(
         metavar="FLAG",
         help="The script's batch-size flag, if not --batch-size/--batch_size/--bs/--per_device_train_batch_size.",
     ),
+    html: Optional[str] = typer.Option(
+        None,
+        "--html",
+        metavar="PATH",
+        help="Also write the report as one self-contained HTML page (never overwritten).",
+    ),
     margin: str = typer.Option(
         "5%",
         "--margin",
@@ -158,6 +164,7 @@ def run(
         replay_timeout_s=replay_timeout,
         batch_arg=batch_arg,
         margin_fraction=margin_option(margin),
+        html_path=new_file_option(html, "--html"),
     )
     return run_session(options)
 
@@ -174,7 +181,24 @@ def margin_option(text: str) -> float:
     return value
 
 
-SUGGEST_FORMATS = ("table", "json", "markdown")
+SUGGEST_FORMATS = ("table", "json", "markdown", "html")
+
+
+def new_file_option(path: Optional[str], flag: str) -> Optional[str]:
+    """A file oomdoc will write: refused when it exists (nothing the user had
+    is overwritten) or its directory does not."""
+    if path is None:
+        return None
+    import os
+
+    if os.path.isdir(path):
+        raise UsageError(f"{flag} {path}: is a directory")
+    if os.path.exists(path):
+        raise UsageError(f"{flag} {path}: already exists (oomdoc never overwrites a file)")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise UsageError(f"{flag} {path}: no such directory {parent}")
+    return path
 
 
 @app.command()
@@ -187,11 +211,18 @@ def suggest(
     output_format: str = typer.Option(
         "table",
         "--format",
-        metavar="table|json|markdown",
-        help="table (default), json (one object) or markdown.",
+        metavar="table|json|markdown|html",
+        help="table (default), json (one object), markdown, or html (one self-contained page).",
     ),
     top: int = typer.Option(
         5, "--top", metavar="N", min=1, help="Show at most N fixes and allocation sites."
+    ),
+    output: Optional[str] = typer.Option(
+        None,
+        "-o",
+        "--output",
+        metavar="PATH",
+        help="Write the report to PATH (never overwritten) instead of stdout.",
     ),
 ) -> int:
     """Diagnose a saved snapshot offline: what filled the device, why, and the fixes."""
@@ -201,7 +232,7 @@ def suggest(
         raise UsageError(
             f"--format must be one of {', '.join(SUGGEST_FORMATS)}, not {output_format!r}"
         )
-    return run_suggest(snapshot, output_format, top)
+    return run_suggest(snapshot, output_format, top, output=new_file_option(output, "-o/--output"))
 
 
 @app.command(context_settings=PASS_THROUGH)
@@ -231,6 +262,12 @@ def check(
     junit: Optional[str] = typer.Option(
         None, "--junit", metavar="FILE", help="Also write the comparison as JUnit XML."
     ),
+    html: Optional[str] = typer.Option(
+        None,
+        "--html",
+        metavar="PATH",
+        help="Also write the run's report as one HTML page (a CI artifact; replaced if it exists).",
+    ),
     module: ModuleFlag = False,
     device: DeviceOption = "auto",
     device_memory: DeviceMemoryOption = None,
@@ -259,6 +296,7 @@ def check(
         tolerance_text=tolerance.strip(),
         update_baseline=update_baseline,
         junit_path=junit,
+        html_path=html,
     )
     return run_check(options)
 

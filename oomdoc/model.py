@@ -18,6 +18,7 @@ here (the JSON key is given in the field's metadata).
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 import typing
 from dataclasses import dataclass, field
@@ -84,11 +85,8 @@ def _coerce(kind: Any, value: Any) -> Any:
     if kind is int:
         return value if _is_int(value) else _MISSING
     if kind is float:
-        return (
-            float(value)
-            if isinstance(value, (int, float)) and not isinstance(value, bool)
-            else _MISSING
-        )
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return float(value) if number and math.isfinite(value) else _MISSING
     if kind is bool:
         return value if isinstance(value, bool) else _MISSING
     if kind is str:

@@ -340,6 +340,8 @@ class RunOptions:
     batch_arg: str | None = None
     # The share of the capacity the prescription leaves free.
     margin_fraction: float = 0.05
+    # Also write the report as HTML here.
+    html_path: str | None = None
 
     @property
     def command(self) -> list[str]:

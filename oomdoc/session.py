@@ -19,7 +19,7 @@ from oomdoc.runner import (
     raise_child_usage_error,
     run_child,
 )
-from oomdoc.snapshot import default_snapshot_path, write_snapshot
+from oomdoc.snapshot import default_snapshot_path, write_atomic, write_snapshot
 
 __all__ = ["RunOptions", "run_session"]
 
@@ -75,7 +75,12 @@ def run_session(options: RunOptions, stderr: TextIO | None = None) -> int:
 
     remove_if_empty(artifact_dir)
     write_snapshot(snapshot.to_dict(), path)
-    print(render("table", analyse(snapshot), snapshot_path=str(path)), file=stderr, end="")
+    analysis = analyse(snapshot)
+    text = render("table", analysis, snapshot_path=str(path))
+    if options.html_path:
+        write_atomic(options.html_path, render("html", analysis))
+        text += f"HTML report: {options.html_path}\n"
+    print(text, file=stderr, end="")
     return result.exit_code
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from oomdoc.reporters.check_reports import CheckTextReporter, GithubSummaryReporter, JunitReporter
+from oomdoc.reporters.html import HtmlReporter
 from oomdoc.reporters.json_report import JsonReporter
 from oomdoc.reporters.markdown import MarkdownReporter
 from oomdoc.reporters.text import TextReporter
@@ -18,6 +19,7 @@ REPORTERS: dict[str, Any] = {
     "table": TextReporter,
     "json": JsonReporter,
     "markdown": MarkdownReporter,
+    "html": HtmlReporter,
     # oomdoc check renders a CheckResult:
     "check-text": CheckTextReporter,
     "github-summary": GithubSummaryReporter,
