@@ -132,12 +132,55 @@ def run(
         metavar="FLAG",
         help="The script's batch-size flag, if not --batch-size/--batch_size/--bs/--per_device_train_batch_size.",
     ),
+    # A distributed job through torch.distributed.run (oomdoc.distributed).
+    nproc_per_node: Optional[int] = typer.Option(
+        None,
+        "--nproc-per-node",
+        metavar="N",
+        help="Run SCRIPT as a torchrun job of N ranks per node, every rank under capture.",
+    ),
+    nnodes: Optional[str] = typer.Option(None, "--nnodes", help="torchrun --nnodes."),
+    node_rank: Optional[int] = typer.Option(None, "--node-rank", help="torchrun --node-rank."),
+    master_addr: Optional[str] = typer.Option(
+        None, "--master-addr", help="torchrun --master-addr."
+    ),
+    master_port: Optional[int] = typer.Option(
+        None, "--master-port", help="torchrun --master-port (default: a free port on one node)."
+    ),
+    rdzv_backend: Optional[str] = typer.Option(
+        None, "--rdzv-backend", help="torchrun --rdzv-backend."
+    ),
+    rdzv_endpoint: Optional[str] = typer.Option(
+        None, "--rdzv-endpoint", help="torchrun --rdzv-endpoint."
+    ),
+    rdzv_id: Optional[str] = typer.Option(None, "--rdzv-id", help="torchrun --rdzv-id."),
+    rank_timeout: Optional[float] = typer.Option(
+        None,
+        "--rank-timeout",
+        metavar="SECONDS",
+        help="End the job this long after its first rank failed (default 60).",
+    ),
 ) -> int:
     """Run SCRIPT under oomdoc: catch and explain an OOM, and measure fixes."""
+    from oomdoc.distributed import launch_from_cli
     from oomdoc.replay.orchestrate import check_replay_options
     from oomdoc.session import run_session
 
     fix_names = check_replay_options(fixes, replay_timeout, batch_arg, replay=not no_replay)
+    target, args, module, distributed = launch_from_cli(
+        target,
+        list(args or []),
+        module,
+        rank_timeout,
+        nproc_per_node=nproc_per_node,
+        nnodes=nnodes,
+        node_rank=node_rank,
+        master_addr=master_addr,
+        master_port=master_port,
+        rdzv_backend=rdzv_backend,
+        rdzv_endpoint=rdzv_endpoint,
+        rdzv_id=rdzv_id,
+    )
     options = script_run_options(
         "run",
         target,
@@ -152,6 +195,8 @@ def run(
         replay_timeout_s=replay_timeout,
         batch_arg=batch_arg,
     )
+    if distributed is not None:
+        options.extra["distributed"] = distributed
     return run_session(options)
 
 

@@ -185,6 +185,10 @@ def child_request(options: RunOptions, device: str, **extra) -> ChildRequest:
 
 
 def run_session(options: RunOptions, stderr=None) -> int:
+    if options.extra.get("distributed") is not None:  # torchrun job: oomdoc.distributed
+        from oomdoc.distributed.session import run_distributed_session
+
+        return run_distributed_session(options, stderr)
     stderr = stderr or sys.stderr
     # Arguments are checked before torch is imported: a usage error is quick.
     check_device_choice(options.device)

@@ -193,7 +193,13 @@ class Replayer:
             timeout_s=self.timeout_s,
         )
         self.progress.start(label)
-        result = run_child(child, pool=self.pool)
+        distributed = (getattr(self.options, "extra", None) or {}).get("distributed")
+        if distributed is not None:  # the same launcher and world size (oomdoc.distributed)
+            from oomdoc.distributed.launch import run_distributed_child
+
+            result = run_distributed_child(child, distributed)
+        else:
+            result = run_child(child, pool=self.pool)
         replay = measure(result, label, log_path)
         if not result.timed_out and (
             result.exit_code == 130 or (result.capture or {}).get("outcome") == "interrupted"
