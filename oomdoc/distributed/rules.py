@@ -16,6 +16,8 @@ MiB = 1024**2
 IMBALANCE_SHARE = 0.10
 # Memory outside PyTorch's allocator worth a word: this share of the device.
 OUTSIDE_ALLOCATOR_SHARE = 0.05
+# DDP's second copy of the gradients, worth a word from this share of the peak.
+BUCKET_SHARE_OF_PEAK = 0.05
 
 DDP_SNIPPET = """\
 # train.py: one process per GPU instead of nn.DataParallel
@@ -174,12 +176,8 @@ def ddp_buckets(document: dict) -> dict | None:
                 "gradient_as_bucket_view=False: every gradient is also copied into a bucket, "
                 f"so {format_bytes(bucket_bytes)} more than the gradients themselves"
             )
-    breakdown = document.get("breakdown") or {}
     if extra:
-        evidence.append(
-            "the buckets are made when DDP is constructed, before the first step: the breakdown "
-            f"counts them under other ({format_bytes(int(breakdown.get('other') or 0))} here)"
-        )
+        evidence.extend(_bucket_sites(document, modules))
         summary = (
             f"DDP's gradient buckets hold a second copy of the gradients ({format_bytes(extra)})"
         )
@@ -189,7 +187,27 @@ def ddp_buckets(document: dict) -> dict | None:
             "DDP's gradient buckets share memory with the gradients (gradient_as_bucket_view=True)"
         )
         fixes = []
+    peak = int((document.get("peak") or {}).get("allocated_bytes") or 0)
+    if not extra or extra < BUCKET_SHARE_OF_PEAK * peak:
+        return None  # nothing to gain worth a word
     return _diagnosis("ddp_buckets", summary, evidence, extra, fixes=fixes, remedy=BUCKET_SNIPPET)
+
+
+def _bucket_sites(document: dict, modules: list[dict]) -> list[str]:
+    """Where the breakdown put the buckets: flat tensors of a bucket's size
+    among the allocation sites (the category is where they were made)."""
+    sizes = {size for module in modules for size in module.get("bucket_sizes_bytes") or []}
+    found = []
+    for site in document.get("top_allocations") or []:
+        shape = site.get("shape")
+        if site.get("bytes") in sizes and isinstance(shape, list) and len(shape) == 1:
+            location = site.get("location") or {}
+            found.append(
+                f"the bucket is the flat {shape[0]}-element {site.get('dtype') or ''} tensor the "
+                f"breakdown counts under {site.get('category')} (made at "
+                f"{location.get('file')}:{location.get('line')})"
+            )
+    return found[:2]
 
 
 def outside_allocator(document: dict) -> dict | None:
