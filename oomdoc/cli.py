@@ -205,10 +205,10 @@ SUGGEST_FORMATS = ("table", "json", "markdown")
 
 @app.command()
 def suggest(
-    snapshot: str = typer.Argument(
+    snapshot: List[str] = typer.Argument(
         ...,
-        metavar="SNAPSHOT",
-        help="An oomdoc snapshot (.json), or PyTorch's memory snapshot (the _dump_snapshot() pickle, or _snapshot() saved as JSON).",
+        metavar="SNAPSHOT...",
+        help="An oomdoc snapshot (.json), or PyTorch's memory snapshot (the _dump_snapshot() pickle, or _snapshot() saved as JSON). Several snapshots, or a directory of them: the ranks of one distributed job, merged.",
     ),
     output_format: str = typer.Option(
         "table",
@@ -227,7 +227,7 @@ def suggest(
         raise UsageError(
             f"--format must be one of {', '.join(SUGGEST_FORMATS)}, not {output_format!r}"
         )
-    return run_suggest(snapshot, output_format, top)
+    return run_suggest(snapshot[0] if len(snapshot) == 1 else snapshot, output_format, top)
 
 
 @app.command(context_settings=PASS_THROUGH)

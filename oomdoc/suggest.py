@@ -3,16 +3,23 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from oomdoc import report
 from oomdoc.diagnose import analysis
-from oomdoc.loaders import load_snapshot
+from oomdoc.loaders import LoadedSnapshot, load_snapshot
 
 
-def run_suggest(path: str, output_format: str, top: int, stdout=None) -> int:
+def run_suggest(path: str | list[str], output_format: str, top: int, stdout=None) -> int:
     stdout = stdout or sys.stdout
-    loaded = load_snapshot(path)
+    if not isinstance(path, str) or os.path.isdir(path):  # one job's ranks (oomdoc.distributed)
+        from oomdoc.distributed.merge import load_job
+
+        paths = [path] if isinstance(path, str) else list(path)
+        loaded, path = LoadedSnapshot(load_job(paths), "oomdoc"), paths[0]
+    else:
+        loaded = load_snapshot(path)
     document = loaded.document
     if output_format == "json":
         result = analysis(document, top=top, source_format=loaded.source_format, path=path)
@@ -21,4 +28,10 @@ def run_suggest(path: str, output_format: str, top: int, stdout=None) -> int:
         stdout.write(report.render_markdown(document, top=top))
     else:
         stdout.write(report.render_text(document, top=top).lstrip("\n"))
+        if document.get("ranks"):  # until the reporters show ranks (oomdoc.distributed)
+            from oomdoc.distributed.report import diagnosis_lines, rank_section_lines
+            from oomdoc.distributed.rules import diagnose_distributed
+
+            extra = rank_section_lines(document) + diagnosis_lines(diagnose_distributed(document))
+            stdout.write("\n".join(extra) + "\n")
     return 0

@@ -241,7 +241,7 @@ def snapshot_paths(paths: list[str]) -> list[Path]:
         if path.is_dir():
             inside = sorted(p for p in path.iterdir() if p.suffix == ".json" and p.is_file())
             if not inside:
-                raise SnapshotError(f"{path}: a directory with no snapshot (.json) files in it")
+                raise SnapshotError(f"{path}: is a directory with no snapshot (.json) files in it")
             found.extend(inside)
         else:
             found.append(path)

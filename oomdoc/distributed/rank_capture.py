@@ -150,14 +150,21 @@ class ParallelCapture:
         self._start_watcher()
 
     def _on_model_call(self, module) -> None:
+        try:
+            self._record_wrapper(module)
+        except Exception:  # never a reason for the script to fail
+            pass
+
+    def _record_wrapper(self, module) -> None:
         if isinstance(module, nn.DataParallel):
             if not any(entry.get("_id") == id(module) for entry in self.data_parallel):
                 self.data_parallel.append(
                     {
                         "_id": id(module),
                         "class": type(module.module).__name__,
-                        "device_ids": [int(i) for i in (module.device_ids or [])],
-                        "output_device": _int_or_none(module.output_device),
+                        # Without GPUs DataParallel has neither attribute.
+                        "device_ids": [int(i) for i in getattr(module, "device_ids", None) or []],
+                        "output_device": _int_or_none(getattr(module, "output_device", None)),
                     }
                 )
         ddp_class = getattr(nn.parallel, "DistributedDataParallel", None)

@@ -61,10 +61,15 @@ def main():
         action="store_true",
         help="rank 1 ignores SIGTERM and outlives its peer",
     )
+    parser.add_argument(
+        "--expect-world", type=int, default=None, help="fail unless this world size"
+    )
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    if args.expect_world is not None and dist.get_world_size() != args.expect_world:
+        raise SystemExit(f"world size {dist.get_world_size()}, expected {args.expect_world}")
     torch.manual_seed(0)
     model = DistributedDataParallel(Net(args.width, args.depth))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
