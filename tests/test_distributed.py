@@ -401,7 +401,15 @@ def test_dist_options_command_line():
 
 def test_data_parallel_is_seen_in_a_single_process_run(tmp_path):
     result = run_oomdoc(
-        ["run", "--device", "cpu", "-o", tmp_path / "dp.json", SCRIPTS / "data_parallel_cpu.py"],
+        [
+            "run",
+            "--device",
+            "cpu",
+            "--no-replay",
+            "-o",
+            tmp_path / "dp.json",
+            SCRIPTS / "data_parallel_cpu.py",
+        ],
         cwd=tmp_path,
         timeout=JOB_TIMEOUT,
     )

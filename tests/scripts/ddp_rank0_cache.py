@@ -1,4 +1,5 @@
-"""A tiny DDP trainer (gloo, CPU) for oomdoc's distributed tests; run it with torchrun.
+"""A tiny DDP trainer (gloo on the CPU, NCCL with --device cuda) for oomdoc's
+distributed tests; run it with torchrun.
 
 Every step each rank trains on its own batch, then averages the loss with an
 all_reduce for logging. With --rank0-cache MIB, rank 0 alone keeps MIB of
@@ -64,29 +65,38 @@ def main():
     parser.add_argument(
         "--expect-world", type=int, default=None, help="fail unless this world size"
     )
+    parser.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (NCCL, GPU LOCAL_RANK)")
     args = parser.parse_args()
 
-    dist.init_process_group("gloo")
+    if args.device == "cuda":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     rank = dist.get_rank()
     if args.expect_world is not None and dist.get_world_size() != args.expect_world:
         raise SystemExit(f"world size {dist.get_world_size()}, expected {args.expect_world}")
     torch.manual_seed(0)
-    model = DistributedDataParallel(Net(args.width, args.depth))
+    model = DistributedDataParallel(
+        Net(args.width, args.depth).to(device),
+        device_ids=[device.index] if device.type == "cuda" else None,
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    generator = torch.Generator().manual_seed(rank)
+    generator = torch.Generator(device).manual_seed(rank)
     history = []
     if rank == 1 and args.rank1_ignores_sigterm:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     for step in range(args.steps):
-        x = torch.randn(args.batch_size, args.width, generator=generator)
-        y = torch.randint(0, 10, (args.batch_size,), generator=generator)
+        x = torch.randn(args.batch_size, args.width, generator=generator, device=device)
+        y = torch.randint(0, 10, (args.batch_size,), generator=generator, device=device)
         loss = F.cross_entropy(model(x), y)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if rank == 0 and args.rank0_cache:
             # "Evaluation outputs" kept for logging, on rank 0 only.
-            history.append(torch.ones(int(args.rank0_cache * 2**20) // 4))
+            history.append(torch.ones(int(args.rank0_cache * 2**20) // 4, device=device))
         logged = loss.detach().clone()
         if step == 1 and rank == 0 and args.rank0_stall:
             time.sleep(args.rank0_stall)  # rank 1 waits in the all_reduce below
