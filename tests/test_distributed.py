@@ -418,3 +418,31 @@ def test_data_parallel_is_seen_in_a_single_process_run(tmp_path):
     assert document["parallel"]["data_parallel"][0]["class"] == "Sequential"
     diagnosis = data_parallel(document)
     assert diagnosis["fixes"] == ["ddp"] and "torchrun --nproc-per-node" in diagnosis["remedy"]
+
+
+def test_run_distributed_child_measures_zero_optimizer_per_rank(tmp_path):
+    """run_distributed_child has run_child's contract: a ZeroRedundancyOptimizer
+    replay of the 2-rank job keeps about half of AdamW's state per rank (two
+    tensors per parameter over two ranks: one parameter's worth)."""
+    from oomdoc.distributed.launch import run_distributed_child
+    from oomdoc.runner import ChildRequest
+
+    request = ChildRequest(
+        target=str(DDP),
+        args=["--steps", "2", "--width", "128", "--expect-world", "2"],
+        device="cpu",
+        max_steps=2,
+        fix={"name": "zero_optimizer"},
+        output_path=str(tmp_path / "zero.log"),
+        timeout_s=JOB_TIMEOUT,
+    )
+    result = run_distributed_child(request, DistOptions(nproc_per_node=2))
+    assert result.exit_code == 0, (tmp_path / "zero.log").read_text()[-3000:]
+    capture = result.capture
+    assert capture["world_size"] == 2 and len(capture["ranks"]) == 2
+    assert "AdamW" in capture["fix_applied"]["zero_optimizer"]["wrapped"]
+    assert "ZeroRedundancyOptimizer" in capture["optimizers"]
+    for entry in capture["ranks"]:
+        parameters = entry["category_peaks"]["parameters"]
+        state = entry["category_peaks"]["optimizer_state"]
+        assert 0.8 * parameters <= state <= 1.2 * parameters, (parameters, state)

@@ -152,9 +152,13 @@ def run(config: dict, imported_at: float | None = None) -> int:
         tracker, backend, lambda o, c: _watcher_write(config, backend, tracker, o, c, timings)
     )
     if config.get("fix"):
+        from oomdoc.capture.sharding import apply_sharding_fix, is_sharding_fix
         from oomdoc.replay.apply import apply_fix
 
-        apply_fix(config["fix"], tracker)
+        if is_sharding_fix(config["fix"]):  # fsdp, zero_optimizer (oomdoc.distributed)
+            apply_sharding_fix(config["fix"], tracker)
+        else:
+            apply_fix(config["fix"], tracker)
 
     target = config["target"]
     script_args = list(config.get("args", []))

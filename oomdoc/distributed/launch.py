@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from oomdoc.capture import CONFIG_ENV, STARTED_ENV
 from oomdoc.distributed import DistOptions
@@ -199,7 +200,7 @@ def run_job(request: ChildRequest, dist: DistOptions) -> JobResult:
         env[STARTED_ENV] = repr(time.time())
         output = open(request.output_path, "wb") if request.output_path else None
         started = time.perf_counter()
-        state = {"signal": None, "stop_from": None}
+        state: dict[str, Any] = {"signal": None, "stop_from": None}
         previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
         launcher = None
         timed_out = terminated = False

@@ -27,6 +27,7 @@ import sys
 import threading
 import time
 import traceback
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -69,7 +70,7 @@ def fill_rank(text: str | None, rank: dict) -> str | None:
     )
 
 
-def waiting_location(stack: list[tuple[str, int, str]]) -> dict | None:
+def waiting_location(stack: list[tuple[str, Any, str]]) -> dict | None:
     """From a stack (outermost first, as (file, line, function)), the user's
     innermost frame and the torch.distributed collective below it, if any."""
     collective = None
@@ -91,11 +92,11 @@ def waiting_location(stack: list[tuple[str, int, str]]) -> dict | None:
     return {**(user or {"file": None, "line": None, "function": None}), "collective": collective}
 
 
-def stack_of_frame(frame) -> list[tuple[str, int, str]]:
+def stack_of_frame(frame) -> list[tuple[str, Any, str]]:
     return [(f.filename, f.lineno, f.name) for f in traceback.extract_stack(frame)]
 
 
-def stack_of_exception(exc: BaseException) -> list[tuple[str, int, str]]:
+def stack_of_exception(exc: BaseException) -> list[tuple[str, Any, str]]:
     return [(f.filename, f.lineno, f.name) for f in traceback.extract_tb(exc.__traceback__)]
 
 
@@ -105,7 +106,7 @@ class ParallelCapture:
     def __init__(self, config: dict):
         self.config = config
         self.distributed = bool(config.get("distributed"))
-        self.rank = rank_environment() if self.distributed else None
+        self.rank: dict[str, Any] = rank_environment() if self.distributed else {}
         self.data_parallel: list[dict] = []
         self.ddp_modules: list = []
         self.oom_time: float | None = None
@@ -114,7 +115,8 @@ class ParallelCapture:
         self.signal_name: str | None = None
         self._claimed = threading.Lock()
         self._owner: str | None = None
-        self._writer = None
+        self._writer: Any = None
+        self._backend: Any = None
         self._main_ident = threading.main_thread().ident
         if self.distributed:
             config["result_path"] = fill_rank(config["result_path"], self.rank)
@@ -198,7 +200,7 @@ class ParallelCapture:
                 continue
             number = numbers[0]
             if self.waiting_at is None:
-                frame = sys._current_frames().get(self._main_ident)
+                frame = sys._current_frames().get(self._main_ident or 0)
                 if frame is not None:
                     self.waiting_at = waiting_location(stack_of_frame(frame))
                 self.signal_name = signal.Signals(number).name

@@ -103,7 +103,7 @@ def failure_lines(document: dict) -> list[str]:
     lines = []
     first = document.get("first_oom_rank")
     if first is not None:
-        entry = next((e for e in ranks if e.get("rank") == first), {})
+        entry: dict = next((e for e in ranks if e.get("rank") == first), {})
         oom = entry.get("oom") or {}
         where = _location(oom.get("location"), cwd)
         lines.append(

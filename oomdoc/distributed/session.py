@@ -64,6 +64,14 @@ def run_distributed_session(options, stderr=None) -> int:
             replay_fixes(document, options, request, stderr=stderr, pool=pool)
         finally:
             pool.close()
+        from oomdoc.distributed.sharding_replays import measure_sharding
+
+        try:
+            measure_sharding(document, options, request, stderr)
+        except Exception as exc:  # the snapshot of the OOM is written whatever happens
+            document.setdefault("notes", []).append(
+                f"Sharding replays failed ({type(exc).__name__}: {exc})."
+            )
 
     _remove_empty_tree(artifact_dir)
     write_snapshot(document, path)

@@ -66,6 +66,7 @@ def main():
         "--expect-world", type=int, default=None, help="fail unless this world size"
     )
     parser.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (NCCL, GPU LOCAL_RANK)")
+    parser.add_argument("--fsdp", action="store_true", help="FSDP2 fully_shard instead of DDP")
     args = parser.parse_args()
 
     if args.device == "cuda":
@@ -78,10 +79,20 @@ def main():
     if args.expect_world is not None and dist.get_world_size() != args.expect_world:
         raise SystemExit(f"world size {dist.get_world_size()}, expected {args.expect_world}")
     torch.manual_seed(0)
-    model = DistributedDataParallel(
-        Net(args.width, args.depth).to(device),
-        device_ids=[device.index] if device.type == "cuda" else None,
-    )
+    if args.fsdp:  # the fsdp fix, by hand
+        try:
+            from torch.distributed.fsdp import fully_shard
+        except ImportError:
+            from torch.distributed._composable.fsdp import fully_shard
+        model = Net(args.width, args.depth).to(device)
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+    else:
+        model = DistributedDataParallel(
+            Net(args.width, args.depth).to(device),
+            device_ids=[device.index] if device.type == "cuda" else None,
+        )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     generator = torch.Generator(device).manual_seed(rank)
     history = []
