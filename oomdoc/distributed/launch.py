@@ -317,6 +317,11 @@ def run_distributed_child(request: ChildRequest, dist: DistOptions) -> ChildResu
             result.captures, missing=result.missing, launch=dist.as_dict()
         )
         capture.setdefault("notes", []).extend(result.notes)
+        if capture.get("outcome") == "interrupted" and result.signal_name is None:
+            # The launcher (or oomdoc's bound) stopped the ranks, not the user:
+            # for the replays that is a failed run, not Ctrl-C.
+            capture["outcome"] = "error"
+            capture["error"] = {"type": "RankStopped", "message": "; ".join(result.notes)[:500]}
         if request.artifact_dir is None:
             capture["artifacts"] = {}
     return ChildResult(
