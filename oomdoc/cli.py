@@ -144,12 +144,55 @@ def run(
         metavar="PERCENT",
         help="Safety margin the prescribed configuration leaves free, as a share of the capacity.",
     ),
+    # A distributed job through torch.distributed.run (oomdoc.distributed).
+    nproc_per_node: Optional[int] = typer.Option(
+        None,
+        "--nproc-per-node",
+        metavar="N",
+        help="Run SCRIPT as a torchrun job of N ranks per node, every rank under capture.",
+    ),
+    nnodes: Optional[str] = typer.Option(None, "--nnodes", help="torchrun --nnodes."),
+    node_rank: Optional[int] = typer.Option(None, "--node-rank", help="torchrun --node-rank."),
+    master_addr: Optional[str] = typer.Option(
+        None, "--master-addr", help="torchrun --master-addr."
+    ),
+    master_port: Optional[int] = typer.Option(
+        None, "--master-port", help="torchrun --master-port (default: a free port on one node)."
+    ),
+    rdzv_backend: Optional[str] = typer.Option(
+        None, "--rdzv-backend", help="torchrun --rdzv-backend."
+    ),
+    rdzv_endpoint: Optional[str] = typer.Option(
+        None, "--rdzv-endpoint", help="torchrun --rdzv-endpoint."
+    ),
+    rdzv_id: Optional[str] = typer.Option(None, "--rdzv-id", help="torchrun --rdzv-id."),
+    rank_timeout: Optional[float] = typer.Option(
+        None,
+        "--rank-timeout",
+        metavar="SECONDS",
+        help="End the job this long after its first rank failed (default 60).",
+    ),
 ) -> int:
     """Run SCRIPT under oomdoc: catch and explain an OOM, and measure fixes."""
+    from oomdoc.distributed import launch_from_cli
     from oomdoc.replay.orchestrate import check_replay_options
     from oomdoc.session import run_session
 
     fix_names = check_replay_options(fixes, replay_timeout, batch_arg, replay=not no_replay)
+    target, args, module, distributed = launch_from_cli(
+        target,
+        list(args or []),
+        module,
+        rank_timeout,
+        nproc_per_node=nproc_per_node,
+        nnodes=nnodes,
+        node_rank=node_rank,
+        master_addr=master_addr,
+        master_port=master_port,
+        rdzv_backend=rdzv_backend,
+        rdzv_endpoint=rdzv_endpoint,
+        rdzv_id=rdzv_id,
+    )
     options = script_run_options(
         "run",
         target,
@@ -165,6 +208,7 @@ def run(
         batch_arg=batch_arg,
         margin_fraction=margin_option(margin),
         html_path=new_file_option(html, "--html"),
+        distributed=distributed,
     )
     return run_session(options)
 
@@ -203,10 +247,10 @@ def new_file_option(path: Optional[str], flag: str) -> Optional[str]:
 
 @app.command()
 def suggest(
-    snapshot: str = typer.Argument(
+    snapshot: List[str] = typer.Argument(
         ...,
-        metavar="SNAPSHOT",
-        help="An oomdoc snapshot (.json), or PyTorch's memory snapshot (the _dump_snapshot() pickle, or _snapshot() saved as JSON).",
+        metavar="SNAPSHOT...",
+        help="An oomdoc snapshot (.json), or PyTorch's memory snapshot (the _dump_snapshot() pickle, or _snapshot() saved as JSON). Several snapshots, or a directory of them: the ranks of one distributed job, merged.",
     ),
     output_format: str = typer.Option(
         "table",
@@ -232,7 +276,12 @@ def suggest(
         raise UsageError(
             f"--format must be one of {', '.join(SUGGEST_FORMATS)}, not {output_format!r}"
         )
-    return run_suggest(snapshot, output_format, top, output=new_file_option(output, "-o/--output"))
+    return run_suggest(
+        snapshot[0] if len(snapshot) == 1 else snapshot,
+        output_format,
+        top,
+        output=new_file_option(output, "-o/--output"),
+    )
 
 
 @app.command(context_settings=PASS_THROUGH)

@@ -452,6 +452,33 @@ class Prescription:
 
 
 @dataclass
+class RankEntry:
+    """One rank of a distributed job (`ranks`, docs/snapshot.md)."""
+
+    rank: Optional[int] = None
+    local_rank: Optional[int] = None
+    node_rank: Optional[int] = None
+    host: Optional[str] = None
+    device: Optional[Device] = None
+    captured: bool = True
+    outcome: str = "?"
+    exit_code: Optional[int] = None
+    oom: Optional[Oom] = None
+    breakdown: Optional[Breakdown] = None
+    peak: Optional[Peak] = None
+    steps: List[Step] = field(default_factory=list)
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def peak_bytes(self) -> Optional[int]:
+        """The most it held: its peak, or what it needed at its OOM."""
+        if not self.captured:
+            return None
+        peak = (self.peak.allocated_bytes if self.peak else None) or 0
+        return max(peak, self.oom.needed_bytes if self.oom else 0)
+
+
+@dataclass
 class Options:
     device: Optional[str] = None
     capacity_bytes: Optional[int] = None
@@ -497,6 +524,12 @@ class Snapshot:
     framework: Optional[Framework] = None
     script_options: List[str] = field(default_factory=list)
     prescription: Optional[Prescription] = None
+    # A distributed job: one entry per rank; the top-level fields are the
+    # primary rank's (the first to run out of memory).
+    ranks: List[RankEntry] = field(default_factory=list)
+    world_size: Optional[int] = None
+    first_oom_rank: Optional[int] = None
+    primary_rank: Optional[int] = None
     source: Optional[Dict[str, Any]] = None
     trace_before_oom: Optional[List[TraceEvent]] = None
     extra: Dict[str, Any] = field(default_factory=dict)

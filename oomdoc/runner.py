@@ -16,12 +16,14 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import oomdoc
 from oomdoc.capture import CONFIG_ENV, CONFIG_FD_ENV, STARTED_ENV
 from oomdoc.errors import UsageError
 from oomdoc.model import Breakdown, Device, Options, Snapshot
-from oomdoc.snapshot import SCHEMA_VERSION, utc_now
+from oomdoc.snapshot import SCHEMA_VERSION, default_snapshot_path, utc_now
 
 
 @dataclass
@@ -342,6 +344,8 @@ class RunOptions:
     margin_fraction: float = 0.05
     # Also write the report as HTML here.
     html_path: str | None = None
+    # A torchrun job: the launcher's options (oomdoc.distributed.launch).
+    distributed: Any = None
 
     @property
     def command(self) -> list[str]:
@@ -459,3 +463,23 @@ def guess_device_kind() -> str:
             pynvml.nvmlShutdown()
     except Exception:
         return "simulated"
+
+
+def output_path(options: RunOptions) -> Path:
+    if options.output:
+        path = Path(options.output)
+        if path.exists():
+            raise UsageError(
+                f"-o/--output: {path} already exists (oomdoc never overwrites a snapshot)"
+            )
+        if path.is_dir():
+            raise UsageError(f"-o/--output: {path} is a directory")
+        return path
+    return default_snapshot_path(options.target)
+
+
+def remove_if_empty(directory: Path) -> None:
+    try:
+        directory.rmdir()  # only when nothing was saved there
+    except OSError:
+        pass

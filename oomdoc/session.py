@@ -4,7 +4,6 @@ failure to the replays, write the snapshot and print the report."""
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 from typing import TextIO
 
 from oomdoc.analysis import analyse
@@ -16,28 +15,21 @@ from oomdoc.runner import (
     check_device_choice,
     check_target,
     child_request,
+    output_path,
     raise_child_usage_error,
+    remove_if_empty,
     run_child,
 )
-from oomdoc.snapshot import default_snapshot_path, write_atomic, write_snapshot
+from oomdoc.snapshot import write_atomic, write_snapshot
 
 __all__ = ["RunOptions", "run_session"]
 
 
-def output_path(options: RunOptions) -> Path:
-    if options.output:
-        path = Path(options.output)
-        if path.exists():
-            raise UsageError(
-                f"-o/--output: {path} already exists (oomdoc never overwrites a snapshot)"
-            )
-        if path.is_dir():
-            raise UsageError(f"-o/--output: {path} is a directory")
-        return path
-    return default_snapshot_path(options.target)
-
-
 def run_session(options: RunOptions, stderr: TextIO | None = None) -> int:
+    if options.distributed is not None:  # a torchrun job: oomdoc.distributed
+        from oomdoc.distributed.session import run_distributed_session
+
+        return run_distributed_session(options, stderr)
     stderr = stderr or sys.stderr
     # Arguments are checked before torch is imported: a usage error is quick.
     check_device_choice(options.device)
@@ -82,10 +74,3 @@ def run_session(options: RunOptions, stderr: TextIO | None = None) -> int:
         text += f"HTML report: {options.html_path}\n"
     print(text, file=stderr, end="")
     return result.exit_code
-
-
-def remove_if_empty(directory: Path) -> None:
-    try:
-        directory.rmdir()  # only when nothing was saved there
-    except OSError:
-        pass

@@ -1,26 +1,35 @@
-"""`oomdoc suggest`: load any accepted snapshot, analyse it, print it."""
+"""`oomdoc suggest`: load any accepted snapshot (or the rank snapshots of one
+distributed job), analyse it, print it."""
 
 from __future__ import annotations
 
+import os
 import sys
-from typing import TextIO
+from typing import TextIO, Union
 
 from oomdoc.analysis import analyse
-from oomdoc.loaders import load_snapshot
+from oomdoc.loaders import LoadedSnapshot, load_snapshot
 from oomdoc.reporters import render
 from oomdoc.snapshot import write_atomic
 
 
 def run_suggest(
-    path: str,
+    path: Union[str, list[str]],
     output_format: str,
     top: int,
     stdout: TextIO | None = None,
     output: str | None = None,
 ) -> int:
-    """Print (or, with `output`, write) the report of the snapshot at `path`."""
+    """Print (or, with `output`, write) the report of the snapshot at `path`;
+    several paths, or a directory, are the ranks of one job, merged."""
     stdout = stdout or sys.stdout
-    loaded = load_snapshot(path)
+    if not isinstance(path, str) or os.path.isdir(path):
+        from oomdoc.distributed.merge import load_job
+
+        paths = [path] if isinstance(path, str) else list(path)
+        loaded, path = LoadedSnapshot(load_job(paths), "oomdoc"), paths[0]
+    else:
+        loaded = load_snapshot(path)
     analysis = analyse(loaded.snapshot, top=top, source_format=loaded.source_format, path=path)
     text = render(output_format, analysis)
     if output_format == "table":

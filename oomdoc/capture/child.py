@@ -25,6 +25,7 @@ import torch
 
 from oomdoc.capture import CONFIG_ENV, CONFIG_FD_ENV, CUDA_UNAVAILABLE, STARTED_ENV, choose_device
 from oomdoc.capture.backends import CudaBackend, OutOfMemoryError, SimulatedBackend
+from oomdoc.capture.parallel import ParallelCapture
 from oomdoc.capture.tracker import StopRun, Tracker
 from oomdoc.fixes import fix_named
 from oomdoc.snapshot import dumps, write_atomic
@@ -154,6 +155,7 @@ def run(config: dict, imported_at: float | None = None) -> int:
     """Run the script under capture; `imported_at` is when the imports above
     were done (a warm child waited after them)."""
     timings = {"run_started": time.time(), "imported": imported_at or time.time()}
+    parallel = ParallelCapture(config)  # distributed: rank paths, the rank's GPU
     try:
         backend = make_backend(config)
     except DeviceUnavailable as exc:
@@ -169,6 +171,9 @@ def run(config: dict, imported_at: float | None = None) -> int:
     tracker = Tracker(backend, max_steps=config.get("max_steps"))
     tracker.install()
     backend.install(tracker)
+    parallel.install(
+        tracker, backend, lambda o, c: _watcher_write(config, backend, tracker, o, c, timings)
+    )
     if config.get("fix"):
         apply_fix(config["fix"], tracker)
 
@@ -176,7 +181,7 @@ def run(config: dict, imported_at: float | None = None) -> int:
     script_args = list(config.get("args", []))
     signal.signal(signal.SIGTERM, _on_sigterm)
 
-    outcome, exit_code, error, system_exit = "ok", 0, None, None
+    outcome, exit_code, error, system_exit, failure = "ok", 0, None, None, None
     timings["script_started"] = time.time()
     target_file = None
     try:
@@ -199,13 +204,14 @@ def run(config: dict, imported_at: float | None = None) -> int:
     except (KeyboardInterrupt, Terminated) as exc:
         outcome = "interrupted"
         exit_code = 130 if isinstance(exc, KeyboardInterrupt) else 143
+        failure = exc
         _print_user_traceback(exc, target_file)
     except OutOfMemoryError as exc:
-        outcome, exit_code = "oom", 1
+        outcome, exit_code, failure = "oom", 1, exc
         error = {"type": type(exc).__name__, "message": str(exc)}
         _print_user_traceback(exc, target_file)
     except BaseException as exc:
-        outcome, exit_code = "error", 1
+        outcome, exit_code, failure = "error", 1, exc
         error = {"type": type(exc).__name__, "message": str(exc)[:2000]}
         _print_user_traceback(exc, target_file)
     finally:
@@ -216,6 +222,7 @@ def run(config: dict, imported_at: float | None = None) -> int:
             backend.enabled = False  # oomdoc's own work from here on does not count
 
     timings["script_ended"] = time.time()
+    parallel.finish(failure)  # blocks when its signal watcher writes the capture
     write_capture(config, backend, tracker, outcome, exit_code, error, timings)
     tracker.uninstall()
     backend.uninstall()
@@ -223,6 +230,14 @@ def run(config: dict, imported_at: float | None = None) -> int:
         sys.stdout.flush()
         raise system_exit
     return exit_code
+
+
+def _watcher_write(config, backend, tracker, outcome, exit_code, timings) -> None:
+    """The capture of a rank stopped while stuck in a collective (written by
+    oomdoc.distributed's signal watcher thread)."""
+    timings.setdefault("script_ended", time.time())
+    timings.setdefault("script_started", timings["script_ended"])
+    write_capture(config, backend, tracker, outcome, exit_code, None, timings)
 
 
 def timing_summary(timings: dict) -> dict:
@@ -323,6 +338,8 @@ def write_capture(config, backend, tracker, outcome, exit_code, error, timings=N
         "artifacts": extra,
         "capture_stats": tracker.capture_stats(),
     }
+    if getattr(tracker, "parallel_capture", None) is not None:
+        capture.update(tracker.parallel_capture.fields())  # oomdoc.distributed
     if timings:
         capture["timings"] = timing_summary(timings)
     if config.get("fix"):

@@ -17,6 +17,7 @@ from typing import Callable, Union
 
 from oomdoc.diagnosis import (
     breakdown,
+    distributed,
     fragmentation,
     grad_in_eval,
     host_memory,
@@ -53,6 +54,7 @@ RULES: tuple[Callable[[Snapshot], RuleResult], ...] = (
     other_processes.rule,
     host_memory.rule,
     breakdown.rule,
+    distributed.rule,
 )
 
 

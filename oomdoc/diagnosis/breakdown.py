@@ -60,7 +60,9 @@ def rule(snapshot: Snapshot) -> list[Diagnosis]:
             f"{name}: {'the largest' if category == largest else 'a large'} share, "
             f"{percent(nbytes, total, 0)} of the memory in use {snapshot.moment_label}; {ADVICE[category]}"
         )
-        fixes = [fix.name for fix in FIXES if category in fix.addresses]
+        fixes = [
+            fix.name for fix in FIXES if category in fix.addresses and fix.applies_to(snapshot)
+        ]
         found.append(
             Diagnosis(
                 KIND_OF_CATEGORY[category],

@@ -16,6 +16,7 @@ from oomdoc.fixes.autocast import Autocast
 from oomdoc.fixes.base import Combination, Effect, Fix, FixRequest
 from oomdoc.fixes.checkpointing import Checkpointing
 from oomdoc.fixes.optimizer import LighterOptimizer
+from oomdoc.fixes.sharding import Fsdp, ZeroOptimizer
 from oomdoc.fixes.smaller_batch import SmallerBatch
 
 __all__ = ["FIXES", "Combination", "Effect", "Fix", "FixRequest", "fix_named", "compatible"]
@@ -28,6 +29,8 @@ FIXES: tuple[Fix, ...] = (
     Autocast(),
     LighterOptimizer(),
     SmallerBatch(),
+    Fsdp(),
+    ZeroOptimizer(),
 )
 
 _BY_NAME = {fix.name: fix for fix in FIXES}

@@ -61,6 +61,11 @@ class Fix:
         return [self]
 
     # ------------------------------------------------------------ parent
+    def applies_to(self, snapshot: Snapshot) -> bool:
+        """Whether the fix means anything for this kind of run (a sharding fix
+        for a single process does not): when not, it is left out silently."""
+        return True
+
     def skip_reason(self, snapshot: Snapshot, explicit: bool) -> Optional[str]:
         """Why a replay of this fix is not worth it for this run (None: replay
         it). `explicit`: the user asked for it with --fixes."""
@@ -92,7 +97,7 @@ class Fix:
         """How to apply the fix by hand, made concrete with `context`."""
         raise NotImplementedError
 
-    def annotate(self, result: FixResult, static: Breakdown) -> None:
+    def annotate(self, result: FixResult, static: Breakdown, snapshot: Snapshot) -> None:
         """Add to a measured result what only this fix knows, given the run's
         largest parameters, gradients and optimizer state (`static`)."""
 

@@ -80,7 +80,9 @@ class LighterOptimizer(Fix):
             return f"optimizer state (about {format_bytes(state)}) is a small share of the memory"
         return None
 
-    def annotate(self, result: FixResult, static: Breakdown) -> None:
+    def annotate(self, result: FixResult, static: Breakdown, snapshot: Snapshot) -> None:
+        if (snapshot.world_size or 1) >= 2:
+            return  # a distributed job's replays measure sharding (fsdp, zero_optimizer)
         estimate = sharding_estimate(static)
         result.extra["sharding_estimate"] = {
             "per_rank_saved_bytes": estimate,

@@ -224,7 +224,13 @@ class Replayer:
             timeout_s=self.timeout_s,
         )
         self.progress.start(label)
-        result = run_child(child, pool=self.pool)
+        distributed = getattr(self.options, "distributed", None)
+        if distributed is not None:  # the same launcher and world size (oomdoc.distributed)
+            from oomdoc.distributed.launch import run_distributed_child
+
+            result = run_distributed_child(child, distributed)
+        else:
+            result = run_child(child, pool=self.pool)
         replay = measure(result, label, log_path)
         replay.fix_name = payload["name"]
         if not result.timed_out and (result.exit_code == 130 or replay.interrupted):
@@ -314,6 +320,8 @@ def plan(snapshot: Snapshot, requested: list[str] | None) -> tuple[list[str], li
     for name in names:
         fix = fix_named(name)
         assert fix is not None, name  # --fixes was validated
+        if not fix.applies_to(snapshot) and name not in explicit:
+            continue
         reason = fix.skip_reason(snapshot, explicit=name in explicit)
         if reason:
             skipped.append(Skipped(name, reason))
@@ -782,7 +790,7 @@ def finish(snapshot: Snapshot, replayer: Replayer, state: ReplayState, progress:
                 result.step_time_ratio = round(result.step_s / reference_s, 3)
         fix = fix_named(result.name)
         if fix is not None:
-            fix.annotate(result, static)
+            fix.annotate(result, static, snapshot)
     snapshot.fixes = rank_fixes(results)
     snapshot.max_batch_size = search.max_batch_size if search is not None and search.exact else None
     snapshot.prescription = prescription_for(snapshot, replayer, state)

@@ -8,6 +8,7 @@ from tabulate import tabulate
 from oomdoc.analysis import Analysis
 from oomdoc.formatting import format_location
 from oomdoc.reporters import tables
+from oomdoc.reporters.ranks import rank_section_lines
 
 
 class MarkdownReporter:
@@ -41,6 +42,9 @@ class MarkdownReporter:
                 tables.breakdown_rows(snapshot), headers=tables.BREAKDOWN_HEADERS, tablefmt="github"
             )
         )
+        if snapshot.ranks:
+            ranks = rank_section_lines(snapshot.to_dict())
+            lines += ["", "```", *[line for line in ranks if line], "```"]
         sites = tables.site_rows(snapshot.top_allocations, snapshot.cwd, analysis.top)
         if sites:
             lines += ["", "### Top allocation sites"]

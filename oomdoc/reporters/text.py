@@ -8,6 +8,7 @@ from tabulate import tabulate
 from oomdoc.analysis import Analysis
 from oomdoc.formatting import format_location
 from oomdoc.reporters import tables
+from oomdoc.reporters.ranks import rank_section_lines
 
 
 class TextReporter:
@@ -42,6 +43,8 @@ class TextReporter:
                 colalign=("left", "right", "right"),
             )
         )
+        if snapshot.ranks:
+            lines += rank_section_lines(snapshot.to_dict())
         sites = tables.site_rows(snapshot.top_allocations, snapshot.cwd, analysis.top)
         if sites:
             lines += ["", f"Top {len(sites)} allocation sites"]

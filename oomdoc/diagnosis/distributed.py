@@ -1,0 +1,294 @@
+"""Diagnoses of data-parallel runs, each a standalone rule.
+
+Every rule takes a snapshot document (a job document with `ranks`, or a
+single-process snapshot) and returns None or a diagnosis in the format of
+oomdoc.diagnosis (as a dict): {kind, summary, evidence, bytes, fixes, remedy}. Fix names
+here (ddp, fsdp, zero_optimizer, gradient_as_bucket_view, ...) are for the
+fix catalogue to adopt.
+"""
+
+from __future__ import annotations
+
+from oomdoc.diagnosis.base import TIER_BREAKDOWN, TIER_CONTEXT, TIER_DECISIVE, Diagnosis
+from oomdoc.model import Snapshot
+from oomdoc.sizes import format_bytes
+
+MiB = 1024**2
+# One rank holds this much more than the others (relative to their highest).
+IMBALANCE_SHARE = 0.10
+# Memory outside PyTorch's allocator worth a word: this share of the device.
+OUTSIDE_ALLOCATOR_SHARE = 0.05
+# DDP's second copy of the gradients, worth a word from this share of the peak.
+BUCKET_SHARE_OF_PEAK = 0.05
+
+DDP_SNIPPET = """\
+# train.py: one process per GPU instead of nn.DataParallel
+import os, torch, torch.distributed as dist
+dist.init_process_group("nccl")
+local_rank = int(os.environ["LOCAL_RANK"])
+torch.cuda.set_device(local_rank)
+model = torch.nn.parallel.DistributedDataParallel(model.cuda(), device_ids=[local_rank])
+# and a DistributedSampler for the DataLoader; then launch it with
+#   torchrun --nproc-per-node NUM_GPUS train.py   (or: oomdoc run --nproc-per-node NUM_GPUS train.py)"""
+
+BUCKET_SNIPPET = """\
+model = torch.nn.parallel.DistributedDataParallel(
+    model, device_ids=[local_rank],
+    gradient_as_bucket_view=True,  # gradients live in the buckets: one copy, not two
+    bucket_cap_mb=25,              # smaller buckets: less in flight at once
+)"""
+
+
+def _diagnosis(kind, summary, evidence, num_bytes, fixes=(), remedy=None) -> dict:
+    return {
+        "kind": kind,
+        "summary": summary,
+        "evidence": [line for line in evidence if line],
+        "bytes": int(max(0, num_bytes)),
+        "fixes": list(fixes),
+        "remedy": remedy,
+    }
+
+
+def _ranks(document: dict) -> list[dict]:
+    return [
+        entry
+        for entry in document.get("ranks") or []
+        if isinstance(entry, dict) and entry.get("captured", True)
+    ]
+
+
+def _peak(entry: dict) -> int:
+    peak = (entry.get("peak") or {}).get("allocated_bytes")
+    oom = entry.get("oom") or {}
+    need = int(oom.get("allocated_bytes") or 0) + int(oom.get("requested_bytes") or 0)
+    return max(int(peak or 0), need)
+
+
+def _name(entry: dict) -> str:
+    return f"rank {entry.get('rank')}"
+
+
+def _largest_difference(high: dict, others: list[dict]) -> tuple[str, int]:
+    """The category that holds most of what the high rank has more of."""
+    breakdown = high.get("breakdown") or {}
+    best, best_bytes = "", 0
+    for category, nbytes in breakdown.items():
+        typical = max(int((o.get("breakdown") or {}).get(category) or 0) for o in others)
+        if int(nbytes or 0) - typical > best_bytes:
+            best, best_bytes = category, int(nbytes or 0) - typical
+    return best, best_bytes
+
+
+def rank_imbalance(document: dict) -> dict | None:
+    """One rank holds 10% or more above every other rank."""
+    ranks = _ranks(document)
+    if len(ranks) < 2:
+        return None
+    by_peak = sorted(ranks, key=_peak, reverse=True)
+    high, others = by_peak[0], by_peak[1:]
+    high_peak, next_peak = _peak(high), _peak(others[0])
+    if next_peak <= 0 or high_peak < (1 + IMBALANCE_SHARE) * next_peak:
+        return None
+    excess = high_peak - next_peak
+    category, category_bytes = _largest_difference(high, others)
+    evidence = [
+        "peak per rank: "
+        + ", ".join(
+            f"{_name(e)} {format_bytes(_peak(e))}"
+            for e in sorted(ranks, key=lambda e: e.get("rank") or 0)
+        ),
+        f"{_name(high)} holds {format_bytes(excess)} ({100.0 * excess / next_peak:.0f}%) more than the next rank",
+    ]
+    if category:
+        evidence.append(
+            f"most of the difference is {category}: {format_bytes(category_bytes)} more on {_name(high)}"
+        )
+    if high.get("outcome") == "oom":
+        evidence.append(f"{_name(high)} is the rank that ran out of memory")
+    parallel = document.get("parallel") or {}
+    if parallel.get("data_parallel"):
+        evidence.append("nn.DataParallel gathers every replica's outputs on device 0")
+    evidence.append(
+        "typical causes: evaluation, logging or a checkpoint gather done on rank 0 only "
+        "(tensors kept there: keep .item() numbers, or move them to the CPU); uneven batches "
+        "per rank (DistributedSampler, drop_last); nn.DataParallel gathering outputs on device 0"
+    )
+    summary = f"{_name(high).capitalize()} holds {format_bytes(excess)} more than the other ranks at its peak"
+    remedy = (
+        "# work done on rank 0 only must not keep device tensors:\n"
+        "if dist.get_rank() == 0:\n"
+        "    history.append(loss.detach().item())   # a number, not a tensor on the GPU\n"
+        "# gather checkpoints to the CPU: torch.distributed.checkpoint, or state_dict() then .cpu()"
+    )
+    fixes = ["ddp"] if parallel.get("data_parallel") else []
+    return _diagnosis("rank_imbalance", summary, evidence, excess, fixes=fixes, remedy=remedy)
+
+
+def data_parallel(document: dict) -> dict | None:
+    """nn.DataParallel: one process drives every GPU and gathers on device 0."""
+    wrappers = list((document.get("parallel") or {}).get("data_parallel") or [])
+    for entry in _ranks(document):
+        wrappers += list((entry.get("parallel") or {}).get("data_parallel") or [])
+    if not wrappers:
+        return None
+    first = wrappers[0]
+    devices = first.get("device_ids") or []
+    evidence = [
+        f"the script calls nn.DataParallel({first.get('class')})"
+        + (f" over devices {devices}" if devices else ""),
+        "DataParallel replicates the model on every step and gathers all outputs (and the loss) "
+        f"on device {first.get('output_device', 0) if first.get('output_device') is not None else 0}, "
+        "so that device holds more than the others and runs out first",
+        "PyTorch recommends DistributedDataParallel even on one machine: one process per GPU, "
+        "each holding only its own batch",
+    ]
+    summary = "nn.DataParallel: device 0 carries the gathered outputs of every GPU; use DDP"
+    return _diagnosis("data_parallel", summary, evidence, 0, fixes=["ddp"], remedy=DDP_SNIPPET)
+
+
+def ddp_buckets(document: dict) -> dict | None:
+    """DDP's gradient buckets: a second copy of the gradients unless
+    gradient_as_bucket_view=True."""
+    modules = list((document.get("parallel") or {}).get("ddp") or [])
+    if not modules:
+        for entry in _ranks(document):
+            modules += list((entry.get("parallel") or {}).get("ddp") or [])
+            if modules:
+                break
+    if not modules:
+        return None
+    evidence = []
+    extra = 0
+    for module in modules:
+        sizes = module.get("bucket_sizes_bytes")
+        bucket_bytes = sum(sizes) if sizes else int(module.get("trainable_parameter_bytes") or 0)
+        measured = "as DDP reports them" if sizes else "estimated: the trainable parameters' bytes"
+        cap = module.get("bucket_cap_bytes")
+        evidence.append(
+            f"DDP({module.get('class')}): {len(sizes) if sizes else '?'} bucket(s), "
+            f"{format_bytes(bucket_bytes)} in all ({measured})"
+            + (f", bucket_cap_mb={cap / MiB:g}" if cap else "")
+        )
+        if module.get("gradient_as_bucket_view"):
+            evidence.append("gradient_as_bucket_view=True: the gradients are views of the buckets")
+        else:
+            extra += bucket_bytes
+            evidence.append(
+                "gradient_as_bucket_view=False: every gradient is also copied into a bucket, "
+                f"so {format_bytes(bucket_bytes)} more than the gradients themselves"
+            )
+    if extra:
+        evidence.extend(_bucket_sites(document, modules))
+        summary = (
+            f"DDP's gradient buckets hold a second copy of the gradients ({format_bytes(extra)})"
+        )
+        fixes = ["gradient_as_bucket_view"]
+    else:
+        summary = (
+            "DDP's gradient buckets share memory with the gradients (gradient_as_bucket_view=True)"
+        )
+        fixes = []
+    peak = int((document.get("peak") or {}).get("allocated_bytes") or 0)
+    if not extra or extra < BUCKET_SHARE_OF_PEAK * peak:
+        return None  # nothing to gain worth a word
+    return _diagnosis("ddp_buckets", summary, evidence, extra, fixes=fixes, remedy=BUCKET_SNIPPET)
+
+
+def _bucket_sites(document: dict, modules: list[dict]) -> list[str]:
+    """Where the breakdown put the buckets: flat tensors of a bucket's size
+    among the allocation sites (the category is where they were made)."""
+    sizes = {size for module in modules for size in module.get("bucket_sizes_bytes") or []}
+    found = []
+    for site in document.get("top_allocations") or []:
+        shape = site.get("shape")
+        if site.get("bytes") in sizes and isinstance(shape, list) and len(shape) == 1:
+            location = site.get("location") or {}
+            found.append(
+                f"the bucket is the flat {shape[0]}-element {site.get('dtype') or ''} tensor the "
+                f"breakdown counts under {site.get('category')} (made at "
+                f"{location.get('file')}:{location.get('line')})"
+            )
+    return found[:2]
+
+
+def outside_allocator(document: dict) -> dict | None:
+    """CUDA: memory of this GPU that PyTorch's allocator does not hold: the
+    CUDA context, NCCL's buffers and other processes (pynvml, per rank)."""
+    entries = _ranks(document) or [
+        {
+            "rank": None,
+            "device": document.get("device"),
+            "allocator_reserved_bytes": (document.get("allocator") or {}).get("reserved_bytes"),
+        }
+    ]
+    worst = None
+    for entry in entries:
+        device = entry.get("device") or {}
+        used = device.get("nvml_used_bytes")
+        total = int(device.get("total_bytes") or 0)
+        if used is None or not total:
+            continue
+        others = sum(
+            int(p.get("used_bytes") or 0)
+            for p in device.get("other_processes") or []
+            if isinstance(p, dict)
+        )
+        reserved = int(entry.get("allocator_reserved_bytes") or 0)
+        own_outside = max(0, int(used) - others - reserved)
+        outside = own_outside + others
+        if worst is None or outside > worst[0]:
+            worst = (outside, own_outside, others, reserved, entry, total)
+    if worst is None:
+        return None
+    outside, own_outside, others, reserved, entry, total = worst
+    if outside < OUTSIDE_ALLOCATOR_SHARE * total:
+        return None
+    where = f"{_name(entry)}'s GPU" if entry.get("rank") is not None else "the GPU"
+    evidence = [
+        f"{where}: {format_bytes(outside)} of {format_bytes(total)} is used outside PyTorch's "
+        f"caching allocator ({format_bytes(reserved)} reserved by it)",
+        f"this process, outside the allocator: {format_bytes(own_outside)} (the CUDA context, "
+        "NCCL's communication buffers, cuBLAS workspaces)",
+    ]
+    if others:
+        evidence.append(f"other processes on this GPU: {format_bytes(others)}")
+    if (document.get("device") or {}).get("capacity_bytes", total) < total:
+        evidence.append(
+            "--device-memory caps PyTorch's allocator only: this memory comes on top of the cap"
+        )
+    summary = f"{format_bytes(outside)} of the GPU is held outside PyTorch's allocator (CUDA context, NCCL, other processes)"
+    remedy = (
+        "# NCCL's buffers: fewer channels / smaller buffers (test the speed):\n"
+        "NCCL_BUFFSIZE=2097152 NCCL_MAX_NCHANNELS=4 torchrun ...\n"
+        "# other processes: nvidia-smi, and one job per GPU"
+    )
+    return _diagnosis("outside_allocator", summary, evidence, outside, remedy=remedy)
+
+
+RULES = (rank_imbalance, data_parallel, ddp_buckets, outside_allocator)
+
+
+def diagnose_distributed(document: dict) -> list[dict]:
+    """Every rule above that fires, largest first."""
+    found = [d for d in (rule(document) for rule in RULES) if d is not None]
+    return sorted(found, key=lambda d: -d["bytes"])
+
+
+# How each finding orders against the other diagnoses (see oomdoc.diagnosis).
+TIERS = {
+    "rank_imbalance": TIER_DECISIVE,
+    "data_parallel": TIER_DECISIVE,
+    "ddp_buckets": TIER_BREAKDOWN,
+    "outside_allocator": TIER_CONTEXT,
+}
+
+
+def rule(snapshot: Snapshot) -> list[Diagnosis]:
+    """The data-parallel diagnoses of a snapshot. These rules still read the
+    job document's JSON form (docs/snapshot.md, `ranks`): they came from the
+    distributed work before the typed model covered every rank field."""
+    return [
+        Diagnosis(**found, tier=TIERS[found["kind"]])
+        for found in diagnose_distributed(snapshot.to_dict())
+    ]

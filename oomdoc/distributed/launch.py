@@ -1,0 +1,339 @@
+"""Parent side of a distributed run: one job through PyTorch's own launcher.
+
+`python -m torch.distributed.run <options> -m oomdoc.capture.child` starts
+each rank as oomdoc's capture child (the same python as oomdoc; the parent
+never imports torch). Every rank reads the one configuration file and writes
+its own capture (`capture-rank{rank}-local{local_rank}.json`).
+
+The job never hangs: torchrun tears the other ranks down when one fails, and
+oomdoc adds its own bound. Once a rank has ended badly (or oomdoc got Ctrl-C
+or SIGTERM, which it passes on to the launcher), the launcher has
+`rank_timeout_s` to end the job; then oomdoc sends SIGTERM to every process
+of the job (the ranks run in sessions of their own, so each is signalled by
+pid), and SIGKILL to what is left `KILL_GRACE_S` later. A rank that gets
+SIGTERM still writes its capture, with where it was waiting.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from oomdoc.capture import CONFIG_ENV, STARTED_ENV
+from oomdoc.distributed import DistOptions
+from oomdoc.runner import ChildRequest, ChildResult, child_env
+
+KILL_GRACE_S = 10.0
+POLL_S = 0.1
+CAPTURE_PATTERN = re.compile(r"^capture-rank(\d+)-local(\d+)\.json$")
+
+
+@dataclass
+class JobResult:
+    """What one job (this node's ranks) left behind."""
+
+    exit_code: int
+    captures: list[dict]  # one per rank that wrote its capture, by rank
+    missing: list[dict]  # {rank, local_rank, node_rank} of ranks without one
+    launcher_exit_code: int | None
+    wall_s: float
+    timed_out: bool = False
+    signal_name: str | None = None  # a signal that reached oomdoc
+    terminated_by_oomdoc: bool = False
+    notes: list[str] = field(default_factory=list)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def launcher_command(dist: DistOptions, master_port: int | None) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        *dist.launcher_options(master_port),
+        "-m",
+        "oomdoc.capture.child",
+    ]
+
+
+def job_config(request: ChildRequest, workdir: str, dist: DistOptions) -> dict:
+    """The configuration every rank reads; `{rank}` is filled in by each."""
+    artifact_dir = request.artifact_dir or workdir
+    return {
+        "target": request.target,
+        "is_module": request.is_module,
+        "args": list(request.args),
+        "device": request.device,
+        "capacity_bytes": request.capacity_bytes,
+        "max_steps": request.max_steps,
+        "fix": request.fix,
+        "result_path": os.path.join(workdir, "capture-rank{rank}-local{local_rank}.json"),
+        "artifact_dir": os.path.join(artifact_dir, "rank{rank}"),
+        "distributed": {
+            "nproc_per_node": dist.nproc_per_node,
+            "started_path": os.path.join(workdir, "started-rank{rank}-local{local_rank}.pid"),
+        },
+    }
+
+
+class FailureWatch:
+    """Notices the first rank capture that is not `ok` (each file is read once)."""
+
+    def __init__(self, workdir: str):
+        self.workdir = workdir
+        self.checked: set[str] = set()
+
+    def any_failed(self) -> bool:
+        for name in os.listdir(self.workdir):
+            if name in self.checked or not CAPTURE_PATTERN.match(name):
+                continue
+            self.checked.add(name)
+            try:
+                with open(os.path.join(self.workdir, name), encoding="utf-8") as handle:
+                    capture = json.load(handle)
+            except (OSError, json.JSONDecodeError):
+                self.checked.discard(name)
+                continue
+            if capture.get("partial"):
+                # Only the device the rank chose: its capture is still to come.
+                self.checked.discard(name)
+            elif capture.get("outcome") != "ok":
+                return True
+        return False
+
+
+def read_captures(workdir: str) -> dict[int, dict]:
+    """The captures written so far, by local rank (a capture is written
+    atomically: a file that is there is whole)."""
+    found = {}
+    for name in os.listdir(workdir):
+        match = CAPTURE_PATTERN.match(name)
+        if not match:
+            continue
+        try:
+            with open(os.path.join(workdir, name), encoding="utf-8") as handle:
+                capture = json.load(handle)
+        except (OSError, json.JSONDecodeError):
+            continue
+        if not capture.get("partial"):  # a rank that died after saying its device
+            found[int(match.group(2))] = capture
+    return found
+
+
+def rank_pids(workdir: str) -> list[int]:
+    pids = []
+    for name in os.listdir(workdir):
+        if name.startswith("started-rank") and name.endswith(".pid"):
+            try:
+                with open(os.path.join(workdir, name), encoding="utf-8") as handle:
+                    pids.append(int(handle.read().strip()))
+            except (OSError, ValueError):
+                pass
+    return pids
+
+
+def job_processes(launcher: subprocess.Popen, workdir: str) -> list:
+    """Every process of the job still alive: the launcher, its descendants
+    and the ranks that said their pid (psutil; nothing here imports torch)."""
+    import psutil
+
+    found: dict[int, psutil.Process] = {}
+    try:
+        root = psutil.Process(launcher.pid)
+        found[root.pid] = root
+        for child in root.children(recursive=True):
+            found[child.pid] = child
+    except psutil.Error:
+        pass
+    for pid in rank_pids(workdir):
+        if pid not in found:
+            try:
+                found[pid] = psutil.Process(pid)
+            except psutil.Error:
+                pass
+    return list(found.values())
+
+
+def terminate_job(launcher: subprocess.Popen, workdir: str, grace_s: float = KILL_GRACE_S) -> None:
+    """SIGTERM to every process of the job (the ranks write their captures),
+    SIGKILL to those still alive `grace_s` later."""
+    import psutil
+
+    processes = job_processes(launcher, workdir)
+    for process in processes:
+        try:
+            process.send_signal(signal.SIGTERM)
+        except psutil.Error:
+            pass
+    _gone, alive = psutil.wait_procs(processes, timeout=grace_s)
+    for process in alive:
+        try:
+            process.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(alive, timeout=5)
+
+
+def run_job(request: ChildRequest, dist: DistOptions) -> JobResult:
+    """Run the job to its end (bounded, see the module's docstring)."""
+    with tempfile.TemporaryDirectory(prefix="oomdoc-job-") as workdir:
+        config_path = os.path.join(workdir, "config.json")
+        with open(config_path, "w", encoding="utf-8") as handle:
+            json.dump(job_config(request, workdir, dist), handle)
+        port = (
+            free_port()
+            if dist.master_port is None
+            and dist.single_node
+            and not dist.rdzv_endpoint
+            and not dist.standalone
+            else None
+        )
+        env = child_env(request.device, request.extra_env)
+        env[CONFIG_ENV] = config_path
+        env[STARTED_ENV] = repr(time.time())
+        output = open(request.output_path, "wb") if request.output_path else None
+        started = time.perf_counter()
+        state: dict[str, Any] = {"signal": None, "stop_from": None}
+        previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+        launcher = None
+        timed_out = terminated = False
+        try:
+            launcher = subprocess.Popen(
+                launcher_command(dist, port),
+                env=env,
+                stdout=output,
+                stderr=subprocess.STDOUT if output else None,
+                stdin=subprocess.DEVNULL if output else None,
+                # Its own process group: Ctrl-C reaches oomdoc, which passes it
+                # on once (torchrun passes it on to the ranks).
+                start_new_session=True,
+            )
+
+            def forward(signum, frame):
+                if state["signal"] is None:
+                    state["signal"] = signum
+                    state["stop_from"] = time.monotonic()
+                if launcher.poll() is None:
+                    launcher.send_signal(signum)
+
+            for sig in previous:
+                signal.signal(sig, forward)
+            deadline = (
+                time.monotonic() + request.timeout_s if request.timeout_s is not None else None
+            )
+            watch = FailureWatch(workdir)
+            while launcher.poll() is None:
+                now = time.monotonic()
+                if state["stop_from"] is None and watch.any_failed():
+                    state["stop_from"] = now  # a rank failed: the clock starts
+                if deadline is not None and now > deadline:
+                    timed_out = True
+                elif state["stop_from"] is None or now - state["stop_from"] < dist.rank_timeout_s:
+                    time.sleep(POLL_S)
+                    continue
+                terminated = True
+                terminate_job(launcher, workdir, min(KILL_GRACE_S, dist.rank_timeout_s))
+                break
+            launcher_exit = launcher.wait()
+            # Ranks that outlived the launcher (it was killed) are ended too.
+            if any(process.is_running() for process in job_processes(launcher, workdir)):
+                terminated = True
+                terminate_job(launcher, workdir)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            if output:
+                output.close()
+        wall_s = time.perf_counter() - started
+        by_local = read_captures(workdir)
+
+    captures = sorted(by_local.values(), key=lambda c: (c.get("rank") or {}).get("rank", 0))
+    node_rank = dist.node_rank or 0
+    static = dist.rdzv_backend in (None, "static") and not dist.standalone
+    missing = [
+        {
+            "rank": node_rank * dist.nproc_per_node + local if static else None,
+            "local_rank": local,
+            "node_rank": node_rank,
+        }
+        for local in range(dist.nproc_per_node)
+        if local not in by_local
+    ]
+    signal_name = signal.Signals(state["signal"]).name if state["signal"] else None
+    notes = []
+    if terminated:
+        notes.append(
+            "oomdoc ended the job itself (SIGTERM, then SIGKILL): "
+            + (
+                "it ran past the time limit"
+                if timed_out
+                else f"the launcher had not ended it {dist.rank_timeout_s:g} s after the first rank failed or the job was interrupted"
+            )
+        )
+    return JobResult(
+        exit_code=job_exit_code(captures, missing, launcher_exit, state["signal"]),
+        captures=captures,
+        missing=missing,
+        launcher_exit_code=launcher_exit,
+        wall_s=wall_s,
+        timed_out=timed_out,
+        signal_name=signal_name,
+        terminated_by_oomdoc=terminated,
+        notes=notes,
+    )
+
+
+def job_exit_code(captures: list[dict], missing: list, launcher_exit: int, signum) -> int:
+    """1 when a rank ran out of memory; 130/143 when oomdoc was interrupted;
+    else the first failing rank's status, else the launcher's."""
+    if any(capture.get("outcome") == "oom" for capture in captures):
+        return 1
+    if signum is not None:
+        return 128 + int(signum)
+    failed = [c for c in captures if int(c.get("exit_code") or 0) != 0]
+    if failed:
+        first = min(failed, key=lambda c: c.get("ended_at") or float("inf"))
+        return int(first["exit_code"])
+    return 1 if missing or launcher_exit else 0
+
+
+def run_distributed_child(request: ChildRequest, dist: DistOptions) -> ChildResult:
+    """run_child's contract for a whole job: its `capture` is the merged job
+    document's capture-level fields (the first failing rank's, with `ranks`,
+    `world_size` and `first_oom_rank`), so replays keep the world size."""
+    from oomdoc.distributed.merge import merge_rank_captures
+
+    result = run_job(request, dist)
+    capture = None
+    if result.captures:
+        capture = merge_rank_captures(
+            result.captures, missing=result.missing, launch=dist.as_dict()
+        )
+        capture.setdefault("notes", []).extend(result.notes)
+        if capture.get("outcome") == "interrupted" and result.signal_name is None:
+            # The launcher (or oomdoc's bound) stopped the ranks, not the user:
+            # for the replays that is a failed run, not Ctrl-C.
+            capture["outcome"] = "error"
+            capture["error"] = {"type": "RankStopped", "message": "; ".join(result.notes)[:500]}
+        if request.artifact_dir is None:
+            capture["artifacts"] = {}
+    return ChildResult(
+        exit_code=result.exit_code,
+        capture=capture,
+        wall_s=result.wall_s,
+        timed_out=result.timed_out,
+        signal_name=result.signal_name,
+    )

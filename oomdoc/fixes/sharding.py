@@ -1,0 +1,177 @@
+"""Sharding fixes of a distributed job, measured per rank through the same
+launcher and world size: FSDP2 in place of DDP, and ZeRO-1 (the optimizer's
+state sharded across the ranks)."""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from typing import Any, Optional
+
+from oomdoc.fixes.base import Fix, FixRequest
+from oomdoc.model import Snapshot
+
+NOT_DISTRIBUTED = "needs a distributed job (oomdoc run --nproc-per-node N)"
+
+
+def _replace(owner_module: Any, name: str, original: Any, replacement: Any) -> None:
+    """Replace `name` in torch's namespace and in the module defining it."""
+    setattr(owner_module, name, replacement)
+    defining = sys.modules.get(getattr(original, "__module__", ""), None)
+    if defining is not None and getattr(defining, name, None) is original:
+        setattr(defining, name, replacement)
+
+
+class Fsdp(Fix):
+    name = "fsdp"
+    title = "Shard parameters, gradients and optimizer state with FSDP2"
+    semantics_cost, speed_cost = 0, 1
+    addresses = ("parameters", "gradients", "optimizer_state")
+    replay_priority = 6
+
+    def applies_to(self, snapshot: Snapshot) -> bool:
+        return (snapshot.world_size or 1) >= 2
+
+    def skip_reason(self, snapshot: Snapshot, explicit: bool) -> Optional[str]:
+        if (snapshot.world_size or 1) < 2:
+            return NOT_DISTRIBUTED
+        if not snapshot.device.on_cuda:
+            return (
+                "CUDA only: FSDP2 frees its gathered parameters by resizing their storage, "
+                "which the simulated device does not see"
+            )
+        parallel = snapshot.extra.get("parallel")
+        if not (isinstance(parallel, dict) and parallel.get("ddp")):
+            return "the script wraps no model in DistributedDataParallel"
+        return None
+
+    def not_applied(self, applied: dict) -> Optional[str]:
+        if not self.record_in(applied).get("models"):
+            return "no model was wrapped in DistributedDataParallel in the replay"
+        return None
+
+    def describe(self, applied: dict, request: FixRequest) -> str:
+        record = self.record_in(applied)
+        sharded = record.get("sharded") or []
+        if sharded:
+            request.context["blocks_path"] = sharded[0]["path"]
+        blocks = ", ".join(f"{s['count']} x {s['class']} in {s['path']}" for s in sharded)
+        return f"FSDP2 ({record.get('api')}) in place of DDP: {blocks or 'the root only'}; measured per rank"
+
+    def snippet(self, context: dict) -> str:
+        path = context.get("blocks_path", "blocks")
+        loop = "for block in model:" if path == "(root)" else f"for block in model.{path}:"
+        return (
+            "from torch.distributed.fsdp import fully_shard   # torch 2.4-2.5: torch.distributed._composable.fsdp\n"
+            f"{loop}                 # instead of DistributedDataParallel(model)\n"
+            "    fully_shard(block)\n"
+            "fully_shard(model)\n"
+            "optimizer = torch.optim.AdamW(model.parameters(), lr=lr)   # after sharding"
+        )
+
+    def apply(self, payload: dict, record: dict, tracker: Any) -> None:
+        """DistributedDataParallel(model, ...) becomes FSDP2: fully_shard over
+        each repeated block, then the root; the optimizer the script creates
+        next sees the sharded parameters."""
+        import torch.nn as nn
+
+        try:
+            from torch.distributed.fsdp import fully_shard  # torch >= 2.6
+        except ImportError:
+            from torch.distributed._composable.fsdp import fully_shard  # torch 2.4-2.5
+        record.update(api=f"{fully_shard.__module__}.fully_shard", sharded=[], models=0)
+        original = nn.parallel.DistributedDataParallel
+
+        def shard_instead_of_ddp(module: Any, *args: Any, **kwargs: Any) -> Any:
+            for path, _container, class_name, blocks, _composite in tracker.checkpoint_targets(
+                module
+            ):
+                for block in blocks:
+                    fully_shard(block)
+                record["sharded"].append(
+                    {"path": path or "(root)", "class": class_name, "count": len(blocks)}
+                )
+            fully_shard(module)
+            record["models"] += 1
+            return module
+
+        shard_instead_of_ddp.__wrapped__ = original  # type: ignore[attr-defined]
+        _replace(nn.parallel, "DistributedDataParallel", original, shard_instead_of_ddp)
+
+
+class ZeroOptimizer(Fix):
+    name = "zero_optimizer"
+    title = "Shard the optimizer state across the ranks (ZeRO-1)"
+    semantics_cost, speed_cost = 0, 1
+    addresses = ("optimizer_state",)
+    replay_priority = 7
+
+    def applies_to(self, snapshot: Snapshot) -> bool:
+        return (snapshot.world_size or 1) >= 2
+
+    def skip_reason(self, snapshot: Snapshot, explicit: bool) -> Optional[str]:
+        if (snapshot.world_size or 1) < 2:
+            return NOT_DISTRIBUTED
+        if not snapshot.optimizers:
+            return "the script creates no optimizer"
+        return None
+
+    def not_applied(self, applied: dict) -> Optional[str]:
+        if not self.record_in(applied).get("wrapped"):
+            return "the script created no optimizer in the replay"
+        return None
+
+    def describe(self, applied: dict, request: FixRequest) -> str:
+        wrapped = sorted(set(self.record_in(applied).get("wrapped") or []))
+        if wrapped:
+            request.context["optimizer"] = f"torch.optim.{wrapped[0]}"
+        return f"ZeroRedundancyOptimizer around {', '.join(wrapped) or 'no optimizer'}; measured per rank"
+
+    def snippet(self, context: dict) -> str:
+        optimizer = context.get("optimizer", "torch.optim.AdamW")
+        return (
+            "from torch.distributed.optim import ZeroRedundancyOptimizer\n"
+            f"optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class={optimizer}, lr=lr)"
+        )
+
+    def apply(self, payload: dict, record: dict, tracker: Any) -> None:
+        """Every torch.optim optimizer the script creates becomes a
+        ZeroRedundancyOptimizer around it."""
+        import torch
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        record.update(wrapped=[])
+        for name in dir(torch.optim):
+            original = getattr(torch.optim, name)
+            if (
+                not isinstance(original, type)
+                or not issubclass(original, torch.optim.Optimizer)
+                or original is torch.optim.Optimizer
+                or name in ("LBFGS", "SparseAdam")
+            ):
+                continue
+            _replace(
+                torch.optim,
+                name,
+                original,
+                _zero_factory(original, ZeroRedundancyOptimizer, record),
+            )
+
+
+def _zero_factory(original: type, zero: type, record: dict) -> Any:
+    signature = inspect.signature(original.__init__)
+
+    def make(params: Any, *args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(None, params, *args, **kwargs)
+        arguments = dict(bound.arguments)
+        arguments.pop("self", None)
+        params = arguments.pop("params")
+        for key, value in list(arguments.items()):
+            if signature.parameters[key].kind is inspect.Parameter.VAR_KEYWORD:
+                arguments.pop(key)
+                arguments.update(value)
+        record["wrapped"].append(original.__name__)
+        return zero(params, optimizer_class=original, **arguments)
+
+    make.__name__ = make.__qualname__ = original.__name__
+    return make

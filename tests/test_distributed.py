@@ -1,0 +1,448 @@
+"""Distributed jobs end to end: torchrun, gloo, 2 ranks on the simulated device
+(each rank has its own capacity). Every run is bounded by a timeout."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import SCRIPTS, load_json, oomdoc_env, run_oomdoc
+
+from oomdoc.diagnosis.distributed import data_parallel, rank_imbalance
+from oomdoc.distributed import DistOptions, launch_from_cli
+from oomdoc.distributed.launch import free_port
+from oomdoc.distributed.merge import merge_rank_captures
+from oomdoc.errors import UsageError
+from oomdoc.snapshot import read_snapshot
+
+DDP = SCRIPTS / "ddp_rank0_cache.py"
+SCRIPT_LINES = DDP.read_text().splitlines()
+# Bounded: a job that hangs fails the test instead of the suite.
+JOB_TIMEOUT = 120
+
+
+def line_of(text: str) -> int:
+    return next(i for i, line in enumerate(SCRIPT_LINES, 1) if text in line)
+
+
+CACHE_LINE = line_of("history.append(torch.ones(")
+ALL_REDUCE_LINE = line_of("dist.all_reduce(logged)")
+STALL_LINE = line_of("time.sleep(args.rank0_stall)")
+
+
+def imbalance_args(output, *extra):
+    """Rank 0 keeps 8 MiB per step on a 32 MiB device: it runs out of memory
+    in step 3 while rank 1 waits for it in the logging all_reduce."""
+    return [
+        "run",
+        "--device",
+        "cpu",
+        "--device-memory",
+        "32MiB",
+        "--no-replay",
+        "-o",
+        output,
+        *extra,
+        DDP,
+        "--steps",
+        "8",
+        "--rank0-cache",
+        "8",
+    ]
+
+
+@pytest.fixture(scope="module")
+def imbalance_job(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("imbalance")
+    snapshot = workdir / "job.json"
+    started = time.monotonic()
+    result = run_oomdoc(
+        imbalance_args(snapshot, "--nproc-per-node", "2"), cwd=workdir, timeout=JOB_TIMEOUT
+    )
+    print(f"imbalance job: {time.monotonic() - started:.1f} s")
+    return result, read_snapshot(snapshot)
+
+
+def test_rank0_oom_ends_the_job_with_status_1(imbalance_job):
+    result, document = imbalance_job
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert document["world_size"] == 2
+    assert [entry["rank"] for entry in document["ranks"]] == [0, 1]
+    assert document["first_oom_rank"] == 0 and document["primary_rank"] == 0
+    # The top level is rank 0's: every single-process reader sees its OOM.
+    assert document["outcome"] == "oom"
+    assert document["oom"]["location"]["line"] == CACHE_LINE
+    assert document["oom"]["requested_bytes"] == 8 * 2**20
+    rank0, rank1 = document["ranks"]
+    assert rank0["outcome"] == "oom" and rank0["oom"]["time"] is not None
+    assert rank0["device"]["capacity_bytes"] == 32 * 2**20
+    assert rank1["device"]["capacity_bytes"] == 32 * 2**20  # a capacity per rank
+    assert rank1["outcome"] in ("error", "interrupted")
+    assert rank1["steps"] and rank0["steps"]
+
+
+def test_the_waiting_rank_says_where_it_waited(imbalance_job):
+    result, document = imbalance_job
+    waiting = document["ranks"][1]["waiting_at"]
+    assert waiting["collective"] == "all_reduce"
+    assert waiting["file"].endswith("ddp_rank0_cache.py")
+    assert waiting["line"] == ALL_REDUCE_LINE
+    assert "Rank 0 ran out of memory first" in result.stderr
+    assert f"Rank 1 was waiting in all_reduce at {DDP}:{ALL_REDUCE_LINE}" in result.stderr
+
+
+def test_rank_imbalance_names_rank_0(imbalance_job):
+    result, document = imbalance_job
+    diagnosis = rank_imbalance(document)
+    assert diagnosis is not None
+    assert diagnosis["summary"].startswith("Rank 0 holds")
+    assert any(line.startswith("peak per rank: rank 0") for line in diagnosis["evidence"])
+    # 3 x 8 MiB of cache, the OOM's request of 8 MiB more
+    assert diagnosis["bytes"] >= 24 * 2**20
+    assert "rank_imbalance: Rank 0 holds" in result.stderr
+    assert data_parallel(document) is None
+
+
+def test_launch_runs_the_script_as_each_rank(tmp_path):
+    """`-m torch.distributed.run` is translated: each rank is the capture
+    child running the script as __main__ with the script's own argv."""
+    result = run_oomdoc(
+        [
+            "run",
+            "--device",
+            "cpu",
+            "-o",
+            tmp_path / "argv.json",
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            SCRIPTS / "dist_env.py",
+            "--output",
+            "x",
+            "--nproc-per-node",
+            "7",
+        ],
+        cwd=tmp_path,
+        timeout=JOB_TIMEOUT,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    infos = [
+        json.loads(line.split("RANKINFO=", 1)[1])
+        for line in result.stdout.splitlines()
+        if "RANKINFO=" in line
+    ]
+    assert sorted(info["RANK"] for info in infos) == ["0", "1"]
+    for info in infos:
+        assert info["argv"] == [
+            str(SCRIPTS / "dist_env.py"),
+            "--output",
+            "x",
+            "--nproc-per-node",
+            "7",
+        ]
+        assert info["name"] == "__main__" and info["WORLD_SIZE"] == "2"
+    document = read_snapshot(tmp_path / "argv.json")
+    assert document["world_size"] == 2 and document["outcome"] == "ok"
+    assert sorted(entry["rank"] for entry in document["ranks"]) == [0, 1]
+    assert document["options"]["distributed"]["nproc_per_node"] == 2
+    assert not (tmp_path / "x").exists()
+
+
+def test_sigterm_to_oomdoc_stops_every_rank_with_its_capture(tmp_path):
+    """Rank 0 stalls in step 1 while rank 1 blocks in the all_reduce (inside
+    gloo, where Python signal handlers do not run): SIGTERM to oomdoc still
+    gets both ranks' captures, and rank 1 says where it waited."""
+    snapshot = tmp_path / "stopped.json"
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "oomdoc",
+            "run",
+            "--device",
+            "cpu",
+            "--device-memory",
+            "64MiB",
+            "--nproc-per-node",
+            "2",
+            "-o",
+            str(snapshot),
+            str(DDP),
+            "--steps",
+            "3",
+            "--rank0-stall",
+            "300",
+        ],
+        cwd=tmp_path,
+        env=oomdoc_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + JOB_TIMEOUT
+        for line in process.stdout:  # rank 0 prints after step 0's all_reduce
+            if line.startswith("step 0:") or time.monotonic() > deadline:
+                break
+        time.sleep(1.0)  # into step 1: rank 0 sleeps, rank 1 waits
+        process.send_signal(signal.SIGTERM)
+        _out, err = process.communicate(timeout=JOB_TIMEOUT)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 143, err[-3000:]
+    document = read_snapshot(snapshot)
+    rank0, rank1 = document["ranks"]
+    assert rank0["outcome"] == rank1["outcome"] == "interrupted"
+    assert rank0["waiting_at"]["line"] == STALL_LINE and rank0["waiting_at"]["collective"] is None
+    assert rank1["waiting_at"]["line"] == ALL_REDUCE_LINE
+    assert rank1["waiting_at"]["collective"] == "all_reduce"
+    assert rank1["stopped_by"] == "SIGTERM"
+
+
+def test_a_rank_that_ignores_sigterm_is_killed_after_the_rank_timeout(tmp_path):
+    snapshot = tmp_path / "killed.json"
+    result = run_oomdoc(
+        imbalance_args(snapshot, "--nproc-per-node", "2", "--rank-timeout", "2")
+        + ["--rank1-ignores-sigterm"],
+        cwd=tmp_path,
+        timeout=JOB_TIMEOUT,
+    )
+    assert result.returncode == 1, result.stderr[-3000:]
+    document = read_snapshot(snapshot)
+    rank0, rank1 = document["ranks"]
+    assert rank0["outcome"] == "oom" and document["first_oom_rank"] == 0
+    assert rank1["captured"] is False and rank1["outcome"] == "no_capture"
+    assert any("Rank 1 (local rank 1) left no capture" in note for note in document["notes"])
+    assert any("oomdoc ended the job itself" in note for note in document["notes"])
+
+
+def test_two_nodes_write_their_ranks_and_suggest_merges_them(tmp_path):
+    """Two `oomdoc run` (one per node, here on one machine) each write their
+    rank's snapshot; suggest merges several files, or a directory, into one job."""
+    port = str(free_port())
+    nodes = tmp_path / "nodes"
+    processes = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "oomdoc",
+                *imbalance_args(
+                    nodes / f"node{node}.json",
+                    "--nproc-per-node",
+                    "1",
+                    "--nnodes",
+                    "2",
+                    "--node-rank",
+                    str(node),
+                    "--master-addr",
+                    "127.0.0.1",
+                    "--master-port",
+                    port,
+                ),
+            ],
+            cwd=tmp_path,
+            env=oomdoc_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for node in (0, 1)
+    ]
+    try:
+        errors = [process.communicate(timeout=JOB_TIMEOUT)[1] for process in processes]
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+    assert processes[0].returncode == 1, errors[0][-3000:]
+    assert processes[1].returncode != 0, errors[1][-3000:]
+    node0 = load_json(nodes / "node0.json")
+    assert [entry["rank"] for entry in node0["ranks"]] == [0] and node0["world_size"] == 2
+
+    by_files = run_oomdoc(
+        ["suggest", nodes / "node1.json", nodes / "node0.json"], timeout=JOB_TIMEOUT
+    )
+    by_directory = run_oomdoc(["suggest", "--format", "json", nodes], timeout=JOB_TIMEOUT)
+    assert by_files.returncode == 0, by_files.stderr
+    assert by_directory.returncode == 0, by_directory.stderr
+    assert "Rank 0 ran out of memory first" in by_files.stdout
+    assert "rank_imbalance: Rank 0 holds" in by_files.stdout
+    assert "Rank 1 was waiting in all_reduce" in by_files.stdout
+
+    merged = merge_rank_captures([load_json(nodes / "node1.json"), node0])
+    assert merged["world_size"] == 2 and [e["rank"] for e in merged["ranks"]] == [0, 1]
+    assert merged["first_oom_rank"] == 0 and merged["outcome"] == "oom"
+    assert merged["oom"]["location"]["line"] == CACHE_LINE
+    assert rank_imbalance(merged)["summary"].startswith("Rank 0 holds")
+
+
+def test_replays_keep_the_world_size(tmp_path):
+    """Batch 2048 per rank does not fit 8 MiB per rank: the replays run as
+    2-rank jobs (the script refuses any other world size) and find the
+    largest batch per rank exactly."""
+    snapshot = tmp_path / "replayed.json"
+    started = time.monotonic()
+    result = run_oomdoc(
+        [
+            "run",
+            "--device",
+            "cpu",
+            "--device-memory",
+            "8MiB",
+            "--nproc-per-node",
+            "2",
+            "--fixes",
+            "smaller_batch",
+            "-o",
+            snapshot,
+            DDP,
+            "--steps",
+            "3",
+            "--batch-size",
+            "2048",
+            "--expect-world",
+            "2",
+        ],
+        cwd=tmp_path,
+        timeout=600,
+    )
+    print(f"replayed job: {time.monotonic() - started:.1f} s")
+    assert result.returncode == 1, result.stderr[-3000:]
+    document = read_snapshot(snapshot)
+    assert document["world_size"] == 2 and document["outcome"] == "oom"
+    search = document["replay"]["batch_search"]
+    assert search["exact"] is True and document["max_batch_size"] == search["max_batch_size"]
+    maximum = document["max_batch_size"]
+    assert 1 <= maximum < 2048
+    assert [maximum, True] in search["trials"] and [maximum + 1, False] in search["trials"]
+    assert all(run["outcome"] in ("fits", "oom") for run in document["replay"]["runs"])
+
+
+# ---------------------------------------------------------------- no processes
+
+
+def test_torchrun_commands_are_translated():
+    target, args, module, dist = launch_from_cli(
+        "torchrun",
+        ["--nproc_per_node=2", "--max-restarts", "0", "--standalone", "train.py", "--lr", "1"],
+        False,
+    )
+    assert (target, args, module) == ("train.py", ["--lr", "1"], False)
+    assert dist.nproc_per_node == 2 and dist.standalone
+    assert dist.launcher_args == ["--max-restarts", "0"]
+    target, args, module, dist = launch_from_cli(
+        "torch.distributed.run", ["--nnodes", "2", "--nproc-per-node", "4", "-m", "pkg.train"], True
+    )
+    assert (target, args, module, dist.nnodes) == ("pkg.train", [], True, "2")
+    assert launch_from_cli("train.py", ["--x"], False) == ("train.py", ["--x"], False, None)
+    for bad in (
+        ("torchrun", ["--nproc-per-node", "2"], False, {}),
+        ("torchrun", ["--no-python", "x.sh"], False, {}),
+        ("train.py", [], False, {"nnodes": "2"}),
+        ("torchrun", ["train.py"], False, {"nproc_per_node": 2}),
+        ("train.py", [], False, {"nproc_per_node": 0}),
+    ):
+        with pytest.raises(UsageError):
+            launch_from_cli(*bad[:3], **bad[3])
+
+
+def test_merge_picks_the_first_oom_by_time_and_marks_missing_ranks():
+    def capture(rank, outcome, peak, oom_time=None):
+        return {
+            "rank": {"rank": rank, "local_rank": rank, "world_size": 3},
+            "outcome": outcome,
+            "exit_code": 1 if outcome != "ok" else 0,
+            "oom": {"step": 1, "phase": "forward", "allocated_bytes": peak, "requested_bytes": 1}
+            if outcome == "oom"
+            else None,
+            "oom_time": oom_time,
+            "breakdown": {"activations": peak},
+            "peak": {"allocated_bytes": peak},
+            "steps": [],
+        }
+
+    merged = merge_rank_captures(
+        [capture(0, "oom", 100, oom_time=20.0), capture(1, "oom", 90, oom_time=10.0)],
+        missing=[{"rank": 2, "local_rank": 2, "node_rank": 0}],
+    )
+    assert merged["first_oom_rank"] == 1 and merged["primary_rank"] == 1
+    assert merged["oom"]["allocated_bytes"] == 90 and merged["world_size"] == 3
+    assert merged["ranks"][2]["captured"] is False
+    fitted = merge_rank_captures([capture(0, "ok", 10), capture(1, "ok", 30)])
+    assert fitted["primary_rank"] == 1 and fitted["first_oom_rank"] is None
+    assert fitted["outcome"] == "ok"
+
+
+def test_rank_imbalance_needs_ten_percent():
+    def entry(rank, peak):
+        return {"rank": rank, "captured": True, "peak": {"allocated_bytes": peak}, "breakdown": {}}
+
+    assert rank_imbalance({"ranks": [entry(0, 109), entry(1, 100)]}) is None
+    found = rank_imbalance({"ranks": [entry(0, 100), entry(1, 111), entry(2, 100)]})
+    assert found["kind"] == "rank_imbalance" and found["summary"].startswith("Rank 1 holds")
+    assert found["bytes"] == 11
+
+
+def test_dist_options_command_line():
+    dist = DistOptions(nproc_per_node=2, master_addr="10.0.0.1", rdzv_id="job")
+    options = dist.launcher_options(12345)
+    assert options[:2] == ["--nproc-per-node", "2"]
+    assert options[options.index("--master-addr") + 1] == "10.0.0.1"
+    assert options[options.index("--master-port") + 1] == "12345"
+    assert options[options.index("--rdzv-id") + 1] == "job"
+
+
+def test_data_parallel_is_seen_in_a_single_process_run(tmp_path):
+    result = run_oomdoc(
+        [
+            "run",
+            "--device",
+            "cpu",
+            "--no-replay",
+            "-o",
+            tmp_path / "dp.json",
+            SCRIPTS / "data_parallel_cpu.py",
+        ],
+        cwd=tmp_path,
+        timeout=JOB_TIMEOUT,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    document = read_snapshot(tmp_path / "dp.json")
+    assert document["parallel"]["data_parallel"][0]["class"] == "Sequential"
+    diagnosis = data_parallel(document)
+    assert diagnosis["fixes"] == ["ddp"] and "torchrun --nproc-per-node" in diagnosis["remedy"]
+
+
+def test_run_distributed_child_measures_zero_optimizer_per_rank(tmp_path):
+    """run_distributed_child has run_child's contract: a ZeroRedundancyOptimizer
+    replay of the 2-rank job keeps about half of AdamW's state per rank (two
+    tensors per parameter over two ranks: one parameter's worth)."""
+    from oomdoc.distributed.launch import run_distributed_child
+    from oomdoc.runner import ChildRequest
+
+    request = ChildRequest(
+        target=str(DDP),
+        args=["--steps", "2", "--width", "128", "--expect-world", "2"],
+        device="cpu",
+        max_steps=2,
+        fix={"name": "zero_optimizer"},
+        output_path=str(tmp_path / "zero.log"),
+        timeout_s=JOB_TIMEOUT,
+    )
+    result = run_distributed_child(request, DistOptions(nproc_per_node=2))
+    assert result.exit_code == 0, (tmp_path / "zero.log").read_text()[-3000:]
+    capture = result.capture
+    assert capture["world_size"] == 2 and len(capture["ranks"]) == 2
+    assert "AdamW" in capture["fix_applied"]["zero_optimizer"]["wrapped"]
+    assert "ZeroRedundancyOptimizer" in capture["optimizers"]
+    for entry in capture["ranks"]:
+        parameters = entry["category_peaks"]["parameters"]
+        state = entry["category_peaks"]["optimizer_state"]
+        assert 0.8 * parameters <= state <= 1.2 * parameters, (parameters, state)
