@@ -25,6 +25,8 @@ import torch
 
 from oomdoc.capture import CONFIG_ENV, CONFIG_FD_ENV, CUDA_UNAVAILABLE, STARTED_ENV, choose_device
 from oomdoc.capture.backends import CudaBackend, OutOfMemoryError, SimulatedBackend
+from oomdoc.capture.frameworks import capture_keys as framework_keys
+from oomdoc.capture.frameworks import install as detect_framework
 from oomdoc.capture.tracker import StopRun, Tracker
 from oomdoc.snapshot import dumps, write_atomic
 
@@ -146,6 +148,7 @@ def run(config: dict, imported_at: float | None = None) -> int:
     tracker = Tracker(backend, max_steps=config.get("max_steps"))
     tracker.install()
     backend.install(tracker)
+    detector = detect_framework(tracker)
     if config.get("fix"):
         from oomdoc.replay.apply import apply_fix
 
@@ -196,6 +199,7 @@ def run(config: dict, imported_at: float | None = None) -> int:
 
     timings["script_ended"] = time.time()
     write_capture(config, backend, tracker, outcome, exit_code, error, timings)
+    detector.uninstall()
     tracker.uninstall()
     backend.uninstall()
     if system_exit is not None:
@@ -300,6 +304,7 @@ def write_capture(config, backend, tracker, outcome, exit_code, error, timings=N
         "optimizers": sorted(tracker.optimizer_classes),
         "models": tracker.models,
         "artifacts": extra,
+        **framework_keys(tracker),
     }
     if timings:
         capture["timings"] = timing_summary(timings)
