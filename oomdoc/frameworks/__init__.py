@@ -39,6 +39,7 @@ def context_from_snapshot(document: dict) -> dict:
     on_cuda = device.get("kind") == "cuda"
     return {
         "entry": framework.get("entry"),
+        "version": framework.get("version"),
         "module": framework.get("module"),
         "command": list(document.get("command") or []),
         "script_options": list(document.get("script_options") or []),

@@ -14,7 +14,7 @@ The `context` every method takes is a plain dict; each key is optional:
 | `device_type`, `dtype` | autocast: `cuda`/`cpu`, `bfloat16`/`float16` |
 | `blocks_path`, `blocks_class`, `blocks_count` | checkpointing: the repeated blocks, relative to the model called |
 | `optimizer` | lighter_optimizer: the optimizer measured (`Adafactor`) |
-| `entry`, `module` | the snapshot's `framework.entry` (`Trainer`, `Fabric`, ...) and import name |
+| `entry`, `module`, `version` | the snapshot's `framework.entry` (`Trainer`, `Fabric`, ...), import name and version |
 | `command` | the snapshot's `command`: `[SCRIPT, *ARGS]` or `["-m", MODULE, *ARGS]` |
 | `script_options`, `script_option_values` | the snapshot's keys of the same names |
 

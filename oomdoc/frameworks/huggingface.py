@@ -22,6 +22,15 @@ def _flag(field: str) -> str:
     return f"--{field}"
 
 
+def checkpointing_field(context: dict) -> str:
+    """`activation_checkpointing` where the script's TrainingArguments have it
+    (newer transformers, where `gradient_checkpointing` is its deprecated
+    alias), else `gradient_checkpointing`."""
+    if "--activation_checkpointing" in (context.get("script_options") or ()):
+        return "activation_checkpointing"
+    return "gradient_checkpointing"
+
+
 class HuggingFace(Framework):
     name = "transformers"
     label = "the Hugging Face Trainer"
@@ -41,7 +50,7 @@ class HuggingFace(Framework):
             field = "fp16" if context.get("dtype") == "float16" else "bf16"
             return [(field, "True", "")]
         if fix == "checkpointing":
-            return [("gradient_checkpointing", "True", "")]
+            return [(checkpointing_field(context), "True", "")]
         if fix == "lighter_optimizer":
             return [("optim", '"adafactor"', "adafactor")]
         if fix == "empty_cache":
@@ -99,9 +108,8 @@ class HuggingFace(Framework):
         lines.append(")")
         lines.append(f"# or on the command line: {self._flags_text(fields, context)}")
         if fix == "checkpointing":
-            lines.append(
-                "# or, without the Trainer's switch: model.gradient_checkpointing_enable()"
-            )
+            method = f"{checkpointing_field(context)}_enable"
+            lines.append(f"# or, without the Trainer's switch: model.{method}()")
         return "\n".join(lines)
 
     def prescription_snippet(self, fixes: list[str], context: dict) -> str:
@@ -151,7 +159,9 @@ class HuggingFace(Framework):
                 variant = with_option(args, batch_flag, str(micro))
                 return with_option(variant, accumulation, str(already * steps))
             return generic_flag_variant(fix, args, script_options, context, self.dtype_values)
-        for field, _value, flag_value in self.fields(fix, context):
+        for field, _value, flag_value in self.fields(
+            fix, {**context, "script_options": script_options}
+        ):
             option = _flag(field)
             if option not in options:
                 break

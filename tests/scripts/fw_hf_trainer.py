@@ -1,8 +1,8 @@
 """A Hugging Face `Trainer` run for the framework tests: a tiny GPT-2 built
 from a config (no download), random tokens, HfArgumentParser flags.
 
-    python fw_hf_trainer.py --per_device_train_batch_size 24   # OOMs under oomdoc on 160MiB
-    python fw_hf_trainer.py --per_device_train_batch_size 8 --gradient_checkpointing
+    python fw_hf_trainer.py --per_device_train_batch_size 16   # OOMs under oomdoc on 24MiB
+    python fw_hf_trainer.py --per_device_train_batch_size 16 --activation_checkpointing
 
 Everything that would print, log, save or spawn is off: no reports, no
 checkpoints, no progress bar, no dataloader workers, the CPU only.
@@ -20,7 +20,7 @@ from transformers.utils import logging as hf_logging
 
 @dataclass
 class ModelArguments:
-    n_layer: int = field(default=4, metadata={"help": "transformer blocks"})
+    n_layer: int = field(default=2, metadata={"help": "transformer blocks"})
     n_embd: int = field(default=64, metadata={"help": "width"})
     seq_len: int = field(default=64, metadata={"help": "tokens per sample"})
     vocab_size: int = field(default=512, metadata={"help": "vocabulary"})
