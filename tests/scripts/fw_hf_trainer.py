@@ -61,6 +61,8 @@ def main():
         learning_rate=1e-3,
     )
     model_args, training_args = parser.parse_args_into_dataclasses()
+    # Tiny ops: one thread is much faster than two contending ones on a busy CI machine.
+    torch.set_num_threads(1)
     torch.manual_seed(0)
     config = GPT2Config(
         vocab_size=model_args.vocab_size,
@@ -68,6 +70,8 @@ def main():
         n_embd=model_args.n_embd,
         n_layer=model_args.n_layer,
         n_head=4,
+        bos_token_id=0,
+        eos_token_id=0,
     )
     model = GPT2LMHeadModel(config)
     samples = training_args.max_steps * training_args.per_device_train_batch_size

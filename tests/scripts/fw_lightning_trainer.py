@@ -81,6 +81,8 @@ def main():
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning").setLevel(logging.ERROR)
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    # Tiny ops: one thread is much faster than two contending ones on a busy CI machine.
+    torch.set_num_threads(1)
     torch.manual_seed(0)
     model = LitEncoder(args.vocab_size, args.width, args.depth, heads=4)
     data = TokenData(args.batch_size, args.steps, args.seq_len, args.vocab_size)
