@@ -563,6 +563,41 @@ def test_a_live_accelerator_in_the_users_frames_is_accelerate(detector):
     assert framework["seen_at"] == "forward"
 
 
+def test_a_fabric_wrapped_model_is_lightning_fabric(detector):
+    fabric_module = pytest.importorskip("lightning.fabric")
+    import lightning
+    import torch
+
+    detector, tracker = detector
+    fabric = fabric_module.Fabric(accelerator="cpu", devices=1)
+    model = fabric.setup_module(torch.nn.Linear(2, 2))
+    del fabric  # the evidence is the wrapper around the model
+    for callback in tracker.forward_start_callbacks:
+        callback(model)
+    framework = detector.capture()["framework"]
+    assert (framework["name"], framework["entry"]) == ("lightning", "Fabric")
+    assert framework["module"] == "lightning" and framework["version"] == lightning.__version__
+
+
+def test_a_pytorch_lightning_trainer_is_lightning_under_its_import_name(detector):
+    pytorch_lightning = pytest.importorskip("pytorch_lightning")
+    import torch
+
+    detector, tracker = detector
+    trainer = pytorch_lightning.Trainer(  # noqa: F841 (found in this frame)
+        accelerator="cpu", devices=1, logger=False, enable_progress_bar=False
+    )
+    for callback in tracker.backward_start_callbacks:
+        callback()
+    for callback in tracker.forward_start_callbacks:
+        callback(torch.nn.Linear(2, 2))
+    framework = detector.capture()["framework"]
+    assert (framework["name"], framework["entry"]) == ("lightning", "Trainer")
+    assert framework["module"] == "pytorch_lightning"
+    assert framework["version"] == pytorch_lightning.__version__
+    assert framework["seen_at"] == "backward"
+
+
 # ---------------------------------------------------------------- end to end
 
 
