@@ -138,7 +138,14 @@ def test_plain_prescription_offers_the_scripts_own_flags():
     }
     text = Plain().prescription_snippet(["autocast", "checkpointing"], context)
     assert text.endswith(
+        "# or with your script's own flags:\n"
         "python examples/gpt_train.py --batch-size 32 --autocast bf16 --checkpointing"
+    )
+    # No accumulation flag: the command covers only part of the prescription, and says so.
+    partial = Plain().prescription_snippet(["smaller_batch", "checkpointing"], context)
+    assert partial.endswith(
+        "# your script's own flags cover checkpointing (not smaller_batch):\n"
+        "python examples/gpt_train.py --batch-size 32 --checkpointing"
     )
 
 

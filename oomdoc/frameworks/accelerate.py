@@ -92,7 +92,7 @@ class Accelerate(Framework):
             blocks.append(DEFAULT_SNIPPETS["empty_cache"])
         if "expandable_segments" in fixes:
             blocks.append(f"# run with {EXPANDABLE_ENV}")
-        command = self.command_with_flags(fixes, context)
-        if command:
-            blocks.append(f"# or with your script's own flags:\n{command}")
+        own_flags = self.own_flags_block(fixes, context, "or with your script's own flags")
+        if own_flags:
+            blocks.append(own_flags)
         return "\n\n".join(blocks)

@@ -146,6 +146,26 @@ class Framework:
         head = ["python", "-m", command[1]] if command[0] == "-m" else ["python", command[0]]
         return env + shlex.join([*head, *args])
 
+    def own_flags_block(self, fixes: list[str], context: dict, label: str) -> str | None:
+        """`# label:` and the command with the script's own flags; when some
+        fixes have no flag there, the label says which ones it covers."""
+        command = self.command_with_flags(fixes, context)
+        if command is None:
+            return None
+        args = list(
+            context["command"][2:] if context["command"][0] == "-m" else context["command"][1:]
+        )
+        options = context.get("script_options") or []
+        flagged, missing = [], []
+        for fix in fixes:
+            if fix == "expandable_segments":
+                continue
+            has_flag = self.flag_variant(fix, args, options, context) is not None
+            (flagged if has_flag else missing).append(fix)
+        if missing:
+            label = f"your script's own flags cover {', '.join(flagged)} (not {', '.join(missing)})"
+        return f"# {label}:\n{command}"
+
 
 def effective_batch_comment(context: dict) -> str:
     """`2 accumulation steps of 12 keep the effective batch at 24`, or empty."""

@@ -126,9 +126,9 @@ class HuggingFace(Framework):
                 lines.append(f"    {field}={value},{tail}")
         lines.append(")")
         blocks = ["\n".join(lines)]
-        command = self.command_with_flags(fixes, context)
-        if command:
-            blocks.append(f"# the same on your script's command line:\n{command}")
+        own_flags = self.own_flags_block(fixes, context, "the same on your script's command line")
+        if own_flags:
+            blocks.append(own_flags)
         elif all_fields:
             env = f"{EXPANDABLE_ENV} " if "expandable_segments" in fixes else ""
             blocks.append(

@@ -147,7 +147,7 @@ class Plain(Framework):
         if "empty_cache" in fixes:
             loop.append(f"{indent}torch.cuda.empty_cache()")
         lines.append("\n".join(loop))
-        command = self.command_with_flags(fixes, context)
-        if command:
-            lines.append(f"# or with your script's own flags:\n{command}")
+        own_flags = self.own_flags_block(fixes, context, "or with your script's own flags")
+        if own_flags:
+            lines.append(own_flags)
         return "\n\n".join(lines)
