@@ -25,6 +25,8 @@ import torch
 
 from oomdoc.capture import CONFIG_ENV, CONFIG_FD_ENV, CUDA_UNAVAILABLE, STARTED_ENV, choose_device
 from oomdoc.capture.backends import CudaBackend, OutOfMemoryError, SimulatedBackend
+from oomdoc.capture.frameworks import capture_keys as framework_keys
+from oomdoc.capture.frameworks import install as detect_framework
 from oomdoc.capture.parallel import ParallelCapture
 from oomdoc.capture.tracker import StopRun, Tracker
 from oomdoc.fixes import fix_named
@@ -174,6 +176,7 @@ def run(config: dict, imported_at: float | None = None) -> int:
     parallel.install(
         tracker, backend, lambda o, c: _watcher_write(config, backend, tracker, o, c, timings)
     )
+    detector = detect_framework(tracker)
     if config.get("fix"):
         apply_fix(config["fix"], tracker)
 
@@ -224,6 +227,7 @@ def run(config: dict, imported_at: float | None = None) -> int:
     timings["script_ended"] = time.time()
     parallel.finish(failure)  # blocks when its signal watcher writes the capture
     write_capture(config, backend, tracker, outcome, exit_code, error, timings)
+    detector.uninstall()
     tracker.uninstall()
     backend.uninstall()
     if system_exit is not None:
@@ -337,6 +341,7 @@ def write_capture(config, backend, tracker, outcome, exit_code, error, timings=N
         "models": tracker.models,
         "artifacts": extra,
         "capture_stats": tracker.capture_stats(),
+        **framework_keys(tracker),
     }
     if getattr(tracker, "parallel_capture", None) is not None:
         capture.update(tracker.parallel_capture.fields())  # oomdoc.distributed

@@ -51,6 +51,9 @@ class Checkpointing(Fix):
         )
 
     def snippet(self, context: dict) -> str:
+        """`context`: blocks_path, blocks_class, blocks_count; `owner`, the
+        expression the path starts from (default `model`)."""
+        owner = context.get("owner", "model")
         path = context.get("blocks_path")
         if not path:
             path, comment = "blocks", ""
@@ -58,9 +61,11 @@ class Checkpointing(Fix):
             comment = (
                 f"  # {context.get('blocks_class', 'block')} x {context.get('blocks_count', '?')}"
             )
+        # The root itself is the container (a top-level nn.Sequential).
+        blocks = owner if path == "(root)" else f"{owner}.{path}"
         return (
             "from torch.utils.checkpoint import checkpoint\n"
-            f"for block in model.{path}:{comment}\n"
+            f"for block in {blocks}:{comment}\n"
             "    x = checkpoint(block, x, use_reentrant=False)"
         )
 

@@ -115,14 +115,17 @@ class LighterOptimizer(Fix):
         return f"measured torch.optim.{record.get('optimizer')} in place of {', '.join(replaced)}"
 
     def snippet(self, context: dict) -> str:
+        """`context`: the optimizer measured; `parameters`, the expression for
+        the model's parameters (default `model.parameters()`)."""
+        parameters = context.get("parameters", "model.parameters()")
         if context.get("optimizer") == "Adafactor":
             return (
-                "optimizer = torch.optim.Adafactor(model.parameters(), lr=lr)  # factored second moments\n"
-                "# or torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9): one tensor of state per parameter"
+                f"optimizer = torch.optim.Adafactor({parameters}, lr=lr)  # factored second moments\n"
+                f"# or torch.optim.SGD({parameters}, lr=lr, momentum=0.9): one tensor of state per parameter"
             )
         return (
-            "optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)\n"
-            "# or torch.optim.Adafactor(model.parameters(), lr=lr) (torch>=2.5), or bitsandbytes' 8-bit AdamW"
+            f"optimizer = torch.optim.SGD({parameters}, lr=lr, momentum=0.9)\n"
+            f"# or torch.optim.Adafactor({parameters}, lr=lr) (torch>=2.5), or bitsandbytes' 8-bit AdamW"
         )
 
     def estimate(self, snapshot: Snapshot) -> Optional[Effect]:

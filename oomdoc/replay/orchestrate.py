@@ -27,6 +27,7 @@ from oomdoc.errors import UsageError
 from oomdoc.fixes import FIXES, Combination, Fix, fix_named
 from oomdoc.fixes.optimizer import optimizer_state_estimate
 from oomdoc.fixes.ranking import rank_fixes
+from oomdoc.frameworks import context_from_snapshot, framework_of
 from oomdoc.model import (
     BatchSearch,
     Breakdown,
@@ -201,13 +202,14 @@ class Replayer:
 
     def run(
         self,
-        payload: dict,
+        payload: Optional[dict],
         label: str,
         args: list[str] | None = None,
         extra_env: dict | None = None,
     ) -> Replay:
         index = len(self.replays) + 1
-        log_name = f"replay-{index}-{payload['name'].replace('+', '-')}.log"
+        name = payload["name"] if payload else "flags"
+        log_name = f"replay-{index}-{name.replace('+', '-')}.log"
         log_path = os.path.join(self.pool.log_dir, log_name)
         env = dict(REPLAY_ENV)
         env.update(extra_env or {})
@@ -232,7 +234,7 @@ class Replayer:
         else:
             result = run_child(child, pool=self.pool)
         replay = measure(result, label, log_path)
-        replay.fix_name = payload["name"]
+        replay.fix_name = name
         if not result.timed_out and (result.exit_code == 130 or replay.interrupted):
             self.progress.finish("interrupted")
             raise ReplaysInterrupted()
@@ -413,6 +415,8 @@ class ReplayState:
     applied: set[str] = field(default_factory=set)
     search: Optional[batch_model.SearchResult] = None
     batch_info: dict = field(default_factory=dict)
+    # What each fix's replay learned for its snippet (blocks, dtype, ...).
+    contexts: dict[str, dict] = field(default_factory=dict)
     # The largest batch under the combined memory savers.
     saver_search: Optional[batch_model.SearchResult] = None
     saver_fix: Optional[Fix] = None
@@ -529,7 +533,10 @@ def replay_single(replayer: Replayer, fix: Fix, snapshot: Snapshot, state: Repla
         state.skipped.append(Skipped(fix.name, reason))
         return
     detail = fix.describe(replay.applied, request)
-    result = result_from(replay, fix, detail, fix.snippet(request.context))
+    state.contexts[fix.name] = request.context
+    result = result_from(
+        replay, fix, detail, snippet_in_framework(snapshot, fix.name, request.context)
+    )
     if replayer.leak and replay.fits and replay.capture is not None:
         still_leaking(result, replay.capture, snapshot)
     state.results.append(result)
@@ -696,7 +703,11 @@ def reference_step_seconds(
 
 
 def smaller_batch_result(
-    fix: Fix, search: batch_model.SearchResult, info: dict, reference_s: float | None
+    snapshot: Snapshot,
+    fix: Fix,
+    search: batch_model.SearchResult,
+    info: dict,
+    reference_s: float | None,
 ) -> Optional[FixResult]:
     best = search.best_run
     if best is None:
@@ -724,12 +735,14 @@ def smaller_batch_result(
         f"largest batch that fits: {maximum} ({exactness}; {len(search.trials)} replays); "
         f"keep the effective batch of {original} with {steps} accumulation steps of {micro}"
     )
-    snippet = fix.snippet(
+    snippet = snippet_in_framework(
+        snapshot,
+        fix.name,
         {
             "micro_batch": micro,
             "accumulation_steps": steps,
             "how": how if how.startswith("-") else "batch_size",
-        }
+        },
     )
     result = result_from(best.replay, fix, detail, snippet)
     result.extra.update(
@@ -779,7 +792,7 @@ def finish(snapshot: Snapshot, replayer: Replayer, state: ReplayState, progress:
     reference_s, reference_text = reference_step_seconds(snapshot, search)
     if search is not None:
         batch_fix = next(fix for fix in FIXES if fix.searches_batch)
-        found = smaller_batch_result(batch_fix, search, state.batch_info, reference_s)
+        found = smaller_batch_result(snapshot, batch_fix, search, state.batch_info, reference_s)
         if found is not None:
             results.insert(0, found)
     static = static_breakdown(snapshot, replayer)
@@ -890,27 +903,76 @@ def prescription_for(
         return None
     if original is None:
         chosen.batch_size, chosen.accumulation_steps = None, 1
-    chosen.snippet = prescription_snippet(chosen, state, original)
+    chosen.snippet = prescription_snippet(snapshot, chosen, state)
+    if chosen.fits:
+        verify_with_flags(replayer, snapshot, chosen, state)
     return chosen
 
 
-def prescription_snippet(
-    prescription: Prescription, state: ReplayState, original: Optional[int]
-) -> str:
-    """The prescribed changes, each as its replay rendered it, and the
-    micro-batch with gradient accumulation when the batch changes."""
-    snippets = {result.name: result.snippet for result in state.results if result.snippet}
-    parts = [f"# {name}\n{snippets[name]}" for name in prescription.fixes if name in snippets]
-    if original is not None and prescription.batch_size and prescription.accumulation_steps > 1:
-        batch_fix = next(fix for fix in FIXES if fix.searches_batch)
+def snippet_in_framework(snapshot: Snapshot, name: str, context: dict) -> str:
+    """A fix's snippet in the knobs of the framework the run went through
+    (torch code for a plain loop)."""
+    return framework_of(snapshot).snippet(name, {**context_from_snapshot(snapshot), **context})
+
+
+def prescription_context(
+    snapshot: Snapshot, prescription: Prescription, state: ReplayState
+) -> tuple[list[str], dict]:
+    """The prescription's changes (the batch change as `smaller_batch`) and
+    what their replays learned, for the framework units."""
+    changes = list(prescription.fixes)
+    context = context_from_snapshot(snapshot)
+    for name in prescription.fixes:
+        context.update(state.contexts.get(name) or {})
+    if prescription.batch_size and prescription.accumulation_steps > 1:
         how = state.batch_info.get("source") or "batch_size"
-        context = {
-            "micro_batch": prescription.batch_size,
-            "accumulation_steps": prescription.accumulation_steps,
-            "how": how if how.startswith("-") else "batch_size",
-        }
-        parts.append(f"# {batch_fix.name}\n{batch_fix.snippet(context)}")
-    return "\n\n".join(parts)
+        changes.append("smaller_batch")
+        context.update(
+            micro_batch=prescription.batch_size,
+            accumulation_steps=prescription.accumulation_steps,
+            how=how if how.startswith("-") else "batch_size",
+        )
+    return changes, context
+
+
+def prescription_snippet(snapshot: Snapshot, prescription: Prescription, state: ReplayState) -> str:
+    """The prescribed changes as one block in the framework's own terms."""
+    changes, context = prescription_context(snapshot, prescription, state)
+    if not changes:
+        return ""
+    return framework_of(snapshot).prescription_snippet(changes, context)
+
+
+def verify_with_flags(
+    replayer: Replayer, snapshot: Snapshot, prescription: Prescription, state: ReplayState
+) -> None:
+    """Where the script has its own command-line flags for the prescribed
+    changes (HfArgumentParser's --gradient_checkpointing, --bf16, ...), one
+    replay runs the script with those flags and no fix of oomdoc's: its peak
+    is reported next to the prescription's."""
+    changes, context = prescription_context(snapshot, prescription, state)
+    if not changes or not snapshot.script_options:
+        return
+    framework = framework_of(snapshot)
+    args = list(replayer.request.args)
+    covered = []
+    for change in changes:
+        variant = framework.flag_variant(change, args, snapshot.script_options, context)
+        if variant is not None:
+            args, covered = variant, [*covered, change]
+    if not covered:
+        return
+    replay = replayer.run(None, "the script's own flags: " + " ".join(args), args=args)
+    record = {
+        "args": args,
+        "covers": covered,
+        "outcome": replay.outcome,
+        "peak_allocated_bytes": replay.peak_allocated_bytes,
+    }
+    prescription.extra["verified_by_flags"] = record
+    if replay.fits and replay.peak_allocated_bytes and prescription.peak_allocated_bytes:
+        ratio = replay.peak_allocated_bytes / prescription.peak_allocated_bytes
+        record["peak_ratio"] = round(ratio, 3)
 
 
 def keep_log(log_path: str, artifact_dir: str | None) -> str | None:

@@ -203,6 +203,17 @@ def prescription_lines(analysis: Analysis) -> list[str]:
                 )
             )
         lines.append(text)
+    checked = prescription.extra.get("verified_by_flags")
+    if isinstance(checked, dict) and checked.get("args") is not None:
+        args = " ".join(str(arg) for arg in checked["args"])
+        peak = checked.get("peak_allocated_bytes")
+        if checked.get("outcome") == "fits" and isinstance(peak, int):
+            verdict = f"fits, peak {format_bytes(peak)}"
+        else:
+            verdict = f"{checked.get('outcome')}" + (
+                f", needed more than {format_bytes(peak)}" if isinstance(peak, int) else ""
+            )
+        lines.append(f"  replayed with your script's own flags ({args}): {verdict}")
     if prescription.samples_per_second:
         text = f"  throughput {prescription.samples_per_second:.1f} samples/s"
         if prescription.throughput_ratio:

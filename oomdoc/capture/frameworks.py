@@ -1,0 +1,335 @@
+"""Which training framework the script actually uses, and the command-line
+options it declares, so that the parent can give each fix in the framework's
+own knobs and verify a knob the script already has.
+
+A framework counts only when the run goes through it: `import lightning`
+imports parts of `transformers`, and the Hugging Face `Trainer` builds an
+`accelerate.Accelerator` itself, so imports say nothing. The stack does: the
+detector looks at the Python stack at the first outermost model call, the
+first outermost backward, the first optimizer step and an OOM (a handful of
+stack walks per run), for frames of the framework's training code, for the
+wrappers it puts around the model, and for live `Trainer`/`Fabric`/
+`Accelerator` objects in the user's own frames.
+
+The command-line options come from `argparse`: every parser that parses
+`sys.argv` (the script's own, `HfArgumentParser`, a LightningCLI built on
+argparse) is recorded just before it parses; nothing it returns changes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import os
+import sys
+
+# Path fragments of a framework's own training code, as (fragment, name,
+# entry). A frame whose file contains the fragment is the framework driving
+# the step.
+FRAME_SIGNS: tuple[tuple[str, str, str], ...] = (
+    ("/transformers/trainer.py", "transformers", "Trainer"),
+    ("/transformers/trainer_seq2seq.py", "transformers", "Trainer"),
+    ("/lightning/pytorch/loops/", "lightning", "Trainer"),
+    ("/lightning/pytorch/trainer/", "lightning", "Trainer"),
+    ("/pytorch_lightning/loops/", "lightning", "Trainer"),
+    ("/pytorch_lightning/trainer/", "lightning", "Trainer"),
+    ("/lightning/fabric/fabric.py", "lightning", "Fabric"),
+    ("/lightning/fabric/wrappers.py", "lightning", "Fabric"),
+    ("/lightning_fabric/fabric.py", "lightning", "Fabric"),
+    ("/lightning_fabric/wrappers.py", "lightning", "Fabric"),
+    ("/accelerate/accelerator.py", "accelerate", "Accelerator"),
+    ("/accelerate/optimizer.py", "accelerate", "Accelerator"),
+    ("/accelerate/utils/operations.py", "accelerate", "Accelerator"),
+)
+# Classes whose live instances in the user's frames show the framework is
+# used: (module that defines it, class, name, entry). Looked up only in
+# modules already imported; nothing is imported here.
+INSTANCE_SIGNS: tuple[tuple[str, str, str, str], ...] = (
+    ("transformers.trainer", "Trainer", "transformers", "Trainer"),
+    ("lightning.pytorch.trainer.trainer", "Trainer", "lightning", "Trainer"),
+    ("pytorch_lightning.trainer.trainer", "Trainer", "lightning", "Trainer"),
+    ("lightning.fabric.fabric", "Fabric", "lightning", "Fabric"),
+    ("lightning_fabric.fabric", "Fabric", "lightning", "Fabric"),
+    ("accelerate.accelerator", "Accelerator", "accelerate", "Accelerator"),
+)
+# When several show up (the HF Trainer drives an Accelerator), the one that
+# drives the others wins.
+PRIORITY = {"plain": 0, "accelerate": 1, "lightning": 2, "transformers": 3}
+ENTRY_PRIORITY = {"Fabric": 0, "Trainer": 1}
+# Packages whose version is reported for a framework name, by the import
+# name that the evidence came from.
+VERSION_MODULES = {
+    "transformers": ("transformers",),
+    "lightning": ("lightning", "pytorch_lightning", "lightning_fabric"),
+    "accelerate": ("accelerate",),
+}
+_FRAME_LIMIT = 400
+_FRAME_OBJECTS = 200
+
+
+def _import_name(filename: str, fragment: str) -> str:
+    """`lightning` or `pytorch_lightning` (...): the package the frame is in."""
+    return fragment.strip("/").split("/")[0]
+
+
+class FrameworkDetector:
+    """Watches the first model call, backward, optimizer step and OOM for
+    evidence of a framework, and records the parsers that read sys.argv."""
+
+    def __init__(self):
+        self.found: dict | None = None  # {"name", "entry", "module", "seen_at"}
+        self.done = False
+        self.options: list[str] = []
+        self.option_values: dict[str, list[str]] = {}
+        self.dataclasses: dict[str, list[str]] = {}
+        self._seen: set[str] = set()
+        self._parsers: set[int] = set()
+        self._restore: list = []
+        self._tracker = None
+
+    # ------------------------------------------------------------ install
+    def install(self, tracker) -> None:
+        """Hook the tracker's model calls and backward passes, the optimizer
+        step, the OOM and argparse. Cheap: each hook returns at once after
+        its first call."""
+        self._tracker = tracker
+        tracker.forward_start_callbacks.append(self._on_forward)
+        tracker.backward_start_callbacks.append(self._on_backward)
+        try:
+            import torch.optim.optimizer as optim
+
+            handle = optim.register_optimizer_step_pre_hook(self._on_optimizer_step)
+            self._restore.append(handle.remove)
+        except Exception:
+            pass
+        original_on_oom = tracker.on_oom
+
+        def on_oom(*args, **kwargs):
+            self._observe("oom", sys._getframe(1))
+            return original_on_oom(*args, **kwargs)
+
+        tracker.on_oom = on_oom
+        self._restore.append(lambda: tracker.__dict__.pop("on_oom", None))
+        self._patch_argparse()
+
+    def uninstall(self) -> None:
+        for restore in reversed(self._restore):
+            try:
+                restore()
+            except Exception:
+                pass
+        self._restore.clear()
+
+    def _patch_argparse(self) -> None:
+        original = argparse.ArgumentParser.parse_known_args
+        detector = self
+
+        @functools.wraps(original)
+        def parse_known_args(parser, *args, **kwargs):
+            try:
+                given = args[0] if args else kwargs.get("args")
+                if parses_command_line(given, sys.argv[1:]):
+                    detector.record_parser(parser)
+            except Exception:
+                pass  # recording must never change what the script sees
+            return original(parser, *args, **kwargs)
+
+        argparse.ArgumentParser.parse_known_args = parse_known_args
+        self._restore.append(lambda: setattr(argparse.ArgumentParser, "parse_known_args", original))
+
+    # ------------------------------------------------------------ argparse
+    def record_parser(self, parser: argparse.ArgumentParser) -> None:
+        """The option strings of a parser that reads the command line (help
+        and version left out), which of them need a value (with their choices),
+        and an HfArgumentParser's dataclass fields."""
+        if id(parser) in self._parsers:
+            return
+        self._parsers.add(id(parser))
+        for action in parser._actions:
+            if isinstance(action, (argparse._HelpAction, argparse._VersionAction)):
+                continue
+            for option in action.option_strings:
+                if option not in self.options:
+                    self.options.append(option)
+                if action.nargs not in (0, "?") and option not in self.option_values:
+                    choices = action.choices
+                    self.option_values[option] = (
+                        [str(choice) for choice in choices][:200]
+                        if choices is not None and not isinstance(choices, dict)
+                        else []
+                    )
+        for dataclass_type in getattr(parser, "dataclass_types", None) or ():
+            if dataclasses.is_dataclass(dataclass_type):
+                self.dataclasses[dataclass_type.__name__] = [
+                    f.name for f in dataclasses.fields(dataclass_type) if f.init
+                ]
+
+    # ------------------------------------------------------------ evidence
+    def _on_forward(self, module) -> None:
+        if self.done or "forward" in self._seen:
+            return
+        self._seen.add("forward")
+        self._observe_module(module)
+        self._observe("forward", sys._getframe(1))
+
+    def _on_backward(self) -> None:
+        if self.done or "backward" in self._seen:
+            return
+        self._seen.add("backward")
+        self._observe("backward", sys._getframe(1))
+
+    def _on_optimizer_step(self, optimizer, args, kwargs) -> None:
+        if self.done:
+            return
+        self._observe("optimizer_step", sys._getframe(1))
+        # A whole step has been seen: every framework shows itself by now.
+        self.done = True
+
+    def _observe_module(self, module) -> None:
+        """The wrappers a framework puts around the model: Fabric's
+        `_FabricModule`, accelerate's `prepare` mark."""
+        module_name = type(module).__module__ or ""
+        if module_name.startswith(("lightning.fabric", "lightning_fabric")):
+            self._offer("lightning", "Fabric", module_name.split(".")[0], "forward")
+        elif getattr(module, "_is_accelerate_prepared", False):
+            self._offer("accelerate", "Accelerator", "accelerate", "forward")
+
+    def _observe(self, moment: str, frame) -> None:
+        try:
+            self._observe_stack(moment, frame)
+        except Exception:
+            pass  # detection is best effort; the script must not notice it
+        if self.found is not None and self.found["name"] == "transformers":
+            self.done = True
+
+    def _observe_stack(self, moment: str, frame) -> None:
+        classes = _instance_classes()
+        scanned: set[int] = set()
+        depth = 0
+        while frame is not None and depth < _FRAME_LIMIT:
+            raw_filename = frame.f_code.co_filename
+            filename = raw_filename.replace(os.sep, "/")
+            for fragment, name, entry in FRAME_SIGNS:
+                if fragment in filename:
+                    if name == "transformers":
+                        owner = frame.f_locals.get("self")
+                        if owner is not None and _is_hf_trainer(owner):
+                            entry = type(owner).__name__
+                    self._offer(name, entry, _import_name(filename, fragment), moment)
+                    break
+            if classes and not _is_library(raw_filename):
+                self._scan_objects(frame, classes, moment, scanned)
+            frame = frame.f_back
+            depth += 1
+
+    def _scan_objects(self, frame, classes, moment: str, scanned: set[int]) -> None:
+        values = []
+        for namespace in (frame.f_locals, frame.f_globals):
+            if id(namespace) not in scanned:
+                scanned.add(id(namespace))
+                values += list(namespace.values())[:_FRAME_OBJECTS]
+        for value in values:
+            for cls, name, entry, module in classes:
+                if isinstance(value, cls):
+                    self._offer(name, entry, module, moment)
+
+    def _offer(self, name: str, entry: str | None, module: str | None, moment: str) -> None:
+        """Keep the strongest evidence: the framework that drives the others."""
+        current = self.found
+        rank = (PRIORITY[name], ENTRY_PRIORITY.get(entry or "", 0))
+        if current is not None:
+            current_rank = (PRIORITY[current["name"]], ENTRY_PRIORITY.get(current["entry"], 0))
+            if rank <= current_rank:
+                return
+        self.found = {"name": name, "entry": entry, "module": module, "seen_at": moment}
+
+    # ------------------------------------------------------------ result
+    def capture(self) -> dict:
+        """The capture keys: `framework`, `script_options`,
+        `script_option_values` and `script_dataclasses`."""
+        found = self.found or {"name": "plain", "entry": None, "module": None, "seen_at": None}
+        framework = dict(found)
+        framework["version"] = _version_of(found["name"], found.get("module"))
+        return {
+            "framework": framework,
+            "script_options": list(self.options),
+            "script_option_values": dict(self.option_values),
+            "script_dataclasses": dict(self.dataclasses),
+        }
+
+
+def parses_command_line(given, argv: list[str]) -> bool:
+    """Whether a parser is parsing the script's command line: no argument
+    list (argparse then reads sys.argv), or one that ends with the command
+    line (HfArgumentParser prepends an args file) or with which it ends (a
+    subparser gets what follows its command)."""
+    if given is None:
+        return True
+    if isinstance(given, (str, bytes)):
+        return False
+    try:
+        strings = [str(item) for item in given]
+    except TypeError:
+        return False
+    if not strings or not argv:
+        return not strings and not argv
+    shorter = min(len(strings), len(argv))
+    return strings[-shorter:] == argv[-shorter:]
+
+
+def _is_hf_trainer(owner) -> bool:
+    trainer_module = sys.modules.get("transformers.trainer")
+    trainer_class = getattr(trainer_module, "Trainer", None)
+    return trainer_class is not None and isinstance(owner, trainer_class)
+
+
+def _instance_classes() -> list[tuple[type, str, str, str]]:
+    """(class, name, entry, import name) for the framework classes already imported."""
+    classes = []
+    for module_name, class_name, name, entry in INSTANCE_SIGNS:
+        module = sys.modules.get(module_name)
+        cls = getattr(module, class_name, None) if module is not None else None
+        if isinstance(cls, type):
+            classes.append((cls, name, entry, module_name.split(".")[0]))
+    return classes
+
+
+def _is_library(filename: str) -> bool:
+    """Only the user's frames are searched for framework objects: library
+    frames are many, and hold the framework's own objects anyway."""
+    from oomdoc.frames import is_user_file
+
+    return not is_user_file(filename)
+
+
+def _version_of(name: str, module: str | None) -> str | None:
+    """The framework's version, from the module already imported (nothing is
+    imported here)."""
+    candidates = VERSION_MODULES.get(name, ())
+    if module in candidates:
+        candidates = (module, *[c for c in candidates if c != module])
+    for candidate in candidates:
+        version = getattr(sys.modules.get(candidate), "__version__", None)
+        if isinstance(version, str):
+            return version
+    return None
+
+
+def install(tracker) -> FrameworkDetector:
+    """Start watching; the detector is kept on the tracker for write_capture."""
+    detector = FrameworkDetector()
+    detector.install(tracker)
+    tracker.framework_detector = detector
+    return detector
+
+
+def capture_keys(tracker) -> dict:
+    """What the detector found, as capture keys (empty when it was not installed)."""
+    detector = getattr(tracker, "framework_detector", None)
+    if detector is None:
+        return {}
+    try:
+        return detector.capture()
+    except Exception:
+        return {}

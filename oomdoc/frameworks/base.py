@@ -1,0 +1,310 @@
+"""What every framework unit offers, and the command-line helpers they share.
+
+A unit speaks one framework's language: how each fix is written there
+(`snippet`), how several fixes become one configuration (`prescription_snippet`),
+and the script's own command-line flag for a fix (`flag_variant`), so that a
+replay can verify the user's knob next to oomdoc's own applied fix.
+
+The `context` every method takes is a plain dict; each key is optional:
+
+| key | meaning |
+| --- | --- |
+| `micro_batch`, `accumulation_steps` | smaller_batch: the batch that fits, and the steps that keep the effective batch |
+| `how` | smaller_batch: the batch-size flag (`--batch-size`), or `batch_size` for a DataLoader |
+| `device_type`, `dtype` | autocast: `cuda`/`cpu`, `bfloat16`/`float16` |
+| `blocks_path`, `blocks_class`, `blocks_count` | checkpointing: the repeated blocks, relative to the model called |
+| `optimizer` | lighter_optimizer: the optimizer measured (`Adafactor`) |
+| `entry`, `module`, `version` | the snapshot's `framework.entry` (`Trainer`, `Fabric`, ...), import name and version |
+| `command` | the snapshot's `command`: `[SCRIPT, *ARGS]` or `["-m", MODULE, *ARGS]` |
+| `script_options`, `script_option_values` | the snapshot's keys of the same names |
+
+Torch-free: the parent imports this.
+"""
+
+from __future__ import annotations
+
+import shlex
+
+FIX_NAMES = (
+    "smaller_batch",
+    "autocast",
+    "checkpointing",
+    "lighter_optimizer",
+    "empty_cache",
+    "expandable_segments",
+)
+EXPANDABLE_ENV = "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+
+# Command-line flags scripts commonly declare for each fix, most specific
+# first. A flag is used only when the script declares it (`script_options`).
+BATCH_FLAGS = (
+    "--per_device_train_batch_size",
+    "--per-device-train-batch-size",
+    "--batch-size",
+    "--batch_size",
+    "--bs",
+    "--micro-batch-size",
+    "--micro_batch_size",
+    "--data.batch_size",
+)
+ACCUMULATION_FLAGS = (
+    "--gradient_accumulation_steps",
+    "--gradient-accumulation-steps",
+    "--grad-accum",
+    "--grad_accum",
+    "--grad-accum-steps",
+    "--grad_accum_steps",
+    "--accumulation-steps",
+    "--accumulation_steps",
+    "--accum-steps",
+    "--accum_steps",
+    "--accumulate-grad-batches",
+    "--accumulate_grad_batches",
+    "--trainer.accumulate_grad_batches",
+)
+CHECKPOINTING_FLAGS = (
+    "--gradient_checkpointing",
+    "--gradient-checkpointing",
+    "--checkpointing",
+    "--activation-checkpointing",
+    "--activation_checkpointing",
+    "--grad-checkpointing",
+    "--grad_checkpointing",
+    "--checkpoint-activations",
+    "--checkpoint_activations",
+)
+# (flag, the dtype it is limited to, or None for a flag that takes the dtype as its value)
+AUTOCAST_FLAGS = (
+    ("--autocast", None),
+    ("--amp", None),
+    ("--mixed-precision", None),
+    ("--mixed_precision", None),
+    ("--precision", None),
+    ("--trainer.precision", None),
+    ("--bf16", "bfloat16"),
+    ("--fp16", "float16"),
+)
+# Values that mean the dtype, preferred first, for a flag that takes one.
+DTYPE_VALUES = {
+    "bfloat16": ("bf16", "bfloat16", "bf16-mixed"),
+    "float16": ("fp16", "float16", "16-mixed", "16"),
+}
+OPTIMIZER_FLAGS = ("--optim", "--optimizer", "--opt")
+EMPTY_CACHE_FLAGS = ("--empty-cache", "--empty_cache")
+
+
+class Framework:
+    """One framework's words for the fixes. Subclasses set `name` (the
+    snapshot's `framework.name`) and `label`, and override what differs."""
+
+    name = "plain"
+    label = "a plain PyTorch loop"
+    # Values a flag that takes the dtype gets when it lists no choices.
+    dtype_values = {"bfloat16": "bf16", "float16": "fp16"}
+
+    def snippet(self, fix: str, context: dict) -> str:
+        """How to apply `fix` (or `a+b`) by hand, in this framework's knobs."""
+        raise NotImplementedError
+
+    def prescription_snippet(self, fixes: list[str], context: dict) -> str:
+        """Several fixes as one configuration block in this framework's terms."""
+        raise NotImplementedError
+
+    def flag_variant(
+        self, fix: str, args: list[str], script_options: list[str], context: dict
+    ) -> list[str] | None:
+        """The script's argv with its own flag for `fix` added (or set), when
+        the script declares one, else None (also None when it is already on).
+        `a+b` applies both parts, or is None when either has no flag."""
+        parts = fix.split("+")
+        if len(parts) > 1:
+            variant: list[str] | None = list(args)
+            for part in parts:
+                variant = self.flag_variant(part, variant or [], script_options, context)
+                if variant is None:
+                    return None
+            return variant
+        return generic_flag_variant(fix, args, script_options, context, self.dtype_values)
+
+    # ------------------------------------------------------------ shared
+    def command_with_flags(self, fixes: list[str], context: dict) -> str | None:
+        """The script's command with its own flags for every fix that has one
+        (None when none has): the by-hand run of a prescription."""
+        command = context.get("command")
+        options = context.get("script_options")
+        if not command or not options:
+            return None
+        args = list(command[2:] if command[0] == "-m" else command[1:])
+        changed = False
+        for fix in fixes:
+            variant = self.flag_variant(fix, args, options, context)
+            if variant is not None:
+                args, changed = variant, True
+        if not changed:
+            return None
+        env = f"{EXPANDABLE_ENV} " if "expandable_segments" in fixes else ""
+        head = ["python", "-m", command[1]] if command[0] == "-m" else ["python", command[0]]
+        return env + shlex.join([*head, *args])
+
+    def own_flags_block(self, fixes: list[str], context: dict, label: str) -> str | None:
+        """`# label:` and the command with the script's own flags; when some
+        fixes have no flag there, the label says which ones it covers."""
+        command = self.command_with_flags(fixes, context)
+        if command is None:
+            return None
+        args = list(
+            context["command"][2:] if context["command"][0] == "-m" else context["command"][1:]
+        )
+        options = context.get("script_options") or []
+        flagged, missing = [], []
+        for fix in fixes:
+            if fix == "expandable_segments":
+                continue
+            has_flag = self.flag_variant(fix, args, options, context) is not None
+            (flagged if has_flag else missing).append(fix)
+        if missing:
+            label = f"your script's own flags cover {', '.join(flagged)} (not {', '.join(missing)})"
+        return f"# {label}:\n{command}"
+
+
+def effective_batch_comment(context: dict) -> str:
+    """`2 accumulation steps of 12 keep the effective batch at 24`, or empty."""
+    micro, steps = context.get("micro_batch"), context.get("accumulation_steps")
+    if not micro or not steps:
+        return ""
+    return f"{steps} accumulation steps of {micro} keep the effective batch at {micro * steps}"
+
+
+def declared(script_options, *names: str) -> str | None:
+    """The first of `names` that the script declares."""
+    options = set(script_options or ())
+    for name in names:
+        if name in options:
+            return name
+    return None
+
+
+def takes_value(option: str, context: dict) -> bool:
+    """Whether the option needs a value (unknown: as a switch)."""
+    return option in (context.get("script_option_values") or {})
+
+
+def choices_of(option: str, context: dict) -> list[str]:
+    return list((context.get("script_option_values") or {}).get(option) or [])
+
+
+def find_option(args: list[str], option: str) -> tuple[int, str | None] | None:
+    """(index, value or None) of the last `option` in args, as `--x v`,
+    `--x=v` or a bare `--x` (value None)."""
+    found = None
+    for index, arg in enumerate(args):
+        if arg == option:
+            value = args[index + 1] if index + 1 < len(args) else None
+            found = (index, None if value is None or value.startswith("--") else value)
+        elif arg.startswith(option + "="):
+            found = (index, arg[len(option) + 1 :])
+    return found
+
+
+def with_option(args: list[str], option: str, value: str | None = None) -> list[str]:
+    """args with `option` set to `value` (a bare switch when None): an
+    occurrence already there is rewritten, else the option is appended."""
+    rewritten = list(args)
+    found = find_option(rewritten, option)
+    if found is None:
+        return [*rewritten, option] + ([] if value is None else [value])
+    index, old = found
+    if rewritten[index].startswith(option + "="):
+        rewritten[index] = option if value is None else f"{option}={value}"
+    elif old is not None:
+        if value is None:
+            del rewritten[index + 1]
+        else:
+            rewritten[index + 1] = value
+    elif value is not None:
+        rewritten.insert(index + 1, value)
+    return rewritten
+
+
+_TRUE = {"true", "1", "yes", "y", "on"}
+
+
+def switch_is_on(args: list[str], option: str) -> bool:
+    found = find_option(args, option)
+    if found is None:
+        return False
+    return found[1] is None or found[1].lower() in _TRUE
+
+
+def dtype_value(option: str, dtype: str, context: dict, defaults: dict) -> str | None:
+    """The value for a flag that takes the dtype: one of its choices when it
+    lists them (None when none means the dtype), else the framework's default."""
+    choices = choices_of(option, context)
+    if not choices:
+        return defaults.get(dtype)
+    lowered = {choice.lower(): choice for choice in choices}
+    for candidate in DTYPE_VALUES.get(dtype, ()):
+        if candidate in lowered:
+            return lowered[candidate]
+    return None
+
+
+def generic_flag_variant(
+    fix: str, args: list[str], script_options, context: dict, dtype_defaults: dict
+) -> list[str] | None:
+    """The argparse flags a script commonly declares for a fix."""
+    if fix == "checkpointing":
+        for option in CHECKPOINTING_FLAGS:
+            if option in (script_options or ()) and not takes_value(option, context):
+                return None if switch_is_on(args, option) else with_option(args, option)
+        return None
+    if fix == "autocast":
+        dtype = context.get("dtype", "bfloat16")
+        for option, limited_to in AUTOCAST_FLAGS:
+            if option not in (script_options or ()):
+                continue
+            if limited_to is not None:
+                if limited_to != dtype or takes_value(option, context):
+                    continue
+                return None if switch_is_on(args, option) else with_option(args, option)
+            if not takes_value(option, context):
+                continue  # a switch without a dtype: which one it means is unknown
+            value = dtype_value(option, dtype, context, dtype_defaults)
+            if value is None:
+                continue
+            found = find_option(args, option)
+            if found is not None and found[1] == value:
+                return None
+            return with_option(args, option, value)
+        return None
+    if fix == "smaller_batch":
+        micro, steps = context.get("micro_batch"), context.get("accumulation_steps")
+        how = context.get("how") or ""
+        batch_flag = how if how.startswith("-") else declared(script_options, *BATCH_FLAGS)
+        accumulation_flag = declared(script_options, *ACCUMULATION_FLAGS)
+        if not micro or not steps or not batch_flag or not accumulation_flag:
+            return None
+        if batch_flag not in (script_options or ()) and find_option(args, batch_flag) is None:
+            return None
+        found = find_option(args, accumulation_flag)
+        already = int(found[1]) if found and found[1] and found[1].isdigit() else 1
+        variant = with_option(args, batch_flag, str(micro))
+        return with_option(variant, accumulation_flag, str(already * steps))
+    if fix == "lighter_optimizer":
+        wanted = str(context.get("optimizer") or "Adafactor").lower()
+        for option in OPTIMIZER_FLAGS:
+            if option not in (script_options or ()) or not takes_value(option, context):
+                continue
+            lowered = {choice.lower(): choice for choice in choices_of(option, context)}
+            value = lowered.get(wanted)
+            if value is None:
+                continue
+            found = find_option(args, option)
+            return None if found and found[1] == value else with_option(args, option, value)
+        return None
+    if fix == "empty_cache":
+        option = declared(script_options, *EMPTY_CACHE_FLAGS)
+        if option is None or takes_value(option, context) or switch_is_on(args, option):
+            return None
+        return with_option(args, option)
+    return None
