@@ -47,7 +47,7 @@ _DEEP_WALK_FIRST_GAP = 4
 _DEEP_WALK_MAX_GAP = 256
 # On CUDA, the allocation sites of a new high are read again (an allocator
 # snapshot, costly) only when it is this much above the last one read.
-_CUDA_SITES_GROWTH = 1.1
+_CUDA_SITES_GROWTH = 1.25
 _SAMPLED_PHASES = frozenset(("forward", "backward", "optimizer"))
 
 
@@ -392,7 +392,9 @@ class Tracker:
             if (entry["variable"], entry["file"]) not in known
         )
         if not self.backend.per_storage:
-            self._state_bytes = sum(self._known_tensors()[2].values())
+            # _sample_peak() above has just read the state the step made.
+            known = self._known if self._known is not None else self._known_tensors()
+            self._state_bytes = sum(known[2].values())
         self._pending_close = True
         self.phase = "idle"
 
@@ -563,9 +565,11 @@ class Tracker:
         all_parameters = []
         for module in list(self.modules):
             all_parameters.extend(self._parameters_of(module))
+        seen = set(map(id, all_parameters))
         for optimizer in list(self.optimizers):
             for group in optimizer.param_groups:
-                all_parameters.extend(group["params"])
+                # The optimizer's parameters are mostly the models': once each.
+                all_parameters.extend(p for p in group["params"] if id(p) not in seen)
         for parameter in all_parameters:
             add(parameters, parameter)
             grad = parameter.grad
