@@ -76,6 +76,7 @@ def main():
     parser.add_argument("--depth", type=int, default=2)
     parser.add_argument("--precision", choices=["32-true", "bf16-mixed"], default="32-true")
     parser.add_argument("--accumulate-grad-batches", type=int, default=1)
+    parser.add_argument("--accelerator", default="cpu", help="cpu (the tests) or gpu")
     args = parser.parse_args()
 
     warnings.filterwarnings("ignore")
@@ -87,7 +88,7 @@ def main():
     model = LitEncoder(args.vocab_size, args.width, args.depth, heads=4)
     data = TokenData(args.batch_size, args.steps, args.seq_len, args.vocab_size)
     trainer = L.Trainer(
-        accelerator="cpu",
+        accelerator=args.accelerator,
         devices=1,
         max_steps=args.steps,
         precision=args.precision,
