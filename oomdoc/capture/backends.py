@@ -18,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from oomdoc import frames
+from oomdoc.capture.modules import phase_from_frames
 from oomdoc.sizes import format_bytes
 
 OutOfMemoryError = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
@@ -33,6 +34,8 @@ class StorageRecord:
     location: dict | None
     shape: tuple
     dtype: str
+    # The module whose forward (or backward) made it (oomdoc.capture.modules).
+    module: str | None = None
 
 
 class Backend:
@@ -194,6 +197,7 @@ class SimulatedBackend(Backend):
             location=frames.current_user_location(sys._getframe()),
             shape=tuple(tensor.shape),
             dtype=str(tensor.dtype).replace("torch.", ""),
+            module=tracker.scopes.allocation_path() if tracker else None,
         )
         self._finalizers[key] = weakref.finalize(storage, self._on_free, key)
         self._live += nbytes
@@ -412,6 +416,10 @@ class CudaBackend(Backend):
                     {
                         "address": block.get("address"),
                         "bytes": int(block.get("requested_size") or block.get("size", 0)),
+                        # What the allocator counts, and the phase the stack shows
+                        # (oomdoc.capture.modules: one category rule for all tables).
+                        "size": int(block.get("size", 0)),
+                        "phase": phase_from_frames(block.get("frames")),
                         "location": frames.pick_user_location(block.get("frames", [])),
                         "shape": None,
                         "dtype": None,

@@ -18,6 +18,14 @@ import torch.nn as nn
 
 from oomdoc import frames
 from oomdoc.capture.backends import Backend, storage_key
+from oomdoc.capture.modules import (
+    ModuleScopes,
+    block_categories,
+    simulated_attribution,
+)
+from oomdoc.capture.modules import (
+    category_of as storage_category,
+)
 from oomdoc.snapshot import CATEGORIES
 
 
@@ -62,6 +70,10 @@ class Tracker:
         # what `oomdoc check` gates, since the categories peak at different
         # moments (activations at the end of forward, gradients after backward).
         self.category_peaks: dict[str, int] = {category: 0 for category in CATEGORIES}
+        # Module attribution (oomdoc.capture.modules): the running module's
+        # path, and the `modules` table of the last breakdown with sites.
+        self.scopes = ModuleScopes()
+        self.last_modules: list | None = None
         self._new_step()
 
     # ------------------------------------------------------------ steps
@@ -123,6 +135,7 @@ class Tracker:
             "phase": self.phase,
             "breakdown": breakdown,
             "top_allocations": sites,
+            "modules": self.last_modules,
         }
 
     def _fold_category_peaks(self, breakdown: dict) -> None:
@@ -190,12 +203,14 @@ class Tracker:
             tracker._add_optimizer(optimizer)
 
         self._patch(torch.optim.Optimizer, "__init__", optimizer_init)
+        self.scopes.install(cuda=self.backend.kind == "cuda")
 
     def _patch(self, owner, name, replacement) -> None:
         self._originals.append((owner, name, getattr(owner, name)))
         setattr(owner, name, replacement)
 
     def uninstall(self) -> None:
+        self.scopes.uninstall()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -225,8 +240,10 @@ class Tracker:
         if self._module_depth == 0 and self._backward_depth == 0:
             self._outermost_forward_start(module)
         self._module_depth += 1
+        self.scopes.push(module, inputs if self._module_depth == 1 else None)
 
     def _on_forward_post(self, module, inputs, output):
+        self.scopes.pop(output)
         self._module_depth = max(0, self._module_depth - 1)
         if self._module_depth == 0 and self._backward_depth == 0:
             _stamp_graph(output, self.step_index)
@@ -276,6 +293,7 @@ class Tracker:
         if module in self.modules:
             return
         self.modules.add(module)
+        self.scopes.add_model(module)
         parameter_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
         self.models.append(
             {
@@ -389,8 +407,11 @@ class Tracker:
             "capacity_bytes": int(capacity),
             "message": message or "",
             "location": frames.current_user_location(sys._getframe(1)),
+            # The module whose forward (or backward) asked for the memory.
+            "module": self.scopes.allocation_path(),
             "breakdown": breakdown,
             "top_allocations": sites,
+            "modules": self.last_modules,
             "allocator": self.backend.allocator_stats(),
         }
 
@@ -449,9 +470,7 @@ class Tracker:
                 return "gradients"
             if key in state:
                 return "optimizer_state"
-            if record is not None and record.phase in ("forward", "backward", "optimizer"):
-                return "activations"
-            return "other"
+            return storage_category(None, record.phase if record is not None else None)
 
         per_storage = list(self.backend.live_storages())
         if self.backend.per_storage:
@@ -474,17 +493,29 @@ class Tracker:
 
         records = {key: record for key, _nbytes, record in per_storage}
         sites = self.backend.allocation_sites() or []
-        addresses = {}
-        if sites and "address" in sites[0]:
+        # One category per byte for the breakdown, the sites and the modules
+        # (oomdoc.capture.modules); on CUDA all three come from the same blocks.
+        blocks = None
+        if self.backend.per_storage:
+            known = dict.fromkeys(state, "optimizer_state")
+            known.update(dict.fromkeys(gradients, "gradients"))
+            known.update(dict.fromkeys(parameters, "parameters"))
+            owners = self.scopes.owners(self.optimizers, storage_key)
+            self.last_modules = self.scopes.table(simulated_attribution(per_storage, known, owners))
+        elif sites and "address" in sites[0]:
             addresses = self._address_categories(parameters, gradients, state)
+            owners = self.scopes.owners(self.optimizers, self._address_of)
+            blocks = block_categories(sites, addresses, owners, self.scopes)
+            breakdown = {category: 0 for category in CATEGORIES}
+            for _path, category, size in blocks:
+                breakdown[category] += size
+            self.last_modules = self.scopes.table(blocks)
         grouped: dict[tuple, dict] = {}
-        for site in sites:
+        for index, site in enumerate(sites):
             if "key" in site:
                 category = category_of(site["key"], records.get(site["key"]))
             else:
-                category = addresses.get(
-                    site.get("address"), "activations" if self.phase != "setup" else "other"
-                )
+                category = blocks[index][1] if blocks else "other"
             location = site.get("location")
             loc_key = (location or {}).get("file"), (location or {}).get("line")
             group_key = (category, loc_key, tuple(site.get("shape") or ()), site.get("dtype"))
@@ -546,6 +577,14 @@ class Tracker:
                 except Exception:
                     pass
         return table
+
+    def _address_of(self, tensor) -> int | None:
+        if not self.backend.owns(tensor):
+            return None
+        try:
+            return tensor.untyped_storage().data_ptr()
+        except Exception:
+            return None
 
     def _tensors_for(self, category: str):
         for module in list(self.modules):
