@@ -127,10 +127,13 @@ class ModuleScopes:
         self._seq_paths: list = []
         # CUDA: data pointer -> (path, weak reference to the storage).
         self.cuda = False
+        # Tests on machines without CUDA set this to map CPU storages too.
+        self.any_device = False
         self._saved: dict[int, tuple] = {}
         self._inputs: frozenset = frozenset()
         self._hooks_pushed = False
         self._original_disable = None
+        self.buffer_keys: set = set()
 
     # ------------------------------------------------------------ naming
     def add_model(self, model: nn.Module) -> None:
@@ -220,7 +223,7 @@ class ModuleScopes:
 
     def pop(self, output=None) -> None:
         """A module's forward ended, normally or not (the global post-hook)."""
-        if self.cuda and isinstance(output, _Tensor) and output.is_cuda:
+        if self.cuda and isinstance(output, _Tensor) and (output.is_cuda or self.any_device):
             self._remember_storage(output)
         stack = self._stack
         self.path = path = stack.pop() if stack else None
@@ -272,7 +275,8 @@ class ModuleScopes:
             self._hooks_pushed = True
         except Exception:
             return
-        # torch.vmap refuses to run while default saved-tensor hooks are set:
+        # torch.func.grad, vjp, jacrev and hessian refuse to run while default
+        # saved-tensor hooks are set:
         # step aside while it runs.
         import torch.autograd.graph as graph
 
@@ -309,7 +313,7 @@ class ModuleScopes:
         return bool(hooks) and getattr(hooks[0], "__self__", None) is self
 
     def _pack(self, tensor):
-        if tensor.is_cuda:
+        if tensor.is_cuda or self.any_device:
             self._remember_storage(tensor)
         return tensor
 
@@ -318,7 +322,7 @@ class ModuleScopes:
         work (a batch): they are not activations, even when saved."""
         pointers = set()
         for item in inputs if isinstance(inputs, (tuple, list)) else (inputs,):
-            if isinstance(item, _Tensor) and item.is_cuda:
+            if isinstance(item, _Tensor) and (item.is_cuda or self.any_device):
                 try:
                     pointers.add(item.untyped_storage().data_ptr())
                 except Exception:
@@ -358,8 +362,11 @@ class ModuleScopes:
     # ------------------------------------------------------------ owners
     def owners(self, optimizers, key_of) -> dict:
         """key_of(tensor) -> owning module path, for parameters, buffers,
-        their gradients and the optimizer state of those parameters."""
+        their gradients and the optimizer state of those parameters. The
+        buffers' keys are also in `self.buffer_keys` (CUDA: a buffer saved
+        for backward is still not an activation)."""
         owners: dict = {}
+        buffers: set = set()
         by_parameter: dict[int, str] = {}
 
         def own(tensor, path):
@@ -385,6 +392,8 @@ class ModuleScopes:
                         own(parameter.grad, path)
                 for buffer in module._buffers.values():
                     own(buffer, path)
+                    if isinstance(buffer, _Tensor):
+                        buffers.add(key_of(buffer))
         for optimizer in list(optimizers):
             for parameter, per_parameter in list(optimizer.state.items()):
                 path = by_parameter.get(id(parameter))
@@ -392,6 +401,7 @@ class ModuleScopes:
                     continue
                 for value in per_parameter.values():
                     own(value, path)
+        self.buffer_keys = buffers
         return owners
 
     # ------------------------------------------------------------ tables
@@ -524,6 +534,8 @@ def block_categories(sites, addresses: dict, owners: dict, scopes: ModuleScopes)
         address = site.get("address")
         known = addresses.get(address)
         made_in_forward, path = scopes.saved_path(address)
+        if address in scopes.buffer_keys:
+            made_in_forward = False
         phase = "forward" if made_in_forward else site.get("phase")
         path = owners.get(address, path)
         result.append(
