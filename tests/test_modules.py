@@ -104,6 +104,11 @@ def test_a_second_model_is_prefixed_and_a_part_called_first_is_renamed():
     assert scopes.path_of(loss) == "CrossEntropyLoss"
     scopes.add_model(model.h[1])  # already named as part of the model
     assert scopes.path_of(model.h[1]) == "h.1"
+    # A second network whose paths would clash is prefixed with its class.
+    twin = Net(blocks=2)
+    scopes.add_model(twin)
+    assert scopes.path_of(twin.h[1].fc2) == "Net.h.1.fc2"
+    assert scopes.fold("Net.h.1.fc2") == ("Net.h", "Block", 2, "fc2")
 
 
 def test_module_table_caps_with_a_remainder_that_keeps_the_sums():

@@ -139,10 +139,11 @@ class ModuleScopes:
     def add_model(self, model: nn.Module) -> None:
         """Name every module of a model the first time the model is called.
 
-        The first model's paths are bare (`transformer.h.3`); later models get
-        their class as prefix. A model seen before as part of a bigger one
-        keeps the bigger one's names; a model first called alone and later
-        found inside a bigger one is renamed."""
+        Paths are bare (`transformer.h.3`). The first model is `(root)`; a
+        later one is named by its class, which also prefixes its paths when
+        they would clash with another model's. A model seen before as part of
+        a bigger one keeps the bigger one's names; a model first called alone
+        and later found inside a bigger one is renamed."""
         if id(model) in self._model_roots:
             return
         named = list(model.named_modules())
@@ -153,16 +154,23 @@ class ModuleScopes:
                 del self._model_roots[root_id]
         if id(model) in self._paths and self._models:
             return  # part of a model already named
-        prefix = "" if not self._model_roots else type(model).__name__
         wrapper = _wrapped_attribute(model)
-        self._model_roots[id(model)] = prefix
-        self._models.append(weakref.ref(model))
+        names = []
         for name, module in named:
             if wrapper and (name == wrapper or name.startswith(wrapper + ".")):
                 name = name[len(wrapper) + 1 :]
+            names.append((name, module))
+        others = bool(self._model_roots)
+        prefix = ""
+        if others and any(name and name in self._classes for name, _module in names):
+            prefix = type(model).__name__
+        self._model_roots[id(model)] = prefix
+        self._models.append(weakref.ref(model))
+        root = prefix or (type(model).__name__ if others else ROOT)
+        for name, module in names:
             path = ".".join(part for part in (prefix, name) if part)
-            self._remember_module(module, path or ROOT)
-        self._fold(model, prefix, wrapper)
+            self._remember_module(module, path or root)
+        self._fold(model)
 
     def _remember_module(self, module: nn.Module, path: str) -> None:
         key = id(module)
@@ -172,7 +180,7 @@ class ModuleScopes:
         self._paths[key] = path
         self._classes[path] = type(module).__name__
 
-    def _fold(self, model: nn.Module, prefix: str, wrapper: str | None) -> None:
+    def _fold(self, model: nn.Module) -> None:
         """Fold repeated blocks: same-class children (at least two) of an
         nn.ModuleList or nn.Sequential; the outermost container wins."""
         folded_roots: list[tuple[str, str, int]] = []
