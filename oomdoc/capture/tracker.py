@@ -18,14 +18,8 @@ import torch.nn as nn
 
 from oomdoc import frames
 from oomdoc.capture.backends import Backend, storage_key
-from oomdoc.capture.modules import (
-    ModuleScopes,
-    block_categories,
-    simulated_attribution,
-)
-from oomdoc.capture.modules import (
-    category_of as storage_category,
-)
+from oomdoc.capture.modules import ModuleScopes, block_categories, simulated_attribution
+from oomdoc.capture.modules import category_of as storage_category
 from oomdoc.snapshot import CATEGORIES
 
 
