@@ -16,6 +16,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from oomdoc import frames
+from oomdoc.capture.modules import category_of, phase_from_frames
 from oomdoc.sizes import format_bytes
 
 OutOfMemoryError = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
@@ -27,7 +28,8 @@ class StorageRecord:
     Immutable once made (a storage resized in place gets a new record), so
     that a record list kept for the peak still says what it said then. The
     location is kept as (code object, line) and turned into a snapshot
-    `location` only when sites are listed.
+    `location` only when sites are listed. `module` is the module whose
+    forward (or backward) made it (oomdoc.capture.modules).
     """
 
     __slots__ = (
@@ -40,15 +42,18 @@ class StorageRecord:
         "shape",
         "dtype_object",
         "sequence",
+        "module",
     )
 
-    def __init__(self, nbytes, step, phase, category, code, line, shape, dtype_object, sequence):
+    def __init__(
+        self, nbytes, step, phase, category, code, line, shape, dtype_object, sequence, module
+    ):
         self.nbytes = nbytes
         self.step = step
         self.phase = phase
-        # "activations" (made during forward, backward or the optimizer step)
-        # or "other": the category unless the storage is a parameter, a
-        # gradient or optimizer state.
+        # category_of(None, phase): "activations" (made during forward,
+        # backward or the optimizer step) or "other"; the category unless the
+        # storage is a parameter, a gradient or optimizer state (apply_known).
         self.category = category
         self.code = code
         self.line = line
@@ -56,6 +61,7 @@ class StorageRecord:
         self.dtype_object = dtype_object
         # Registration order: sites are grouped in it, as they always were.
         self.sequence = sequence
+        self.module = module
 
     @property
     def location(self) -> dict | None:
@@ -78,6 +84,7 @@ class StorageRecord:
             self.shape,
             self.dtype_object,
             self.sequence,
+            self.module,
         )
 
 
@@ -155,7 +162,6 @@ def storage_key(tensor: torch.Tensor):
 # --------------------------------------------------------------- simulated
 
 _Tensor = torch.Tensor
-_ACTIVE_PHASES = frozenset(("forward", "backward", "optimizer"))
 _FORWARD_BACKWARD = frozenset(("forward", "backward"))
 
 # Code object -> is it the user's? The innermost user frame is looked up for
@@ -439,13 +445,25 @@ class SimulatedBackend(Backend):
         nbytes = storage.nbytes()
         if tracker is not None:
             step, phase = tracker.step_index, tracker.phase
+            module = tracker.scopes.allocation_path()
         else:
-            step, phase = 0, "setup"
+            step, phase, module = 0, "setup", None
         code, line = _innermost_user_code(sys._getframe(1))
-        category = "activations" if phase in _ACTIVE_PHASES else "other"
+        # The one category rule (oomdoc.capture.modules), for the breakdown,
+        # the sites and the modules alike.
+        category = category_of(None, phase)
         self._sequence += 1
         self._records[key] = StorageRecord(
-            nbytes, step, phase, category, code, line, tensor.shape, tensor.dtype, self._sequence
+            nbytes,
+            step,
+            phase,
+            category,
+            code,
+            line,
+            tensor.shape,
+            tensor.dtype,
+            self._sequence,
+            module,
         )
         reference = _StorageRef(storage, self._on_storage_freed)
         reference.key = key
@@ -798,6 +816,10 @@ class CudaBackend(Backend):
                     {
                         "address": block.get("address"),
                         "bytes": int(block.get("requested_size") or block.get("size", 0)),
+                        # What the allocator counts, and the phase the stack shows
+                        # (oomdoc.capture.modules: one category rule for all tables).
+                        "size": int(block.get("size", 0)),
+                        "phase": phase_from_frames(block.get("frames")),
                         "location": frames.pick_user_location(block.get("frames", [])),
                         "shape": None,
                         "dtype": None,

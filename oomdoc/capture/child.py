@@ -284,18 +284,22 @@ def write_capture(config, backend, tracker, outcome, exit_code, error, timings=N
             oom["message"] = error["message"]
         breakdown, top, breakdown_at = oom.pop("breakdown"), oom.pop("top_allocations"), "oom"
         allocator = oom.pop("allocator", {})
+        modules = oom.pop("modules", None)
         if breakdown is None:
             breakdown, top = tracker.breakdown_and_sites()
+            modules = tracker.last_modules
     elif tracker.peak_sample is not None:
         breakdown, top, breakdown_at = (
             tracker.peak_sample["breakdown"],
             tracker.peak_sample["top_allocations"],
             "peak",
         )
+        modules = tracker.peak_sample.get("modules")
         allocator = backend.allocator_stats()
     else:
         breakdown, top = tracker.breakdown_and_sites()
         breakdown_at, allocator = "end", backend.allocator_stats()
+        modules = tracker.last_modules
 
     extra = {}
     if outcome == "oom":
@@ -336,6 +340,9 @@ def write_capture(config, backend, tracker, outcome, exit_code, error, timings=N
         },
         "steps": steps,
         "top_allocations": top,
+        # Bytes per module and category where the breakdown was taken
+        # (oomdoc.capture.modules; docs/snapshot.md).
+        "modules": modules,
         "allocator": allocator,
         "optimizers": sorted(tracker.optimizer_classes),
         "models": tracker.models,

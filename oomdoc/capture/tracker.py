@@ -19,7 +19,8 @@ import torch
 import torch.nn as nn
 
 from oomdoc import frames
-from oomdoc.capture.backends import Backend, storage_sites
+from oomdoc.capture.backends import Backend, storage_key, storage_sites
+from oomdoc.capture.modules import ModuleScopes, block_categories, simulated_attribution
 from oomdoc.snapshot import CATEGORIES
 
 
@@ -96,6 +97,9 @@ class Tracker:
         self._next_deep_walk_step = 0
         self._deep_walk_gap = _DEEP_WALK_FIRST_GAP
         self._last_sites_allocated = -1
+        # The highest allocation seen at a sampled boundary (peak_sample's own
+        # moment may be lower on CUDA: see _sample_peak).
+        self._sampled_high = -1
         self._step_timer = _CudaStepTimer() if backend.kind == "cuda" else None
         self.stats = {
             "boundary_samples": 0,
@@ -106,6 +110,13 @@ class Tracker:
             "parameter_list_builds": 0,
             "state_table_builds": 0,
         }
+        # Module attribution (oomdoc.capture.modules): the running module's
+        # path, and the `modules` table of the last breakdown with sites.
+        self.scopes = ModuleScopes()
+        self.last_modules: list | None = None
+        # Simulated device: who owns the parameters, gradients, state and
+        # buffers at the peak mark, for its `modules` table (finish()).
+        self._mark_owners: dict | None = None
         self._new_step()
 
     # ------------------------------------------------------------ steps
@@ -156,28 +167,46 @@ class Tracker:
         if self.phase not in _SAMPLED_PHASES:
             return
         self.stats["boundary_samples"] += 1
-        allocated = self.backend.allocated_bytes()
+        backend = self.backend
+        allocated = backend.allocated_bytes()
         breakdown = self._breakdown(allocated)
-        self._fold_category_peaks(breakdown)
-        if self.peak_sample is not None and allocated <= self.peak_sample["allocated_bytes"]:
+        if self.peak_sample is not None and allocated <= self._sampled_high:
+            self._fold_category_peaks(breakdown)
             return
-        previous = self.peak_sample
-        self.peak_sample = {
+        self._sampled_high = allocated
+        if backend.per_storage:
+            # The sites and modules of this moment are listed when the
+            # snapshot is written, from a log of what changes from now on
+            # (finish()); who owns the named storages is noted now (O(params)).
+            self._fold_category_peaks(breakdown)
+            self._mark_owners = self.scopes.owners(self.optimizers, storage_key)
+            backend.mark_peak()
+            self.peak_sample = self._peak_entry(allocated, breakdown, None, None)
+        elif (
+            self.peak_sample is None or allocated >= self._last_sites_allocated * _CUDA_SITES_GROWTH
+        ):
+            # CUDA: the breakdown, the sites and the modules are read together
+            # from one allocator snapshot (costly), so they agree.
+            block_breakdown, sites = self._sites(refresh=False)
+            breakdown = block_breakdown or breakdown
+            self._fold_category_peaks(breakdown)
+            self.peak_sample = self._peak_entry(allocated, breakdown, sites, self.last_modules)
+            self._last_sites_allocated = allocated
+        else:
+            # CUDA, a new high within _CUDA_SITES_GROWTH of the last one read:
+            # the peak sample stays that moment's (breakdown, sites and modules
+            # of one moment), the category peaks still see this one.
+            self._fold_category_peaks(breakdown)
+
+    def _peak_entry(self, allocated: int, breakdown: dict, sites, modules) -> dict:
+        return {
             "allocated_bytes": int(allocated),
             "step": self.step_index,
             "phase": self.phase,
             "breakdown": breakdown,
-            "top_allocations": None,
+            "top_allocations": sites,
+            "modules": modules,
         }
-        if self.backend.per_storage:
-            # The sites of this moment are listed when the snapshot is
-            # written, from a log of what changes from now on (finish()).
-            self.backend.mark_peak()
-        elif previous is None or allocated >= self._last_sites_allocated * _CUDA_SITES_GROWTH:
-            self.peak_sample["top_allocations"] = self._sites()
-            self._last_sites_allocated = allocated
-        else:
-            self.peak_sample["top_allocations"] = previous["top_allocations"]
 
     def _fold_category_peaks(self, breakdown: dict) -> None:
         for category, nbytes in breakdown.items():
@@ -221,7 +250,7 @@ class Tracker:
             self._step_timer.collect(block=True)
         sample = self.peak_sample
         if sample is not None and sample["top_allocations"] is None:
-            sample["top_allocations"] = self._marked_sites()
+            sample["top_allocations"], sample["modules"] = self._marked_sites()
 
     def capture_stats(self) -> dict:
         """How much work the capture did: leak walks and samples stay far
@@ -264,6 +293,7 @@ class Tracker:
             tracker._add_optimizer(optimizer)
 
         self._patch(torch.optim.Optimizer, "__init__", optimizer_init)
+        self.scopes.install(cuda=self.backend.kind == "cuda")
 
     @staticmethod
     def checkpoint_targets(model: nn.Module) -> list:
@@ -279,6 +309,7 @@ class Tracker:
         setattr(owner, name, replacement)
 
     def uninstall(self) -> None:
+        self.scopes.uninstall()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -308,8 +339,10 @@ class Tracker:
         if self._module_depth == 0 and self._backward_depth == 0:
             self._outermost_forward_start(module)
         self._module_depth += 1
+        self.scopes.push(module, inputs if self._module_depth == 1 else None)
 
     def _on_forward_post(self, module, inputs, output):
+        self.scopes.pop(output)
         self._module_depth = max(0, self._module_depth - 1)
         if self._module_depth == 0 and self._backward_depth == 0:
             _stamp_graph(output, self.step_index)
@@ -359,6 +392,7 @@ class Tracker:
         if module in self.modules:
             return
         self.modules.add(module)
+        self.scopes.add_model(module)
         parameter_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
         self.models.append(
             {
@@ -504,8 +538,11 @@ class Tracker:
             "capacity_bytes": int(capacity),
             "message": message or "",
             "location": frames.current_user_location(sys._getframe(1)),
+            # The module whose forward (or backward) asked for the memory.
+            "module": self.scopes.allocation_path(),
             "breakdown": breakdown,
             "top_allocations": sites,
+            "modules": self.last_modules,
             "allocator": self.backend.allocator_stats(),
         }
 
@@ -620,39 +657,76 @@ class Tracker:
         """Live memory split into the five categories, and the largest
         allocation sites (aggregated by user location, shape and dtype).
         Without `with_sites` only the breakdown is computed (no allocator
-        snapshot on CUDA), cheap enough for every phase boundary."""
+        snapshot on CUDA), cheap enough for every phase boundary. With them
+        the `modules` table of the same moment is kept in `last_modules`;
+        on CUDA the breakdown is then the allocator blocks', by the rule the
+        sites and the modules use."""
         breakdown = self._breakdown()
         if not with_sites:
             return breakdown, []
-        return breakdown, self._sites(limit, refresh=False)
+        block_breakdown, sites = self._sites(limit, refresh=False)
+        return block_breakdown or breakdown, sites
 
-    def _sites(self, limit: int = 20, refresh: bool = True) -> list[dict]:
-        """The largest live allocation sites now (O(live allocations))."""
+    def _sites(self, limit: int = 20, refresh: bool = True) -> tuple[dict | None, list[dict]]:
+        """The largest live allocation sites now (O(live allocations)), with
+        the `modules` table of this moment in `last_modules`.
+
+        One category rule (oomdoc.capture.modules.category_of) for all three
+        tables: on the simulated device the sites and the modules take each
+        storage's category from the counters' naming, so they sum to the
+        breakdown (returned as None: the counters already are it); on CUDA
+        the allocator's blocks are classified once and the breakdown returned
+        is theirs (None without an allocator history)."""
         self.stats["site_samples"] += 1
         backend = self.backend
         if backend.per_storage:
             if refresh:
                 self._breakdown()  # names parameters, gradients and state on the device
-            return _group_sites(
-                backend.allocation_sites(), backend.known_categories(), {}, self.phase, limit
+            items = [(key, record) for key, _nbytes, record in backend.live_storages()]
+            owners = self.scopes.owners(self.optimizers, storage_key)
+            sites, self.last_modules = self._storage_sites_and_modules(
+                items, backend.known_categories(), owners, self.phase, limit
             )
+            return None, sites
         if refresh or self._known is None:
             self._known_tensors()
         parameters, gradients, state = self._known
         sites = backend.allocation_sites() or []
-        addresses = {}
-        if sites and "address" in sites[0]:
-            addresses = self._address_categories(parameters, gradients, state)
-        return _group_sites(sites, {}, addresses, self.phase, limit)
+        if not sites or "address" not in sites[0]:
+            self.last_modules = None
+            return None, _group_sites(sites, {}, self.phase, limit)
+        addresses = self._address_categories(parameters, gradients, state)
+        owners = self.scopes.owners(self.optimizers, self._address_of)
+        blocks = block_categories(sites, addresses, owners, self.scopes)
+        breakdown = dict.fromkeys(CATEGORIES, 0)
+        for site, (_path, category, size) in zip(sites, blocks):
+            site["category"] = category
+            breakdown[category] += size
+        self.last_modules = self.scopes.table(blocks)
+        return breakdown, _group_sites(sites, {}, self.phase, limit)
 
-    def _marked_sites(self, limit: int = 20) -> list[dict]:
-        """The sites at the simulated device's peak mark (see _sample_peak)."""
+    def _storage_sites_and_modules(self, items, known, owners, phase, limit) -> tuple:
+        """Simulated device: (sites, modules) of [(key, StorageRecord)], the
+        storages named by `known` ({key: category}), `owners` ({key: path})."""
+        modules = self.scopes.table(
+            simulated_attribution(
+                ((key, record.nbytes, record) for key, record in items), known, owners
+            )
+        )
+        return _group_sites(storage_sites(items), known, phase, limit), modules
+
+    def _marked_sites(self, limit: int = 20) -> tuple[list[dict], list | None]:
+        """The sites and the modules at the simulated device's peak mark (see
+        _sample_peak): one listing of the storages live then, when the
+        snapshot is written."""
         marked = self.backend.marked_storages() if self.backend.per_storage else None
         if marked is None:
-            return []
+            return [], None
         items, known = marked
         self.stats["site_samples"] += 1
-        return _group_sites(storage_sites(items), known, {}, self.peak_sample["phase"], limit)
+        return self._storage_sites_and_modules(
+            items, known, self._mark_owners or {}, self.peak_sample["phase"], limit
+        )
 
     _forward_baseline: dict | None = None
 
@@ -691,6 +765,14 @@ class Tracker:
                 except Exception:
                     pass
         return table
+
+    def _address_of(self, tensor) -> int | None:
+        if not self.backend.owns(tensor):
+            return None
+        try:
+            return tensor.untyped_storage().data_ptr()
+        except Exception:
+            return None
 
     def _tensors_for(self, category: str):
         for module in list(self.modules):
@@ -857,18 +939,17 @@ def _candidate_tensors(value):
                 yield item
 
 
-def _group_sites(sites, known: dict, addresses: dict, phase: str, limit: int) -> list[dict]:
+def _group_sites(sites, known: dict, phase: str, limit: int) -> list[dict]:
     """Allocation sites grouped by category, user location, shape and dtype,
-    largest first. Simulated sites carry a storage `key` (its category is
-    `known`'s or the phase's it was made in); CUDA sites a block `address`."""
+    largest first. Simulated sites carry a storage `key`: its category is
+    `known`'s, else category_of(None, the phase it was made in), kept as
+    `base_category`. CUDA sites carry the `category` block_categories gave."""
     grouped: dict[tuple, dict] = {}
     for site in sites:
         if "key" in site:
             category = known.get(site["key"]) or site["base_category"]
         else:
-            category = addresses.get(
-                site.get("address"), "activations" if phase != "setup" else "other"
-            )
+            category = site.get("category") or "other"
         location = site.get("location")
         loc_key = (location or {}).get("file"), (location or {}).get("line")
         group_key = (category, loc_key, tuple(site.get("shape") or ()), site.get("dtype"))
