@@ -43,6 +43,8 @@ class JsonReporter:
             else None,
             "top_allocations": to_dict(snapshot.top_allocations[: analysis.top]),
         }
+        if snapshot.modules:
+            result["modules"] = to_dict(snapshot.modules[: max(analysis.top, 10)])
         if snapshot.prescription is not None:
             result["prescription"] = to_dict(snapshot.prescription)
         if snapshot.oom is not None:

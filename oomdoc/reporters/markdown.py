@@ -45,6 +45,10 @@ class MarkdownReporter:
         if snapshot.ranks:
             ranks = rank_section_lines(snapshot.to_dict())
             lines += ["", "```", *[line for line in ranks if line], "```"]
+        module_rows = tables.module_rows(snapshot)
+        if module_rows:
+            lines += ["", f"### Top modules {snapshot.moment_label} (repeated blocks folded)"]
+            lines.append(tabulate(module_rows, headers=tables.MODULE_HEADERS, tablefmt="github"))
         sites = tables.site_rows(snapshot.top_allocations, snapshot.cwd, analysis.top)
         if sites:
             lines += ["", "### Top allocation sites"]

@@ -235,3 +235,49 @@ def not_enough_alone(fixes: list[FixResult]) -> list[str]:
         )
         lines.append(f"{fix.name}: {need} ({fix.detail or fix.outcome or ''})")
     return lines
+
+
+MODULE_HEADERS = [
+    "module",
+    "class",
+    "blocks",
+    "activations",
+    "parameters",
+    "gradients",
+    "optimizer",
+    "total",
+]
+
+
+def module_rows(snapshot: Snapshot, limit: int = 8) -> list[list[str]]:
+    """The top modules (repeated blocks folded), bytes per category."""
+    rows = []
+    for module in snapshot.modules[:limit]:
+        usage = module.bytes
+        rows.append(
+            [
+                module.path,
+                module.class_name if module.class_name != "?" else "",
+                str(module.blocks) if module.blocks > 1 else "",
+                format_bytes(usage.activations),
+                format_bytes(usage.parameters),
+                format_bytes(usage.gradients),
+                format_bytes(usage.optimizer_state),
+                format_bytes(usage.total),
+            ]
+        )
+    return rows
+
+
+def modules_lead(snapshot: Snapshot) -> bool:
+    """One line of the user's code holds most of the bytes (a framework's
+    `trainer.train()`): the modules say more than the lines, so they come first."""
+    total = snapshot.breakdown.total
+    sites = snapshot.top_allocations
+    if not snapshot.modules or not sites or not total:
+        return False
+    by_line: dict[tuple, int] = {}
+    for site in sites:
+        key = (site.location.file, site.location.line) if site.location else None
+        by_line[key] = by_line.get(key, 0) + site.bytes
+    return max(by_line.values()) >= 0.5 * total

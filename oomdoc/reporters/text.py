@@ -45,6 +45,10 @@ class TextReporter:
         )
         if snapshot.ranks:
             lines += rank_section_lines(snapshot.to_dict())
+        modules = self._module_lines()
+        lead = tables.modules_lead(snapshot)
+        if lead:
+            lines += modules
         sites = tables.site_rows(snapshot.top_allocations, snapshot.cwd, analysis.top)
         if sites:
             lines += ["", f"Top {len(sites)} allocation sites"]
@@ -53,6 +57,8 @@ class TextReporter:
                     sites, headers=tables.SITE_HEADERS, colalign=("right", "left", "left", "left")
                 )
             )
+        if not lead:
+            lines += modules
         trace = tables.trace_rows(snapshot)
         if trace:
             lines += ["", "Allocator events just before the OOM (oldest first)"]
@@ -72,6 +78,21 @@ class TextReporter:
                     f"PyTorch memory snapshot (drag into https://pytorch.org/memory_viz): {torch_snapshot}"
                 )
         return "\n".join(lines) + "\n"
+
+    def _module_lines(self) -> list[str]:
+        rows = tables.module_rows(self.analysis.snapshot)
+        if not rows:
+            return []
+        moment = self.analysis.snapshot.moment_label
+        return [
+            "",
+            f"Top {len(rows)} modules {moment} (repeated blocks folded)",
+            tabulate(
+                rows,
+                headers=tables.MODULE_HEADERS,
+                colalign=("left", "left", "right", *("right",) * 5),
+            ),
+        ]
 
     def _diagnosis_lines(self) -> list[str]:
         diagnoses = self.analysis.diagnoses
