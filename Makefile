@@ -4,7 +4,7 @@ PIP ?= $(PYTHON) -m pip
 # torch is installed only when missing, so an existing (CUDA or CPU) build is kept.
 TORCH ?= torch>=2.4
 
-.PHONY: install demo test test-gpu bench clean
+.PHONY: install demo lint test test-gpu bench clean
 
 install:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install "$(TORCH)"
@@ -19,7 +19,13 @@ demo: install
 		$(PYTHON) -m oomdoc run --device cpu --device-memory 192MiB examples/gpt_train.py --preset tiny --batch-size 64 --steps 4 || [ $$? -eq 1 ]; \
 	fi
 
-test: install
+# Format, lint and type-check: ruff and mypy (configured in pyproject.toml).
+lint: install
+	$(PYTHON) -m ruff format --check oomdoc tests benchmarks examples
+	$(PYTHON) -m ruff check oomdoc tests benchmarks examples
+	$(PYTHON) -m mypy
+
+test: lint
 	$(PYTHON) -m pytest -q
 
 test-gpu: install

@@ -159,10 +159,10 @@ class ZeroOptimizer(Fix):
 
 
 def _zero_factory(original: type, zero: type, record: dict) -> Any:
-    signature = inspect.signature(original.__init__)
+    signature = inspect.signature(original)  # the class: its __init__ without self
 
     def make(params: Any, *args: Any, **kwargs: Any) -> Any:
-        bound = signature.bind(None, params, *args, **kwargs)
+        bound = signature.bind(params, *args, **kwargs)
         arguments = dict(bound.arguments)
         arguments.pop("self", None)
         params = arguments.pop("params")

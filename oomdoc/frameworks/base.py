@@ -156,7 +156,8 @@ class Framework:
             context["command"][2:] if context["command"][0] == "-m" else context["command"][1:]
         )
         options = context.get("script_options") or []
-        flagged, missing = [], []
+        flagged: list[str] = []
+        missing: list[str] = []
         for fix in fixes:
             if fix == "expandable_segments":
                 continue
@@ -303,8 +304,8 @@ def generic_flag_variant(
             return None if found and found[1] == value else with_option(args, option, value)
         return None
     if fix == "empty_cache":
-        option = declared(script_options, *EMPTY_CACHE_FLAGS)
-        if option is None or takes_value(option, context) or switch_is_on(args, option):
+        switch = declared(script_options, *EMPTY_CACHE_FLAGS)
+        if switch is None or takes_value(switch, context) or switch_is_on(args, switch):
             return None
-        return with_option(args, option)
+        return with_option(args, switch)
     return None

@@ -19,6 +19,9 @@ class _DefaultSnippets:
     def __getitem__(self, fix: str) -> str:
         return catalogue_snippet(fix, {})
 
+    def get(self, fix: str, default: str = "") -> str:
+        return catalogue_snippet(fix, {}) or default
+
 
 DEFAULT_SNIPPETS = _DefaultSnippets()
 

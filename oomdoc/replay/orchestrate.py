@@ -955,7 +955,7 @@ def verify_with_flags(
         return
     framework = framework_of(snapshot)
     args = list(replayer.request.args)
-    covered = []
+    covered: list[str] = []
     for change in changes:
         variant = framework.flag_variant(change, args, snapshot.script_options, context)
         if variant is not None:
@@ -963,7 +963,7 @@ def verify_with_flags(
     if not covered:
         return
     replay = replayer.run(None, "the script's own flags: " + " ".join(args), args=args)
-    record = {
+    record: dict[str, Any] = {
         "args": args,
         "covers": covered,
         "outcome": replay.outcome,

@@ -278,6 +278,6 @@ def modules_lead(snapshot: Snapshot) -> bool:
         return False
     by_line: dict[tuple, int] = {}
     for site in sites:
-        key = (site.location.file, site.location.line) if site.location else None
+        key = (site.location.file, site.location.line) if site.location else ()
         by_line[key] = by_line.get(key, 0) + site.bytes
     return max(by_line.values()) >= 0.5 * total
