@@ -6,9 +6,8 @@ from __future__ import annotations
 import sys
 from typing import TextIO
 
-from oomdoc.analysis import analyse
 from oomdoc.errors import UsageError
-from oomdoc.reporters import render
+from oomdoc.reporters import write_and_report
 from oomdoc.runner import (
     RunOptions,
     build_snapshot,
@@ -20,7 +19,6 @@ from oomdoc.runner import (
     remove_if_empty,
     run_child,
 )
-from oomdoc.snapshot import write_atomic, write_snapshot
 
 __all__ = ["RunOptions", "run_session"]
 
@@ -66,11 +64,5 @@ def run_session(options: RunOptions, stderr: TextIO | None = None) -> int:
             pool.close()
 
     remove_if_empty(artifact_dir)
-    write_snapshot(snapshot.to_dict(), path)
-    analysis = analyse(snapshot)
-    text = render("table", analysis, snapshot_path=str(path))
-    if options.html_path:
-        write_atomic(options.html_path, render("html", analysis))
-        text += f"HTML report: {options.html_path}\n"
-    print(text, file=stderr, end="")
+    write_and_report(snapshot, path, options.html_path, stderr)
     return result.exit_code

@@ -702,6 +702,7 @@ def test_lightning_trainer_is_detected_with_its_options(tmp_path):
         "--depth",
         "--precision",
         "--accumulate-grad-batches",
+        "--accelerator",
     ]
     assert document["script_option_values"]["--precision"] == ["32-true", "bf16-mixed"]
     assert document["script_dataclasses"] == {}

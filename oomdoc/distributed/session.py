@@ -7,13 +7,12 @@ from __future__ import annotations
 import sys
 from typing import TextIO
 
-from oomdoc.analysis import analyse
 from oomdoc.distributed import DistOptions, check_dist_options
 from oomdoc.distributed.launch import run_job
 from oomdoc.distributed.merge import merge_rank_captures, missing_entry
 from oomdoc.errors import UsageError
 from oomdoc.model import RankEntry, parse
-from oomdoc.reporters import render
+from oomdoc.reporters import write_and_report
 from oomdoc.runner import (
     ChildResult,
     RunOptions,
@@ -25,7 +24,6 @@ from oomdoc.runner import (
     output_path,
     remove_if_empty,
 )
-from oomdoc.snapshot import write_atomic, write_snapshot
 
 
 def run_distributed_session(options: RunOptions, stderr: TextIO | None = None) -> int:
@@ -77,13 +75,7 @@ def run_distributed_session(options: RunOptions, stderr: TextIO | None = None) -
             pool.close()
 
     _remove_empty_tree(artifact_dir)
-    write_snapshot(snapshot.to_dict(), path)
-    analysis = analyse(snapshot)
-    text = render("table", analysis, snapshot_path=str(path))
-    if options.html_path:
-        write_atomic(options.html_path, render("html", analysis))
-        text += f"HTML report: {options.html_path}\n"
-    print(text, file=stderr, end="")
+    write_and_report(snapshot, path, options.html_path, stderr)
     return result.exit_code
 
 

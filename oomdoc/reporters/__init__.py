@@ -30,3 +30,18 @@ REPORTERS: dict[str, Any] = {
 def render(output_format: str, analysis: Any, **options: Any) -> str:
     """The report of `analysis` in `output_format` (a key of REPORTERS)."""
     return REPORTERS[output_format].from_analysis(analysis, **options).render()
+
+
+def write_and_report(snapshot: Any, path: Any, html_path: str | None, stream: Any) -> None:
+    """The end of `oomdoc run` (one process or a whole job): write the
+    snapshot, then the report on `stream` (and the HTML page when asked)."""
+    from oomdoc.analysis import analyse
+    from oomdoc.snapshot import write_atomic, write_snapshot
+
+    write_snapshot(snapshot.to_dict(), path)
+    analysis = analyse(snapshot)
+    text = render("table", analysis, snapshot_path=str(path))
+    if html_path:
+        write_atomic(html_path, render("html", analysis))
+        text += f"HTML report: {html_path}\n"
+    print(text, file=stream, end="")
