@@ -596,11 +596,7 @@ class Snapshot:
     @property
     def repeated_blocks(self) -> list[RepeatedBlock]:
         """Each model's outermost repeated blocks."""
-        return [
-            model.blocks_outermost_first()[0]
-            for model in self.models
-            if model.blocks_outermost_first()
-        ]
+        return [blocks[0] for model in self.models if (blocks := model.blocks_outermost_first())]
 
     def fix_named(self, name: str) -> Optional[FixResult]:
         return next((fix for fix in self.fixes if fix.name == name), None)

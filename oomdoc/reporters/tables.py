@@ -13,6 +13,7 @@ SITE_HEADERS = ["bytes", "category", "location", "tensors"]
 TRACE_HEADERS = ["action", "bytes", "category", "location"]
 FIX_HEADERS = ["fix", "peak", "saved", "fits", "step time", "how known"]
 MEASURED_FIX_HEADERS = ["rank", "fix", "peak", "saved", "% of need", "fits", "step time"]
+MEASURED_FIX_ALIGN = ("right", "left", "right", "right", "right", "left", "right")
 
 
 def breakdown_title(snapshot: Snapshot) -> str:
@@ -281,3 +282,13 @@ def modules_lead(snapshot: Snapshot) -> bool:
         key = (site.location.file, site.location.line) if site.location else ()
         by_line[key] = by_line.get(key, 0) + site.bytes
     return max(by_line.values()) >= 0.5 * total
+
+
+def ranked_fitting(fixes: list[FixResult]) -> list[tuple[int, FixResult]]:
+    """(rank, fix) of the fixes that fit: the ones shown with their detail
+    and snippet (those that did not fit go to `not_enough_alone`)."""
+    return [
+        (fix.rank if fix.rank is not None else position, fix)
+        for position, fix in enumerate(fixes, start=1)
+        if fix.fits
+    ]

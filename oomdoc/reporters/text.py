@@ -122,14 +122,11 @@ class TextReporter:
                     tables.measured_fix_rows(analysis),
                     headers=tables.MEASURED_FIX_HEADERS,
                     tablefmt="simple",
-                    colalign=("right", "left", "right", "right", "right", "left", "right"),
+                    colalign=tables.MEASURED_FIX_ALIGN,
                 )
             )
             lines.extend(tables.replay_summary_lines(analysis))
-            for position, fix in enumerate(fixes, start=1):
-                if not fix.fits:
-                    continue
-                rank = fix.rank if fix.rank is not None else position
+            for rank, fix in tables.ranked_fitting(fixes):
                 lines += ["", f"{rank}. {fix.name}: {fix.detail or fix.title or ''}"]
                 if fix.snippet:
                     lines.extend("    " + line for line in fix.snippet.splitlines())
