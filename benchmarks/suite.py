@@ -2,8 +2,8 @@
 
 For each model: what the capture costs per training step (the same script
 run plainly and under `oomdoc run --no-replay`, interleaved, median step time
-as the script itself prints it), whether that cost stays flat over a long
-run (the feature-keeping leak: median of the last steps over the first ones,
+as the script itself prints it) and over the whole process (start-up
+included), whether that cost stays flat over a long run (the feature-keeping leak: median of the last steps over the first ones,
 under oomdoc relative to plain), how many replays `oomdoc run` needed for the
 exact max batch (the snapshot's replay.batch_search.trials) and the whole
 `oomdoc run`'s wall time.
@@ -139,16 +139,19 @@ def run(command: list[str], env: dict, allowed=(0,)) -> str:
     return result.stdout
 
 
-def step_times(output: str, warmup: int) -> list[float]:
-    """Per-step milliseconds the script printed, CPU time when it printed it."""
+def step_times(output: str, warmup: int, device: str) -> list[float]:
+    """Per-step milliseconds the script printed: on the simulated device its
+    CPU time when it printed it (steadier on a shared machine), on CUDA the
+    wall time (a step's CPU time there is mostly spent waiting on the GPU)."""
     found = STEP_RE.findall(output)
-    use_cpu = bool(found) and all(cpu for _step, _wall, cpu in found)
+    use_cpu = clock_of(output, device) == "cpu"
     return [float(cpu if use_cpu else wall) for step, wall, cpu in found if int(step) >= warmup]
 
 
-def clock_of(output: str) -> str:
+def clock_of(output: str, device: str) -> str:
     found = STEP_RE.findall(output)
-    return "cpu" if found and all(cpu for _s, _w, cpu in found) else "wall"
+    cpu = device == "cpu" and found and all(cpu for _s, _w, cpu in found)
+    return "cpu" if cpu else "wall"
 
 
 def oomdoc_command(args, output: Path, replay: bool) -> list[str]:
@@ -171,14 +174,20 @@ def measure(model: Model, args, tmp: Path) -> list:
     plain: list[list[float]] = []
     captured: list[list[float]] = []
     clock = "wall"
+    # Each process's whole wall time, start-up included: what a user waits for.
+    plain_wall: list[float] = []
+    oomdoc_wall: list[float] = []
     for repeat in range(args.repeats):  # interleaved, so drift hits both alike
+        started = time.perf_counter()
         output = run([sys.executable, *script], env)
-        clock = clock_of(output)
-        plain.append(step_times(output, model.warmup))
+        plain_wall.append(time.perf_counter() - started)
+        clock = clock_of(output, args.device)
+        plain.append(step_times(output, model.warmup, args.device))
         snapshot = tmp / f"{model.script.stem}-{repeat}.json"
-        captured.append(
-            step_times(run(oomdoc_command(args, snapshot, False) + script, env), model.warmup)
-        )
+        started = time.perf_counter()
+        output = run(oomdoc_command(args, snapshot, False) + script, env)
+        oomdoc_wall.append(time.perf_counter() - started)
+        captured.append(step_times(output, model.warmup, args.device))
     plain_median = statistics.median([t for run_ in plain for t in run_])
     oomdoc_median = statistics.median([t for run_ in captured for t in run_])
     overhead = oomdoc_median / plain_median - 1.0
@@ -200,6 +209,7 @@ def measure(model: Model, args, tmp: Path) -> list:
         f"{100 * overhead:+.1f}%",
         f"{oomdoc_median / plain_median:.2f}x",
         flat,
+        f"{statistics.median(plain_wall):.1f} / {statistics.median(oomdoc_wall):.1f}",
     ]
     replays = whole = ""
     if model.replay_args is not None and not args.no_whole_run:
@@ -276,6 +286,7 @@ def main() -> None:
                 "overhead",
                 "ratio",
                 "flat (late/early vs plain)",
+                "whole script plain / oomdoc --no-replay (s)",
                 "replays for exact max batch",
                 "whole oomdoc run (s)",
             ],
