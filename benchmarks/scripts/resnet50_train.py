@@ -1,6 +1,7 @@
 """torchvision's ResNet-50 on random images: many small modules and tensors.
 
     python resnet50_train.py --batch-size 128 --steps 40        # GPU
+    python resnet50_train.py --batch-size 128 --accumulation-steps 4   # effective batch 512
 
 SGD with momentum, random 224x224 images (no downloads; the model is built
 untrained). Prints `step N: loss L (T ms, cpu C ms)` per step, after reading
@@ -25,6 +26,9 @@ def main():
     # The fixes by hand, to check what oomdoc's replays measured and prescribed.
     parser.add_argument("--autocast", choices=["bf16", "fp16"], default=None)
     parser.add_argument("--checkpointing", action="store_true", help="checkpoint each bottleneck")
+    parser.add_argument(
+        "--accumulation-steps", type=int, default=1, help="micro-batches per optimizer step"
+    )
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -41,10 +45,15 @@ def main():
     model.train()
     last, last_cpu = time.perf_counter(), time.process_time()
     for step in range(args.steps):
-        with torch.autocast(device, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
-            loss = F.cross_entropy(model(images), labels)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        # The gradients are dropped after the first micro-batch's forward (as
+        # before accumulation existed here), so later micro-batches run their
+        # forward with the accumulated gradients alive, as accumulation does.
+        for micro_batch in range(args.accumulation_steps):
+            with torch.autocast(device, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+                loss = F.cross_entropy(model(images), labels) / args.accumulation_steps
+            if micro_batch == 0:
+                optimizer.zero_grad(set_to_none=True)
+            loss.backward()
         optimizer.step()
         loss_value = loss.item()  # waits for the GPU
         now, now_cpu = time.perf_counter(), time.process_time()
