@@ -272,3 +272,5 @@ def test_replays_side_by_side_measure_what_one_at_a_time_measures(replayed, tmp_
         assert prescription["measured"] and prescription["fits"]
         assert prescription["peak_allocated_bytes"] in peaks
     assert "up to 2 side by side" in result.stderr
+    # Numbered as they start: the batch search's first probe first.
+    assert "oomdoc: replay 1: smaller_batch (--batch-size 1024)" in result.stderr

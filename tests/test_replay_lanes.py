@@ -99,6 +99,7 @@ def test_one_lane_is_kept_for_what_the_decisions_wait_for(lanes_of):
     assert blocked.started == ["ahead 0", "demanded"]
     blocked.release.set()
     assert demanded.wait() == "demanded" and ahead[1].wait() == "ahead 1"
+    assert [ahead[0].number, demanded.number, ahead[1].number] == [1, 2, 3]  # start order
 
 
 def test_lanes_run_the_highest_priority_first_and_withdraw(lanes_of):

@@ -63,6 +63,8 @@ class Job:
         self.cancel = threading.Event()
         self.finished = threading.Event()
         self.started = False
+        # Its place among the jobs its lanes started (1, 2, ...), or None.
+        self.number: int | None = None
         self.result: Any = None
         self.error: BaseException | None = None
 
@@ -90,6 +92,7 @@ class Lanes:
         self.count = count
         self._pending: list[tuple[int, int, Job]] = []
         self._order = itertools.count()
+        self._numbers = itertools.count(1)
         self._condition = threading.Condition()
         self._closed = False
         self._running_ahead = 0
@@ -152,6 +155,7 @@ class Lanes:
                     priority = self._pending[0][0]
                     if priority == DEMANDED or self._running_ahead < self.count - 1:
                         job = heapq.heappop(self._pending)[2]
+                        job.number = next(self._numbers)  # in the order they start
                         if priority != DEMANDED:
                             self._running_ahead += 1
                         return job

@@ -329,7 +329,7 @@ class Replayer:
             return None
         name = payload["name"] if payload else "flags"
         started_s = self.progress.total()
-        number = self.progress.start(label)
+        number = self.progress.start(label, job.number)
         log_name = f"replay-{number}-{name.replace('+', '-')}.log"
         log_path = os.path.join(self.pool.log_dir, log_name)
         env = dict(REPLAY_ENV)

@@ -43,11 +43,12 @@ class Progress:
         with self._lock:
             self._write(("\r\033[K" if self._thread else "") + f"oomdoc: {text}\n")
 
-    def start(self, label: str) -> int:
-        """A replay begins; returns its number (1, 2, ... in start order)."""
+    def start(self, label: str, number: int | None = None) -> int:
+        """A replay begins; returns its number (1, 2, ... in start order,
+        unless the caller numbers them)."""
         with self._lock:
-            self.count += 1
-            number = self.count
+            number = number or self.count + 1
+            self.count = max(self.count, number)
             self._running[number] = (f"replay {number}: {label}", time.perf_counter())
             if self.interactive and self._thread is None:
                 self._stop = threading.Event()
