@@ -5,20 +5,24 @@ run plainly and under `oomdoc run --no-replay`, interleaved, median step time
 as the script itself prints it) and over the whole process (start-up
 included), whether that cost stays flat over a long run (the feature-keeping leak: median of the last steps over the first ones,
 under oomdoc relative to plain), how many replays `oomdoc run` needed for the
-exact max batch (the snapshot's replay.batch_search.trials) and the whole
-`oomdoc run`'s wall time.
+exact max batch (the snapshot's replay.batch_search.trials), the whole
+`oomdoc run`'s wall time (the failing run and every replay) and how many
+replays it ran (side by side: `--replay-jobs`, else as the machine allows).
 
     python benchmarks/suite.py                                   # CPU: the simulated device
     python benchmarks/suite.py --device cuda --device-memory 16GiB
     python benchmarks/suite.py --device cuda --device-memory 16GiB --quick
     python benchmarks/suite.py --models gpt,keep_features --repeats 3
+    python benchmarks/suite.py --device cuda --models hf --no-overhead --replay-jobs 1
 
 On the CPU the presets are tiny and every process runs with one thread
 (OMP_NUM_THREADS=1), which keeps timings steady on a shared machine; scripts
 that print their CPU time per step are compared on it. ResNet-50 needs
 torchvision and a GPU; its row is skipped otherwise. Targets: under 3% per
 step on CUDA, under 2x on the simulated device, flat over the run (< 1.10),
-the exact max batch in at most 3 replays.
+the exact max batch in at most 3 replays, the whole run under 60 s on the
+H100 (16 GiB cap) for the reference GPT, ResNet-50 and the GPT-2-medium
+Trainer, under 90 s for the leak.
 """
 
 from __future__ import annotations
@@ -160,6 +164,8 @@ def oomdoc_command(args, output: Path, replay: bool) -> list[str]:
         command += ["--device-memory", args.device_memory]
     if not replay:
         command.append("--no-replay")
+    elif args.replay_jobs:
+        command += ["--replay-jobs", str(args.replay_jobs)]
     return command
 
 
@@ -170,6 +176,12 @@ def median_window(samples: list[float], start: int, stop: int) -> float | None:
 
 def measure(model: Model, args, tmp: Path) -> list:
     env = environment(args.device)
+    row = [model.name] + ([""] * 7 if args.no_overhead else overhead_row(model, args, tmp, env))
+    return row + whole_run(model, args, tmp, env)
+
+
+def overhead_row(model: Model, args, tmp: Path, env: dict) -> list:
+    """The capture's cost per step, plain and under `oomdoc run --no-replay`."""
     script = [str(model.script), *model.overhead_args]
     plain: list[list[float]] = []
     captured: list[list[float]] = []
@@ -200,8 +212,7 @@ def measure(model: Model, args, tmp: Path) -> list:
             )
 
         flat = f"{growth(captured) / growth(plain):.2f}"
-    row = [
-        model.name,
+    return [
         f"{len([t for r in plain for t in r])} / {args.repeats}",
         clock,
         f"{plain_median:.2f}",
@@ -211,7 +222,12 @@ def measure(model: Model, args, tmp: Path) -> list:
         flat,
         f"{statistics.median(plain_wall):.1f} / {statistics.median(oomdoc_wall):.1f}",
     ]
-    replays = whole = ""
+
+
+def whole_run(model: Model, args, tmp: Path, env: dict) -> list:
+    """The whole `oomdoc run` of the configuration that runs out of memory:
+    the batch search's probes, the wall time, and the replays it ran."""
+    replays = whole = ran = ""
     if model.replay_args is not None and not args.no_whole_run:
         snapshot = tmp / f"{model.script.stem}-whole.json"
         started = time.perf_counter()
@@ -230,7 +246,12 @@ def measure(model: Model, args, tmp: Path) -> list:
             replays = f"{len(trials)} ({tried}){exact}"
         else:
             replays = f"- ({document.get('outcome')})"
-    return row + [replays, whole]
+        summary = document.get("replay") or {}
+        unused = len(summary.get("unused_runs") or [])
+        jobs = summary.get("jobs") or 1
+        ran = f"{summary.get('replays', 0)}" + (f" (+{unused} unused)" if unused else "")
+        ran += f", {jobs} side by side" if jobs > 1 else ", one at a time"
+    return [replays, whole, ran]
 
 
 def main() -> None:
@@ -241,6 +262,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer steps and repeats")
     parser.add_argument("--models", default=None, help="comma-separated name prefixes")
     parser.add_argument("--no-whole-run", action="store_true", help="skip the replaying runs")
+    parser.add_argument(
+        "--no-overhead", action="store_true", help="only the whole runs (no per-step overhead)"
+    )
+    parser.add_argument("--replay-jobs", type=int, default=None, help="as for oomdoc run")
     args = parser.parse_args()
     if args.device is None:
         args.device = "cuda" if _cuda_available() else "cpu"
@@ -289,6 +314,7 @@ def main() -> None:
                 "whole script plain / oomdoc --no-replay (s)",
                 "replays for exact max batch",
                 "whole oomdoc run (s)",
+                "replays run",
             ],
             disable_numparse=True,
         )

@@ -126,6 +126,12 @@ def run(
         metavar="SECONDS",
         help="Kill a replay that runs longer than this.",
     ),
+    replay_jobs: Optional[int] = typer.Option(
+        None,
+        "--replay-jobs",
+        metavar="N",
+        help="Replays that may run side by side (their device work still runs one at a time); default from the machine's cores and memory.",
+    ),
     batch_arg: Optional[str] = typer.Option(
         None,
         "--batch-arg",
@@ -178,7 +184,9 @@ def run(
     from oomdoc.replay.orchestrate import check_replay_options
     from oomdoc.session import run_session
 
-    fix_names = check_replay_options(fixes, replay_timeout, batch_arg, replay=not no_replay)
+    fix_names = check_replay_options(
+        fixes, replay_timeout, batch_arg, replay=not no_replay, replay_jobs=replay_jobs
+    )
     target, args, module, distributed = launch_from_cli(
         target,
         list(args or []),
@@ -205,6 +213,7 @@ def run(
         replay=not no_replay,
         fixes=fix_names,
         replay_timeout_s=replay_timeout,
+        replay_jobs=replay_jobs,
         batch_arg=batch_arg,
         margin_fraction=margin_option(margin),
         html_path=new_file_option(html, "--html"),

@@ -403,6 +403,8 @@ class ReplaySummary:
     skipped: List[Skipped] = field(default_factory=list)
     batch_search: Optional[BatchSearch] = None
     runs: List[Dict[str, Any]] = field(default_factory=list)
+    # How many replays could run side by side (oomdoc run --replay-jobs).
+    jobs: int = 1
     extra: Dict[str, Any] = field(default_factory=dict)
 
 
@@ -523,6 +525,8 @@ class Snapshot:
     modules: List[ModuleUsage] = field(default_factory=list)
     framework: Optional[Framework] = None
     script_options: List[str] = field(default_factory=list)
+    # Heavy installed packages the script imported, in import order.
+    imported_packages: List[str] = field(default_factory=list)
     prescription: Optional[Prescription] = None
     # A distributed job: one entry per rank; the top-level fields are the
     # primary rank's (the first to run out of memory).

@@ -14,13 +14,14 @@ import site
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import oomdoc
-from oomdoc.capture import CONFIG_ENV, CONFIG_FD_ENV, STARTED_ENV
+from oomdoc.capture import CONFIG_ENV, CONFIG_FD_ENV, PREIMPORT_PREFIX, STARTED_ENV
 from oomdoc.errors import UsageError
 from oomdoc.model import Breakdown, Device, Options, Snapshot
 from oomdoc.snapshot import SCHEMA_VERSION, default_snapshot_path, utc_now
@@ -42,6 +43,9 @@ class ChildRequest:
     output_path: str | None = None
     timeout_s: float | None = None
     artifact_dir: str | None = None
+    # Replays side by side share the device through this lock file
+    # (oomdoc.capture.gate): the child takes it before its first device work.
+    device_lock: str | None = None
 
 
 @dataclass
@@ -56,6 +60,10 @@ class ChildResult:
     # The device the child chose (`cuda`/`simulated`), known even when it
     # died before writing its capture (it says so as soon as it knows).
     device_kind: str | None = None
+    # Seconds it waited for the device lock (not counted in its timeout).
+    lock_wait_s: float = 0.0
+    # The caller no longer wanted its answer and stopped it (`cancel`).
+    cancelled: bool = False
 
 
 def child_env(device: str, extra_env: dict[str, str]) -> dict[str, str]:
@@ -138,13 +146,20 @@ class WarmChild:
 
     It starts Python and imports torch and oomdoc (seconds that a fresh child
     pays before it does anything), then blocks on a pipe until the parent
-    sends its configuration. It touches no device while it waits, so the
-    child that is running keeps the device, and its measurements, to itself.
-    Only children whose output goes to a log are warm: their environment and
-    output are fixed when they start.
+    sends its configuration. While it waits the parent may send it modules to
+    import too (`preimport`: the framework the failing run used). It touches
+    no device while it waits, so the child that is running keeps the device,
+    and its measurements, to itself. Only children whose output goes to a log
+    are warm: their environment and output are fixed when they start.
     """
 
-    def __init__(self, device: str, extra_env: dict[str, str], log_dir: str):
+    def __init__(
+        self,
+        device: str,
+        extra_env: dict[str, str],
+        log_dir: str,
+        preimports: list[str] | None = None,
+    ):
         self.key = _env_key(device, extra_env)
         descriptor, self.log_path = tempfile.mkstemp(prefix="warm-", suffix=".log", dir=log_dir)
         read_fd, self._write_fd = os.pipe()
@@ -161,6 +176,20 @@ class WarmChild:
         finally:
             os.close(read_fd)
             os.close(descriptor)
+        if preimports:
+            self.preimport(preimports)
+
+    def _send(self, line: str) -> bool:
+        """One line to the child (it reads them in order); False when it is gone."""
+        try:
+            os.write(self._write_fd, (line + "\n").encode("utf-8"))
+            return True
+        except OSError:  # it died: take() sees that and starts another
+            return False
+
+    def preimport(self, modules: list[str]) -> None:
+        """Have the child import `modules` while it waits (errors ignored there)."""
+        self._send(PREIMPORT_PREFIX + json.dumps(list(modules)))
 
     def usable_for(self, request: ChildRequest) -> bool:
         return (
@@ -172,8 +201,8 @@ class WarmChild:
     def hand(self, config_path: str, output_path: str) -> subprocess.Popen:
         """Give the child its work; its output so far moves to `output_path`."""
         os.replace(self.log_path, output_path)
-        with os.fdopen(self._write_fd, "w", encoding="utf-8") as pipe:
-            pipe.write(config_path + "\n")
+        self._send(config_path)
+        os.close(self._write_fd)
         return self.process
 
     def discard(self) -> None:
@@ -194,45 +223,211 @@ class WarmChild:
 
 
 class WarmPool:
-    """Keeps one warm child ready for the next run with this device and
-    environment: while one replay runs, the next one's start-up happens."""
+    """Keeps `size` warm children ready for the next runs with this device and
+    environment: while replays run, the next ones' start-up happens. One per
+    replay that may run at once (oomdoc run --replay-jobs). Thread-safe: the
+    replays of one run take children from several threads."""
 
-    def __init__(self, device: str, extra_env: dict[str, str]):
+    def __init__(self, device: str, extra_env: dict[str, str], size: int = 1):
         self.device, self.extra_env = device, dict(extra_env)
+        self.size = max(1, size)
         # Replay logs live here too (a warm child's output moves to its log).
         self.log_dir = tempfile.mkdtemp(prefix="oomdoc-replays-")
-        self.spare: WarmChild | None = None
+        self.spares: list[WarmChild] = []
+        # Modules every warm child imports while it waits (`preimport`).
+        self.preimports: list[str] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def _fill(self) -> None:
+        """Under the lock: replace dead spares, start new ones up to `size`."""
+        if self._closed:
+            return
+        for spare in [spare for spare in self.spares if spare.process.poll() is not None]:
+            spare.discard()
+            self.spares.remove(spare)
+        while len(self.spares) < self.size:
+            self.spares.append(
+                WarmChild(self.device, self.extra_env, self.log_dir, self.preimports)
+            )
 
     def fill(self) -> None:
-        if self.spare is None or self.spare.process.poll() is not None:
-            if self.spare is not None:
-                self.spare.discard()
-            self.spare = WarmChild(self.device, self.extra_env, self.log_dir)
+        with self._lock:
+            self._fill()
+
+    def configure(self, size: int | None = None, preimports: list[str] | None = None) -> None:
+        """Change how many children wait, and what they import while they wait
+        (sent to those already waiting too)."""
+        with self._lock:
+            new = [name for name in preimports or [] if name not in self.preimports]
+            if new:
+                self.preimports.extend(new)
+                for spare in self.spares:
+                    spare.preimport(new)
+            if size is not None:
+                self.size = max(1, size)
+                while len(self.spares) > self.size:
+                    self.spares.pop().discard()
+            self._fill()
 
     def take(self, request: ChildRequest) -> WarmChild | None:
-        """The spare when it suits `request` (and a new spare starts), else None."""
-        spare = self.spare
-        if spare is not None and spare.process.poll() is not None:
-            self.fill()  # it died (e.g. Ctrl-C reached it): start another
-            return None
-        if spare is None or not spare.usable_for(request):
-            return None
-        self.spare = None
-        self.fill()
-        return spare
+        """A spare that suits `request` (and a new spare starts), else None."""
+        with self._lock:
+            if self._closed:
+                return None
+            live = [spare for spare in self.spares if spare.process.poll() is None]
+            if len(live) < len(self.spares):
+                self._fill()  # some died (e.g. Ctrl-C reached them): start others
+            spare = next((spare for spare in live if spare.usable_for(request)), None)
+            if spare is None:
+                return None
+            self.spares.remove(spare)
+            self._fill()
+            return spare
 
     def close(self) -> None:
-        if self.spare is not None:
-            self.spare.discard()
-            self.spare = None
+        with self._lock:
+            self._closed = True
+            spares, self.spares = self.spares, []
+        for spare in spares:
+            spare.discard()
         shutil.rmtree(self.log_dir, ignore_errors=True)
 
 
-def run_child(request: ChildRequest, pool: WarmPool | None = None) -> ChildResult:
+class ChildSignals:
+    """What SIGINT and SIGTERM do to oomdoc while its children run.
+
+    Ctrl-C reaches the children from the terminal directly (one process
+    group): oomdoc only notes it (`interrupted`) and lets each child write its
+    capture. SIGTERM sent to oomdoc is passed on to every running child
+    (`terminated`). Installed from the main thread, once for a whole phase of
+    children that several threads may start (the replays), or by run_child
+    for one child. Handlers, unlike SIG_IGN, are not inherited by the
+    children oomdoc starts meanwhile."""
+
+    def __init__(self) -> None:
+        self.interrupted = False
+        self.terminated = False
+        self._processes: set[subprocess.Popen] = set()
+        self._lock = threading.Lock()
+        self._previous: tuple[Any, Any] | None = None
+
+    def __enter__(self) -> ChildSignals:
+        if threading.current_thread() is not threading.main_thread():
+            return self  # only the main thread may set handlers: the caller's stay
+        self._previous = (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM))
+        signal.signal(signal.SIGINT, self._on_interrupt)
+        signal.signal(signal.SIGTERM, self._on_terminate)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous[0])
+            signal.signal(signal.SIGTERM, self._previous[1])
+            self._previous = None
+
+    @property
+    def stopped(self) -> bool:
+        return self.interrupted or self.terminated
+
+    def _on_interrupt(self, signum, frame) -> None:
+        self.interrupted = True
+
+    def _on_terminate(self, signum, frame) -> None:
+        self.terminated = True
+        with self._lock:
+            processes = list(self._processes)
+        for process in processes:
+            if process.poll() is None:
+                process.send_signal(signum)
+
+    def add(self, process: subprocess.Popen) -> None:
+        with self._lock:
+            self._processes.add(process)
+        if self.terminated and process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+
+    def discard(self, process: subprocess.Popen) -> None:
+        with self._lock:
+            self._processes.discard(process)
+
+
+# How often a child's wait checks its device-lock status and `cancel`.
+POLL_S = 0.1
+# A child asked to stop (SIGTERM) gets this long to write its capture.
+STOP_GRACE_S = 10.0
+
+
+def lock_wait_seconds(status_path: str | None, now: float | None = None) -> float:
+    """How long the child has waited for the device lock so far (or in all,
+    once it holds it), from the status file it writes (oomdoc.capture.gate)."""
+    if not status_path:
+        return 0.0
+    try:
+        with open(status_path, encoding="utf-8") as handle:
+            status = json.load(handle)
+        since = float(status["waiting_since"])
+        held = status.get("held_since")
+        end = float(held) if held is not None else (time.time() if now is None else now)
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0.0
+    return max(0.0, end - since)
+
+
+def _stop(process: subprocess.Popen) -> int:
+    """SIGTERM (the child writes its capture), then SIGKILL after the grace."""
+    process.send_signal(signal.SIGTERM)
+    try:
+        return process.wait(timeout=STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        return process.wait()
+
+
+def _wait(
+    process: subprocess.Popen,
+    timeout_s: float | None,
+    status_path: str | None,
+    cancel: threading.Event | None,
+) -> tuple[int, bool, bool, float]:
+    """Wait for the child: (exit status, timed out, cancelled, seconds it
+    waited for the device lock). The time it waits for the lock does not
+    count toward `timeout_s`; a child that hangs holding it is killed at its
+    timeout, which releases the lock for the others."""
+    if status_path is None and cancel is None:
+        try:
+            return process.wait(timeout=timeout_s), False, False, 0.0
+        except subprocess.TimeoutExpired:
+            return _stop(process), True, False, 0.0
+    started = time.perf_counter()
+    waited = 0.0
+    while True:
+        try:
+            returncode = process.wait(timeout=POLL_S)
+            return returncode, False, False, lock_wait_seconds(status_path)
+        except subprocess.TimeoutExpired:
+            pass
+        waited = lock_wait_seconds(status_path) or waited
+        if cancel is not None and cancel.is_set():
+            return _stop(process), False, True, waited
+        if timeout_s is not None and time.perf_counter() - started - waited > timeout_s:
+            return _stop(process), True, False, waited
+
+
+def run_child(
+    request: ChildRequest,
+    pool: WarmPool | None = None,
+    signals: ChildSignals | None = None,
+    cancel: threading.Event | None = None,
+) -> ChildResult:
+    """Run one child to its end. `signals`: the handlers of a whole phase of
+    children, installed by the caller (else this child's own); `cancel`: set
+    to stop the child early (its result says `cancelled`)."""
     warm = pool.take(request) if pool is not None else None
     with tempfile.TemporaryDirectory(prefix="oomdoc-") as workdir:
         config_path = os.path.join(workdir, "config.json")
         result_path = os.path.join(workdir, "capture.json")
+        status_path = os.path.join(workdir, "lock.json") if request.device_lock else None
         config = {
             "target": request.target,
             "is_module": request.is_module,
@@ -244,15 +439,19 @@ def run_child(request: ChildRequest, pool: WarmPool | None = None) -> ChildResul
             "result_path": result_path,
             "artifact_dir": request.artifact_dir or workdir,
         }
+        if request.device_lock:
+            config["device_lock"] = {"path": request.device_lock, "status": status_path}
         with open(config_path, "w", encoding="utf-8") as handle:
             json.dump(config, handle)
 
         output = None
         started = time.perf_counter()
-        timed_out = False
-        previous_int = signal.getsignal(signal.SIGINT)
-        previous_term = signal.getsignal(signal.SIGTERM)
+        own_signals = signals is None
+        scope = signals or ChildSignals()
+        process = None
         try:
+            if own_signals:
+                scope.__enter__()
             if warm is not None and request.output_path is not None:
                 process = warm.hand(config_path, request.output_path)
             else:
@@ -265,28 +464,15 @@ def run_child(request: ChildRequest, pool: WarmPool | None = None) -> ChildResul
                     stderr=subprocess.STDOUT if output else None,
                     stdin=subprocess.DEVNULL if output else None,
                 )
-
-            def forward(signum, frame):
-                if process.poll() is None:
-                    process.send_signal(signum)
-
-            # Ctrl-C reaches the child from the terminal directly (same process
-            # group); SIGTERM sent to oomdoc is passed on.
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-            signal.signal(signal.SIGTERM, forward)
-            try:
-                returncode = process.wait(timeout=request.timeout_s)
-            except subprocess.TimeoutExpired:
-                timed_out = True
-                process.send_signal(signal.SIGTERM)
-                try:
-                    returncode = process.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    returncode = process.wait()
+            scope.add(process)
+            returncode, timed_out, cancelled, lock_wait_s = _wait(
+                process, request.timeout_s, status_path, cancel
+            )
         finally:
-            signal.signal(signal.SIGINT, previous_int)
-            signal.signal(signal.SIGTERM, previous_term)
+            if process is not None:
+                scope.discard(process)
+            if own_signals:
+                scope.__exit__(None, None, None)
             if output:
                 output.close()
         wall_s = time.perf_counter() - started
@@ -319,6 +505,8 @@ def run_child(request: ChildRequest, pool: WarmPool | None = None) -> ChildResul
             device_kind=device_kind,
             signal_name=signal_name,
             warm=warm is not None,
+            lock_wait_s=round(lock_wait_s, 3),
+            cancelled=cancelled,
         )
 
 
@@ -339,6 +527,8 @@ class RunOptions:
     replay: bool = True
     fixes: list[str] | None = None
     replay_timeout_s: float | None = None
+    # Replays that may run side by side (None: as the machine allows).
+    replay_jobs: int | None = None
     batch_arg: str | None = None
     # The share of the capacity the prescription leaves free.
     margin_fraction: float = 0.05

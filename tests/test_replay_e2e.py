@@ -36,26 +36,22 @@ def run_no_replay(tmp_path, name, *script_args):
     return result, load_json(snapshot)
 
 
+def run_replays(tmp_path, name, jobs):
+    """The MLP at batch 2048 on 40 MiB, replayed with `jobs` side by side."""
+    snapshot = tmp_path / f"{name}.json"
+    result = run_oomdoc(
+        ["run", "--device", "cpu", "--device-memory", CAPACITY, "--replay-jobs", jobs]
+        + ["-o", snapshot, MLP, "--batch-size", "2048"],
+        cwd=tmp_path,
+    )
+    return result, load_json(snapshot)
+
+
 @pytest.fixture(scope="module")
 def replayed(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("replay")
-    snapshot = tmp_path / "mlp.json"
-    result = run_oomdoc(
-        [
-            "run",
-            "--device",
-            "cpu",
-            "--device-memory",
-            CAPACITY,
-            "-o",
-            snapshot,
-            MLP,
-            "--batch-size",
-            "2048",
-        ],
-        cwd=tmp_path,
-    )
-    return result, load_json(snapshot), tmp_path
+    result, document = run_replays(tmp_path, "mlp", 1)
+    return result, document, tmp_path
 
 
 def by_name(document):
@@ -232,3 +228,49 @@ def test_the_prescription_fits_when_run_by_hand(replayed, tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     peak = checked["peak"]["allocated_bytes"]
     assert abs(peak - prescription["peak_allocated_bytes"]) <= 0.05 * peak, (peak, prescription)
+
+
+def test_replays_side_by_side_measure_what_one_at_a_time_measures(replayed, tmp_path):
+    """--replay-jobs 2 runs independent replays together (their device work
+    in turn): the same replays, peaks, fix table and batch search as one at
+    a time. Timings differ, so the throughput-ranked prescription may pick
+    another measured configuration: its peak is one of those measured."""
+    _, sequential, _ = replayed
+    result, parallel = run_replays(tmp_path, "parallel", 2)
+    assert result.returncode == 1, result.stderr[-3000:]
+
+    def table(document):
+        return [
+            (fix["name"], fix["rank"], fix["outcome"], fix["fits"], fix["peak_allocated_bytes"])
+            for fix in document["fixes"]
+        ]
+
+    def measured(document):
+        return {
+            run["label"]: (run["outcome"], run["peak_allocated_bytes"])
+            for run in document["replay"]["runs"]
+            if not run["label"].startswith("the script's own flags")
+        }
+
+    assert table(parallel) == table(sequential)
+    assert measured(parallel) == measured(sequential)
+    for key in ("max_batch_size",):
+        assert parallel[key] == sequential[key]
+    for key in ("batch_search", "skipped", "baseline_need_bytes", "max_steps"):
+        assert parallel["replay"][key] == sequential["replay"][key], key
+    assert parallel["replay"]["jobs"] == 2 and sequential["replay"]["jobs"] == 1
+    # The speculative combination was the one wanted: nothing ran for nothing.
+    assert "unused_runs" not in parallel["replay"]
+    runs = parallel["replay"]["runs"]
+    first_probe = runs[0]
+    assert any(
+        run["started_s"] < first_probe["started_s"] + first_probe["wall_s"] for run in runs[1:]
+    )
+    peaks = {peak for _outcome, peak in measured(sequential).values()}
+    for document in (sequential, parallel):
+        prescription = document["prescription"]
+        assert prescription["measured"] and prescription["fits"]
+        assert prescription["peak_allocated_bytes"] in peaks
+    assert "up to 2 side by side" in result.stderr
+    # Numbered as they start: the batch search's first probe first.
+    assert "oomdoc: replay 1: smaller_batch (--batch-size 1024)" in result.stderr

@@ -396,9 +396,10 @@ def test_an_unused_warm_child_is_ended_at_once():
 
     from oomdoc.runner import WarmPool
 
-    pool = WarmPool("cpu", {"OOMDOC_REPLAY": "1"})
+    pool = WarmPool("cpu", {"OOMDOC_REPLAY": "1"}, size=2)
     pool.fill()
-    spare = pool.spare
+    spares = list(pool.spares)
+    assert len(spares) == 2
     pool.close()
-    assert spare.process.returncode == -signal.SIGKILL
-    assert pool.spare is None and not os.path.exists(pool.log_dir)
+    assert all(spare.process.returncode == -signal.SIGKILL for spare in spares)
+    assert pool.spares == [] and not os.path.exists(pool.log_dir)

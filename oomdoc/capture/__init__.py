@@ -11,6 +11,9 @@ CONFIG_ENV = "OOMDOC_CHILD_CONFIG"
 # A warm child (started before its work is known) reads the configuration
 # file's path from the pipe whose descriptor this variable names.
 CONFIG_FD_ENV = "OOMDOC_CHILD_CONFIG_FD"
+# A line on that pipe that starts with this names modules (a JSON list) for
+# the waiting child to import: the framework the failing run used.
+PREIMPORT_PREFIX = "import "
 # When the parent started the child (seconds since the epoch): the child's
 # start-up is measured from it, on the same clock as the child's own times.
 STARTED_ENV = "OOMDOC_CHILD_STARTED"

@@ -699,18 +699,56 @@ class CudaBackend(Backend):
     # costing much host memory.
     HISTORY_ENTRIES = 20000
 
-    def __init__(self, capacity_bytes: int | None, device_index: int | None = None):
-        self.device_index = torch.cuda.current_device() if device_index is None else device_index
-        properties = torch.cuda.get_device_properties(self.device_index)
-        self._total = int(properties.total_memory)
-        self._name = properties.name
-        self._capacity = int(capacity_bytes) if capacity_bytes else self._total
+    def __init__(
+        self, capacity_bytes: int | None, device_index: int | None = None, deferred: bool = False
+    ):
+        # `deferred` (replays side by side, oomdoc.capture.gate): nothing here
+        # starts CUDA; the set-up in `install` runs when the script starts it.
+        self.deferred = deferred and not torch.cuda.is_initialized()
+        if device_index is None:
+            # Before CUDA starts, the current device is 0.
+            device_index = 0 if self.deferred else torch.cuda.current_device()
+        self.device_index = device_index
+        self._requested_capacity = int(capacity_bytes) if capacity_bytes else None
+        self._total: int | None = None
+        self._name = "?"
+        if not self.deferred:
+            self._read_properties()
         self.tracker = None
         self._recording = False
         self._torch_snapshot = None
 
+    def _read_properties(self) -> None:
+        properties = torch.cuda.get_device_properties(self.device_index)
+        self._total = int(properties.total_memory)
+        self._name = properties.name
+
+    @property
+    def _capacity(self) -> int:
+        if self._total is None:
+            self._read_properties()  # starts CUDA (after the device lock)
+        assert self._total is not None
+        return self._requested_capacity or self._total
+
     def install(self, tracker) -> None:
         self.tracker = tracker
+        if self.deferred:
+            torch.cuda._lazy_call(self._start_deferred)
+        else:
+            self._start()
+
+    def _start_deferred(self) -> None:
+        """The set-up, queued until CUDA starts (an error here must not
+        become the script's: it would be raised at its first CUDA call)."""
+        try:
+            self._start()
+        except Exception as exc:
+            print(f"oomdoc: the CUDA capture could not be set up: {exc}", file=sys.stderr)
+
+    def _start(self) -> None:
+        if self._total is None:
+            self._read_properties()
+        assert self._total is not None
         if self._capacity < self._total:
             torch.cuda.set_per_process_memory_fraction(
                 self._capacity / self._total, self.device_index
@@ -752,11 +790,12 @@ class CudaBackend(Backend):
         return torch.cuda.memory_stats(self.device_index)
 
     def device_info(self) -> dict:
+        capacity = self._capacity  # reads the properties if CUDA never started
         info = {
             "kind": "cuda",
             "name": self._name,
             "index": self.device_index,
-            "capacity_bytes": self._capacity,
+            "capacity_bytes": capacity,
             "total_bytes": self._total,
             "supports_bf16": bool(torch.cuda.is_bf16_supported()),
         }

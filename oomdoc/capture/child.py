@@ -23,10 +23,19 @@ _IMPORT_STARTED = time.time()
 import psutil
 import torch
 
-from oomdoc.capture import CONFIG_ENV, CONFIG_FD_ENV, CUDA_UNAVAILABLE, STARTED_ENV, choose_device
+from oomdoc.capture import (
+    CONFIG_ENV,
+    CONFIG_FD_ENV,
+    CUDA_UNAVAILABLE,
+    PREIMPORT_PREFIX,
+    STARTED_ENV,
+    choose_device,
+)
 from oomdoc.capture.backends import CudaBackend, OutOfMemoryError, SimulatedBackend
 from oomdoc.capture.frameworks import capture_keys as framework_keys
 from oomdoc.capture.frameworks import install as detect_framework
+from oomdoc.capture.gate import DeviceGate
+from oomdoc.capture.imports import imported_packages, preimport
 from oomdoc.capture.parallel import ParallelCapture
 from oomdoc.capture.tracker import StopRun, Tracker
 from oomdoc.fixes import fix_named
@@ -72,7 +81,8 @@ def resolve_device(requested: str) -> str:
 
 def make_backend(config: dict):
     if resolve_device(config["device"]) == "cuda":
-        return CudaBackend(config.get("capacity_bytes"))
+        # With a device lock, CUDA starts only when the script starts it.
+        return CudaBackend(config.get("capacity_bytes"), deferred=bool(config.get("device_lock")))
     capacity = config.get("capacity_bytes") or psutil.virtual_memory().total
     return SimulatedBackend(capacity)
 
@@ -153,10 +163,12 @@ def _process_started() -> float:
         return _IMPORT_STARTED
 
 
-def run(config: dict, imported_at: float | None = None) -> int:
+def run(config: dict, imported_at: float | None = None, preimported: dict | None = None) -> int:
     """Run the script under capture; `imported_at` is when the imports above
-    were done (a warm child waited after them)."""
+    were done (a warm child waited after them, and imported `preimported`)."""
     timings = {"run_started": time.time(), "imported": imported_at or time.time()}
+    if preimported:
+        timings["preimport_s"] = preimported.get("seconds", 0.0)
     parallel = ParallelCapture(config)  # distributed: rank paths, the rank's GPU
     try:
         backend = make_backend(config)
@@ -171,6 +183,10 @@ def run(config: dict, imported_at: float | None = None) -> int:
         overwrite=True,
     )
     tracker = Tracker(backend, max_steps=config.get("max_steps"))
+    gate = None
+    if config.get("device_lock"):  # replays side by side: one on the device at a time
+        gate = DeviceGate(config["device_lock"])
+        gate.install(backend.kind, tracker)
     tracker.install()
     backend.install(tracker)
     parallel.install(
@@ -185,6 +201,7 @@ def run(config: dict, imported_at: float | None = None) -> int:
     signal.signal(signal.SIGTERM, _on_sigterm)
 
     outcome, exit_code, error, system_exit, failure = "ok", 0, None, None, None
+    loaded_before = frozenset(sys.modules)
     timings["script_started"] = time.time()
     target_file = None
     try:
@@ -225,6 +242,9 @@ def run(config: dict, imported_at: float | None = None) -> int:
             backend.enabled = False  # oomdoc's own work from here on does not count
 
     timings["script_ended"] = time.time()
+    if gate is not None:
+        timings["lock_wait_s"] = gate.waited_s
+    tracker.imported_packages = imported_packages(loaded_before)
     parallel.finish(failure)  # blocks when its signal watcher writes the capture
     write_capture(config, backend, tracker, outcome, exit_code, error, timings)
     detector.uninstall()
@@ -246,16 +266,22 @@ def _watcher_write(config, backend, tracker, outcome, exit_code, timings) -> Non
 
 def timing_summary(timings: dict) -> dict:
     """Where the child's time went, in seconds: start-up (interpreter and
-    imports), waiting for work (a warm child), setting up the capture, the
-    script, and writing the capture."""
+    imports), waiting for work (a warm child, which meanwhile imported the
+    script's framework: preimport_s), setting up the capture, the script
+    (without its wait for the device lock: lock_wait_s), and writing the
+    capture."""
     started = _process_started()
+    lock_wait = timings.get("lock_wait_s", 0.0)
     summary = {
         "startup_s": timings["imported"] - started,
         "waited_s": max(0.0, timings["run_started"] - timings["imported"]),
         "setup_s": timings["script_started"] - timings["run_started"],
-        "script_s": timings["script_ended"] - timings["script_started"],
+        "script_s": timings["script_ended"] - timings["script_started"] - lock_wait,
         "capture_s": time.time() - timings["script_ended"],
     }
+    for key in ("preimport_s", "lock_wait_s"):
+        if key in timings:
+            summary[key] = timings[key]
     return {key: round(max(value, 0.0), 3) for key, value in summary.items()}
 
 
@@ -348,6 +374,9 @@ def write_capture(config, backend, tracker, outcome, exit_code, error, timings=N
         "models": tracker.models,
         "artifacts": extra,
         "capture_stats": tracker.capture_stats(),
+        # Heavy installed packages the script imported: the replays' warm
+        # children import them ahead (oomdoc.capture.imports).
+        "imported_packages": getattr(tracker, "imported_packages", []),
         **framework_keys(tracker),
     }
     if getattr(tracker, "parallel_capture", None) is not None:
@@ -360,10 +389,11 @@ def write_capture(config, backend, tracker, outcome, exit_code, error, timings=N
     write_atomic(config["result_path"], dumps(capture), overwrite=True)
 
 
-def _wait_for_work(descriptor: int) -> tuple[str | None, float]:
+def _wait_for_work(descriptor: int) -> tuple[str | None, float, dict]:
     """A warm child: import what every run needs, then wait for the path of
-    the configuration (None when the parent has no work for it). Also returns
-    when the imports were done."""
+    the configuration (None when the parent has no work for it), importing
+    the modules the parent sends meanwhile. Also returns when the first
+    imports were done, and what was imported ahead (`preimport`)."""
     import torch.nn  # noqa: F401
     import torch.optim  # noqa: F401
     import torch.utils.checkpoint  # noqa: F401
@@ -378,12 +408,18 @@ def _wait_for_work(descriptor: int) -> tuple[str | None, float]:
         pass
 
     imported_at = time.time()
-    try:
-        with os.fdopen(descriptor, encoding="utf-8") as pipe:
-            line = pipe.readline().strip()
-    except KeyboardInterrupt:
-        return None, imported_at
-    return line or None, imported_at
+    preimported: dict = {}
+    with os.fdopen(descriptor, encoding="utf-8") as pipe:
+        for line in pipe:
+            line = line.strip()
+            if not line.startswith(PREIMPORT_PREFIX):
+                return line or None, imported_at, preimported
+            try:
+                names = json.loads(line[len(PREIMPORT_PREFIX) :])
+            except ValueError:
+                continue
+            preimport([str(name) for name in names], preimported)
+    return None, imported_at, preimported
 
 
 def main() -> None:
@@ -394,8 +430,12 @@ def main() -> None:
     except (KeyError, ValueError):
         _STARTED = None
     descriptor = os.environ.pop(CONFIG_FD_ENV, None)
+    preimported = None
     if descriptor is not None:
-        config_path, imported_at = _wait_for_work(int(descriptor))
+        try:
+            config_path, imported_at, preimported = _wait_for_work(int(descriptor))
+        except KeyboardInterrupt:  # Ctrl-C before the script started: no capture
+            sys.exit(130)
         if config_path is None:
             sys.exit(0)
     else:
@@ -405,7 +445,7 @@ def main() -> None:
         sys.exit(2)
     with open(config_path, encoding="utf-8") as handle:
         config = json.load(handle)
-    sys.exit(run(config, imported_at))
+    sys.exit(run(config, imported_at, preimported))
 
 
 if __name__ == "__main__":

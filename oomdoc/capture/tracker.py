@@ -14,6 +14,7 @@ import sys
 import time
 import weakref
 from collections import deque
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -77,6 +78,9 @@ class Tracker:
         self._handles: list = []
         self._originals: list = []
         self._step_started = time.perf_counter()
+        # Called once, when the first step begins (the simulated device's
+        # lock for replays side by side, oomdoc.capture.gate).
+        self.on_first_step: Callable[[], None] | None = None
         self.peak_sample: dict | None = None
         # The most each category held at any phase boundary (or the OOM):
         # what `oomdoc check` gates, since the categories peak at different
@@ -139,6 +143,15 @@ class Tracker:
             "phase_peaks": {},
         }
         self._step_started = time.perf_counter()
+
+    def exclude_seconds(self, seconds: float) -> None:
+        """Leave `seconds` (a wait for the device lock) out of the step's duration."""
+        self._step_started += seconds
+
+    def _first_step(self) -> None:
+        hook, self.on_first_step = self.on_first_step, None
+        if hook is not None:
+            hook()
 
     def _fold_peak(self) -> None:
         """Attribute the peak since the last phase change to the phase that is ending."""
@@ -351,6 +364,8 @@ class Tracker:
                 self._current["end_allocated_bytes"] = self.backend.allocated_bytes()
 
     def _outermost_forward_start(self, module) -> None:
+        if self.on_first_step is not None:
+            self._first_step()
         if self._pending_close or (self.unit == "module" and self._current["forward_calls"]):
             self._close_step()
             if self.max_steps is not None and len(self.steps) >= self.max_steps:
@@ -374,6 +389,8 @@ class Tracker:
             callback(module)
 
     def _on_backward_start(self, roots) -> None:
+        if self.on_first_step is not None:
+            self._first_step()
         if self._backward_depth == 0:
             _stamp_graph(roots, self.step_index)
             self._set_phase("backward")
@@ -403,6 +420,8 @@ class Tracker:
         )
 
     def _on_optimizer_pre(self, optimizer, args, kwargs):
+        if self.on_first_step is not None:
+            self._first_step()
         self._add_optimizer(optimizer)
         self._state_table = None  # the step may create or replace state
         if self.unit != "optimizer":

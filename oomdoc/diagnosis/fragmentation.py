@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Optional
 
 from oomdoc.diagnosis.base import TIER_BREAKDOWN, TIER_DECISIVE, Diagnosis, MiB
+from oomdoc.fixes.allocator import cannot_fit_by_allocator
 from oomdoc.model import Allocator, Oom, Snapshot
 from oomdoc.sizes import format_bytes
 
@@ -90,6 +91,21 @@ def rule(snapshot: Snapshot) -> Optional[Diagnosis]:
             f"but {', '.join(fix.name for fix in replayed)} still ran out of memory when replayed: "
             f"recovering the cached pieces would add at most {format_bytes(unused)}, not enough"
         )
+    # The replays skipped the allocator fixes, the cached bytes being too
+    # few to make the run fit (oomdoc.fixes.allocator): the same story.
+    skipped = [
+        entry.name
+        for entry in (snapshot.replay.skipped if snapshot.replay else [])
+        if entry.name in ("expandable_segments", "empty_cache")
+    ]
+    if (decisive or possibly_decisive) and not replayed and skipped:
+        reason = cannot_fit_by_allocator(snapshot)
+        if reason:
+            decisive = possibly_decisive = False
+            evidence.append(
+                f"but recovering the cached pieces would add at most {format_bytes(unused)}, "
+                f"not enough: the replays did not try {', '.join(skipped)} ({reason})"
+            )
     if decisive:
         summary += " (this decided the OOM)"
     elif possibly_decisive:

@@ -15,6 +15,32 @@ CONF_ENV = "PYTORCH_CUDA_ALLOC_CONF"
 EXPANDABLE = "expandable_segments:True"
 
 
+def cannot_fit_by_allocator(snapshot: Snapshot) -> Optional[str]:
+    """Why no allocator setting (expandable segments, empty_cache) can make
+    this run fit, from the failing run's own numbers; None when one might.
+
+    Such a setting only changes how the cached memory is laid out: the most
+    it can give back at the OOM is what was reserved but unallocated. When
+    the allocated bytes plus the failed request exceed the capacity, or when
+    the cached bytes are under FRAGMENTATION_SHARE of it (the run was short
+    of far more: the OOM moment is the first allocation that failed, not
+    the step's peak), a replay of either can only run out of memory again."""
+    oom = snapshot.oom
+    if oom is None or not snapshot.device.on_cuda or snapshot.from_pytorch:
+        return None
+    capacity = snapshot.capacity_bytes
+    unused = oom.reserved_bytes - oom.allocated_bytes
+    if capacity and oom.requested_bytes > 0 and oom.needed_bytes > capacity:
+        return (
+            f"at the OOM {format_bytes(oom.allocated_bytes)} was allocated and "
+            f"{format_bytes(oom.requested_bytes)} requested, more than the capacity of "
+            f"{format_bytes(capacity)}: no allocator setting returns that"
+        )
+    if capacity and unused < FRAGMENTATION_SHARE * capacity:
+        return f"only {format_bytes(max(unused, 0))} was reserved but unallocated at the OOM"
+    return None
+
+
 class ExpandableSegments(Fix):
     name = "expandable_segments"
     title = "Let the CUDA allocator grow segments instead of splitting them"
@@ -34,7 +60,7 @@ class ExpandableSegments(Fix):
         unused = (oom.reserved_bytes - oom.allocated_bytes) if oom else 0
         if not explicit and unused < FRAGMENTATION_SHARE * snapshot.capacity_bytes:
             return f"only {format_bytes(max(unused, 0))} was reserved but unallocated at the OOM"
-        return None
+        return None if explicit else cannot_fit_by_allocator(snapshot)
 
     def request(self, snapshot: Snapshot) -> FixRequest:
         conf = os.environ.get(CONF_ENV, "")
@@ -74,6 +100,12 @@ class EmptyCache(Fix):
     combines_with = ("autocast", "checkpointing")
     cuda_only = True
     replay_priority = 3
+
+    def skip_reason(self, snapshot: Snapshot, explicit: bool) -> Optional[str]:
+        reason = super().skip_reason(snapshot, explicit)
+        if reason or explicit:
+            return reason
+        return cannot_fit_by_allocator(snapshot)
 
     def not_applied(self, applied: dict) -> Optional[str]:
         if not self.record_in(applied).get("calls"):

@@ -55,4 +55,17 @@ def framework_of(snapshot: Snapshot) -> Framework:
     return framework_for(snapshot.framework.name if snapshot.framework else None)
 
 
-__all__ = ["FRAMEWORKS", "Framework", "context_from_snapshot", "framework_for", "framework_of"]
+def preimports(snapshot: Snapshot) -> list[str]:
+    """What a replay's warm child imports while it waits: the packages the
+    failing run's script imported, then what its framework loads lazily."""
+    return list(dict.fromkeys([*snapshot.imported_packages, *framework_of(snapshot).preimports]))
+
+
+__all__ = [
+    "FRAMEWORKS",
+    "Framework",
+    "context_from_snapshot",
+    "framework_for",
+    "framework_of",
+    "preimports",
+]

@@ -101,6 +101,9 @@ class Framework:
     label = "a plain PyTorch loop"
     # Values a flag that takes the dtype gets when it lists no choices.
     dtype_values = {"bfloat16": "bf16", "float16": "fp16"}
+    # Modules a replay's warm child imports ahead besides the snapshot's
+    # `imported_packages`: what the framework loads lazily (oomdoc.capture.imports).
+    preimports: tuple[str, ...] = ()
 
     def snippet(self, fix: str, context: dict) -> str:
         """How to apply `fix` (or `a+b`) by hand, in this framework's knobs."""

@@ -34,6 +34,8 @@ def checkpointing_field(context: dict) -> str:
 class HuggingFace(Framework):
     name = "transformers"
     label = "the Hugging Face Trainer"
+    # `import transformers` is lazy: the Trainer's module is the seconds.
+    preimports = ("transformers.trainer",)
 
     def fields(self, fix: str, context: dict) -> list[tuple[str, str, str]]:
         """(TrainingArguments field, its value as Python, as a flag value ('' for

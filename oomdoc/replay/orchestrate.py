@@ -15,6 +15,7 @@ the largest-batch search instead of one replay.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -27,7 +28,7 @@ from oomdoc.errors import UsageError
 from oomdoc.fixes import FIXES, Combination, Fix, fix_named
 from oomdoc.fixes.optimizer import optimizer_state_estimate
 from oomdoc.fixes.ranking import rank_fixes
-from oomdoc.frameworks import context_from_snapshot, framework_of
+from oomdoc.frameworks import context_from_snapshot, framework_of, preimports
 from oomdoc.model import (
     BatchSearch,
     Breakdown,
@@ -40,9 +41,10 @@ from oomdoc.model import (
 )
 from oomdoc.replay import batch as batch_model
 from oomdoc.replay import prescribe
+from oomdoc.replay.lanes import AHEAD, DEMANDED, SPECULATIVE, Job, Lanes, default_jobs
 from oomdoc.replay.progress import Progress
 from oomdoc.replay.rank import best_pair
-from oomdoc.runner import ChildRequest, ChildResult, WarmPool, run_child
+from oomdoc.runner import ChildRequest, ChildResult, ChildSignals, WarmPool, run_child
 from oomdoc.sizes import format_bytes
 
 BATCH_FLAGS = ("--batch-size", "--batch_size", "--bs", "--per_device_train_batch_size")
@@ -86,9 +88,14 @@ def parse_fix_names(names: list[str] | None) -> list[str] | None:
 
 
 def check_replay_options(
-    fixes: str | None, replay_timeout_s: float | None, batch_arg: str | None, replay: bool
+    fixes: str | None,
+    replay_timeout_s: float | None,
+    batch_arg: str | None,
+    replay: bool,
+    replay_jobs: int | None = None,
 ) -> list[str] | None:
-    """Validate --fixes, --replay-timeout and --batch-arg before anything runs."""
+    """Validate --fixes, --replay-timeout, --replay-jobs and --batch-arg
+    before anything runs."""
     names = (
         [name.strip() for name in fixes.split(",") if name.strip()] if fixes is not None else None
     )
@@ -96,6 +103,10 @@ def check_replay_options(
         raise UsageError("--fixes: give at least one fix name")
     if not replay and names:
         raise UsageError("--fixes has no effect with --no-replay")
+    if replay_jobs is not None and (isinstance(replay_jobs, bool) or replay_jobs < 1):
+        raise UsageError(f"--replay-jobs must be a positive whole number, not {replay_jobs}")
+    if not replay and replay_jobs is not None:
+        raise UsageError("--replay-jobs has no effect with --no-replay")
     if replay_timeout_s is not None and not replay_timeout_s > 0:
         raise UsageError(
             f"--replay-timeout must be a positive number of seconds, not {replay_timeout_s:g}"
@@ -148,6 +159,13 @@ class Replay:
     applied: dict = field(default_factory=dict)
     warm: bool = False
     fix_name: str = ""
+    # When it started, in seconds since the replays began (side by side,
+    # several overlap), and how long it waited for the device lock.
+    started_s: float = 0.0
+    lock_wait_s: float = 0.0
+    # Ctrl-C or SIGTERM ended it; or oomdoc stopped it, its answer unneeded.
+    stopped_by_user: bool = False
+    cancelled: bool = False
 
     def timing(self) -> dict:
         """Where the replay's time went, for the snapshot's replay summary."""
@@ -157,6 +175,8 @@ class Replay:
             "outcome": self.outcome,
             "wall_s": round(self.wall_s, 2),
             "warm": self.warm,
+            "started_s": round(self.started_s, 2),
+            "peak_allocated_bytes": self.peak_allocated_bytes,
             **timings,
         }
 
@@ -173,8 +193,26 @@ class ReplaysInterrupted(Exception):
     """Ctrl-C reached a replay: stop replaying, keep what was measured."""
 
 
+def replay_key(
+    payload: Optional[dict], label: str, args: list[str] | None, extra_env: dict | None
+) -> tuple:
+    """What makes two asks for a replay the same replay."""
+    return (
+        label,
+        json.dumps(payload, sort_keys=True),
+        None if args is None else tuple(args),
+        tuple(sorted((extra_env or {}).items())),
+    )
+
+
 class Replayer:
-    """Runs replays like the failing run, with a fix, and measures them."""
+    """Runs replays like the failing run, with a fix, and measures them.
+
+    `run` is how the decisions ask for a replay, one at a time, as if each
+    ran alone. With `jobs` > 1, `ahead` starts replays the decisions will (or
+    may) ask for in other lanes (oomdoc.replay.lanes); `run` then waits for
+    that one instead of starting another. Replays that run side by side take
+    the device in turn (the device lock, oomdoc.capture.gate)."""
 
     def __init__(
         self,
@@ -184,6 +222,8 @@ class Replayer:
         progress: Progress,
         pool: WarmPool,
         leak: bool = False,
+        jobs: int = 1,
+        signals: ChildSignals | None = None,
     ):
         self.snapshot = snapshot
         self.options = options
@@ -199,6 +239,47 @@ class Replayer:
         self.leak = leak
         self.timeout_s = options.replay_timeout_s or default_timeout(snapshot)
         self.replays: list[Replay] = []
+        self.jobs = max(1, jobs)
+        self.signals = signals
+        self.lanes = Lanes(self.jobs) if self.jobs > 1 else None
+        self.device_lock: str | None = None
+        if self.lanes is not None:
+            self.device_lock = os.path.join(pool.log_dir, "device.lock")
+            open(self.device_lock, "ab").close()
+        # Replays started ahead, by replay_key, until the decisions ask for
+        # them; those they never asked for (`discard_ahead`).
+        self._ahead: dict[tuple, Job] = {}
+        # Started ahead but not yet handed to the lanes: that happens once
+        # the first replay the decisions ask for is, so that it gets the
+        # warmest child and the first lane.
+        self._unsubmitted: list[Job] = []
+        self._discarded: list[tuple[str, Job]] = []
+        self._interrupted = False
+
+    @property
+    def stopped(self) -> bool:
+        """Ctrl-C or SIGTERM came: no replay starts any more."""
+        return self._interrupted or (self.signals is not None and self.signals.stopped)
+
+    def _job(self, payload, label, args, extra_env, priority: int) -> Job:
+        return Job(lambda job: self._execute(job, payload, label, args, extra_env), priority)
+
+    def ahead(
+        self,
+        payload: Optional[dict],
+        label: str,
+        args: list[str] | None = None,
+        extra_env: dict | None = None,
+        priority: int = AHEAD,
+    ) -> None:
+        """Start, in a free lane, a replay that `run` will (or, SPECULATIVE,
+        may) be asked for with the same arguments. Nothing without lanes."""
+        key = replay_key(payload, label, args, extra_env)
+        if self.lanes is None or self.stopped or key in self._ahead:
+            return
+        job = self._job(payload, label, args, extra_env, priority)
+        self._ahead[key] = job
+        self._unsubmitted.append(job)
 
     def run(
         self,
@@ -207,9 +288,49 @@ class Replayer:
         args: list[str] | None = None,
         extra_env: dict | None = None,
     ) -> Replay:
-        index = len(self.replays) + 1
+        job = self._ahead.pop(replay_key(payload, label, args, extra_env), None)
+        if job is None:
+            if self.stopped:
+                raise ReplaysInterrupted()
+            job = self._job(payload, label, args, extra_env, DEMANDED)
+            if self.lanes is None:
+                job.run()
+            else:
+                self.lanes.submit(job)
+        elif self.lanes is not None:
+            if job in self._unsubmitted:
+                self._unsubmitted.remove(job)
+                job.priority = DEMANDED
+                self.lanes.submit(job)
+            else:
+                self.lanes.promote(job, DEMANDED)
+        if self.lanes is not None:
+            for waiting in self._unsubmitted:
+                self.lanes.submit(waiting)
+            self._unsubmitted.clear()
+        replay = job.wait()
+        if replay is None or replay.stopped_by_user or replay.cancelled:
+            raise ReplaysInterrupted()  # it never ran, or Ctrl-C ended it
+        if replay.outcome in ("timeout", "error"):
+            replay.log_path = keep_log(replay.log_path or "", self.request.artifact_dir)
+        self.replays.append(replay)
+        return replay
+
+    def _execute(
+        self,
+        job: Job,
+        payload: Optional[dict],
+        label: str,
+        args: list[str] | None,
+        extra_env: dict | None,
+    ) -> Optional[Replay]:
+        """Run one replay's child (in a lane, or inline without lanes)."""
+        if self.stopped or job.cancel.is_set():
+            return None
         name = payload["name"] if payload else "flags"
-        log_name = f"replay-{index}-{name.replace('+', '-')}.log"
+        started_s = self.progress.total()
+        number = self.progress.start(label, job.number)
+        log_name = f"replay-{number}-{name.replace('+', '-')}.log"
         log_path = os.path.join(self.pool.log_dir, log_name)
         env = dict(REPLAY_ENV)
         env.update(extra_env or {})
@@ -224,32 +345,90 @@ class Replayer:
             extra_env=env,
             output_path=log_path,
             timeout_s=self.timeout_s,
+            device_lock=self.device_lock,
         )
-        self.progress.start(label)
         distributed = getattr(self.options, "distributed", None)
         if distributed is not None:  # the same launcher and world size (oomdoc.distributed)
             from oomdoc.distributed.launch import run_distributed_child
 
             result = run_distributed_child(child, distributed)
         else:
-            result = run_child(child, pool=self.pool)
+            result = run_child(child, pool=self.pool, signals=self.signals, cancel=job.cancel)
         replay = measure(result, label, log_path)
         replay.fix_name = name
-        if not result.timed_out and (result.exit_code == 130 or replay.interrupted):
-            self.progress.finish("interrupted")
-            raise ReplaysInterrupted()
-        if replay.outcome in ("timeout", "error"):
-            replay.log_path = keep_log(log_path, self.request.artifact_dir)
-        self.replays.append(replay)
-        self.progress.finish(summarise(replay))
+        replay.started_s = started_s
+        if result.cancelled:
+            replay.cancelled = True
+            self.progress.finish("stopped: its answer was not needed", number)
+        elif not result.timed_out and (
+            result.exit_code == 130
+            or replay.interrupted
+            or (self.stopped and result.capture is None)
+        ):
+            replay.stopped_by_user = self._interrupted = True
+            if self.lanes is not None:
+                self.lanes.withdraw_all()
+            self.progress.finish("interrupted", number)
+        else:
+            self.progress.finish(summarise(replay), number)
         return replay
+
+    def discard_ahead(self) -> None:
+        """The decisions will ask for none of the replays started ahead that
+        are left: those not started never start, those running are stopped."""
+        for key, job in self._ahead.items():
+            job.cancel.set()
+            if job in self._unsubmitted or (self.lanes is not None and self.lanes.withdraw(job)):
+                continue
+            self._discarded.append((key[0], job))
+        self._ahead.clear()
+        self._unsubmitted.clear()
+
+    def unused_runs(self) -> list[dict]:
+        """The replays started ahead that no decision needed: their timings
+        (`stopped` when oomdoc ended them early)."""
+        runs = []
+        for label, job in self._discarded:
+            replay = job.result if job.finished.is_set() else None
+            if isinstance(replay, Replay):
+                record = replay.timing()
+                if replay.cancelled:
+                    record["outcome"] = "stopped"
+                runs.append(record)
+            else:
+                runs.append({"label": label, "outcome": "stopped"})
+        return runs
+
+    def close(self) -> None:
+        """Stop what still runs and wait for the lanes to end."""
+        self.discard_ahead()
+        if self.lanes is not None:
+            self.lanes.close()
 
 
 def warm_pool(request: ChildRequest) -> WarmPool:
-    """Warm children for the replays of `request`, the first one starting now."""
+    """Warm children for the replays of `request`, the first one starting now
+    (replay_fixes adds one per lane, and what they import ahead)."""
     pool = WarmPool(request.device, REPLAY_ENV)
     pool.fill()
     return pool
+
+
+def replay_jobs(snapshot: Snapshot, options: Any) -> int:
+    """How many replays may run side by side: `--replay-jobs`, else what this
+    machine allows (oomdoc.replay.lanes.default_jobs). One for a distributed
+    job, whose replays take every GPU of the failing run."""
+    if getattr(options, "distributed", None) is not None:
+        return 1
+    requested = getattr(options, "replay_jobs", None)
+    if requested:
+        return int(requested)
+    host = snapshot.host
+    return default_jobs(
+        snapshot.device.kind,
+        available_bytes=host.available_bytes if host else None,
+        child_bytes=host.process_rss_bytes if host else None,
+    )
 
 
 def default_timeout(snapshot: Snapshot) -> float:
@@ -267,10 +446,16 @@ def measure(result: ChildResult, label: str, log_path: str) -> Replay:
         capture=capture,
         log_path=log_path,
         warm=result.warm,
+        lock_wait_s=result.lock_wait_s,
     )
     if result.timed_out:
         replay.outcome = "timeout"
-        replay.message = f"killed after {result.wall_s:.0f} s (--replay-timeout)"
+        # The wait for the device (replays side by side) does not count.
+        replay.message = (
+            f"killed after {result.wall_s - result.lock_wait_s:.0f} s (--replay-timeout)"
+        )
+        if result.lock_wait_s >= 1:
+            replay.message += f", besides {result.lock_wait_s:.0f} s waiting for the device"
         return replay
     if capture is None:
         replay.message = f"the replay ended without a capture (exit status {result.exit_code})"
@@ -354,24 +539,40 @@ def replay_fixes(
     progress = Progress(stderr)
     progress.header("replaying the failing step with fixes (OOMDOC_REPLAY=1 is set in replays)")
     leak = leak_rule(snapshot) is not None
-    replayer = Replayer(snapshot, options, request, progress, pool, leak=leak)
+    jobs = replay_jobs(snapshot, options)
+    if getattr(options, "distributed", None) is None:
+        # One warm child per lane, each importing the script's framework while it waits.
+        pool.configure(size=jobs, preimports=preimports(snapshot))
     state = ReplayState(skipped=skipped)
-    try:
+    # Ctrl-C and SIGTERM are handled once for all the replays, which may run
+    # side by side: Ctrl-C stops them all and keeps what was measured.
+    with ChildSignals() as signals:
+        replayer = Replayer(
+            snapshot, options, request, progress, pool, leak=leak, jobs=jobs, signals=signals
+        )
         try:
+            interrupted = False
+            start_ahead(replayer, snapshot, singles, combinations, automatic=requested is None)
+            # The decisions, one replay at a time; a replay started ahead
+            # answers at once. After Ctrl-C, only replays that already ended
+            # are read: each step below is skipped without them.
             for name in singles:
                 fix = fix_named(name)
                 assert fix is not None
-                if fix.searches_batch:
-                    if leak:
-                        skipped.append(Skipped(name, LEAK_NO_BATCH_SEARCH))
+                try:
+                    if fix.searches_batch:
+                        if leak:
+                            skipped.append(Skipped(name, LEAK_NO_BATCH_SEARCH))
+                            continue
+                        state.search, state.batch_info, reason = search_batch(
+                            replayer, snapshot, options
+                        )
+                        if reason:
+                            skipped.append(Skipped(name, reason))
                         continue
-                    state.search, state.batch_info, reason = search_batch(
-                        replayer, snapshot, options
-                    )
-                    if reason:
-                        skipped.append(Skipped(name, reason))
-                    continue
-                replay_single(replayer, fix, snapshot, state)
+                    replay_single(replayer, fix, snapshot, state)
+                except ReplaysInterrupted:
+                    interrupted = True
             if requested is None and not leak:
                 combination = combination_to_measure(snapshot, state)
                 if combination is not None:
@@ -379,23 +580,68 @@ def replay_fixes(
             for name in combinations:
                 fix = fix_named(name)
                 assert fix is not None
-                replay_single(replayer, fix, snapshot, state)
-            if requested is None and not leak:
-                search_under_savers(replayer, snapshot, options, state)
-        except ReplaysInterrupted:
+                try:
+                    replay_single(replayer, fix, snapshot, state)
+                except ReplaysInterrupted:
+                    interrupted = True
+            replayer.discard_ahead()  # a speculative combination no decision wanted
+            if requested is None and not leak and not interrupted:
+                try:
+                    search_under_savers(replayer, snapshot, options, state)
+                except ReplaysInterrupted:
+                    interrupted = True
+            if interrupted or replayer.stopped:
+                snapshot.notes.append(
+                    "Replays were interrupted: the fixes below are those measured before."
+                )
+            finish(snapshot, replayer, state, progress)
+        except Exception as exc:  # the snapshot of the OOM must be written whatever happens here
+            progress.header(f"replays failed: {type(exc).__name__}: {exc}")
             snapshot.notes.append(
-                "Replays were interrupted: the fixes below are those measured before."
+                f"Replays failed ({type(exc).__name__}: {exc}); no fixes were measured."
             )
-        finish(snapshot, replayer, state, progress)
-    except Exception as exc:  # the snapshot of the OOM must be written whatever happens here
-        progress.header(f"replays failed: {type(exc).__name__}: {exc}")
-        snapshot.notes.append(
-            f"Replays failed ({type(exc).__name__}: {exc}); no fixes were measured."
-        )
-        snapshot.fixes, snapshot.max_batch_size = [], None
-    finally:
-        if own_pool:
-            pool.close()
+            snapshot.fixes, snapshot.max_batch_size = [], None
+        finally:
+            replayer.close()
+            if own_pool:
+                pool.close()
+
+
+def start_ahead(
+    replayer: Replayer,
+    snapshot: Snapshot,
+    singles: list[str],
+    combinations: list[str],
+    automatic: bool,
+) -> None:
+    """With lanes to spare, start now the replays the decisions will ask for
+    whatever the others measure: each single fix and each combination asked
+    for by name (the batch search is a chain: its probes run in the lane kept
+    for what the decisions wait for). With `automatic` choices (no --fixes),
+    also every memory saver that shrinks what held memory at the OOM,
+    together: the combination most likely to be wanted (a lighter optimizer
+    cannot help an OOM before the first optimizer step). Its answer is used
+    only when combination_to_measure asks for it."""
+    if replayer.lanes is None:
+        return
+    for name in [*singles, *combinations]:
+        fix = fix_named(name)
+        if fix is None or fix.searches_batch:
+            continue
+        request = fix.request(snapshot)  # as replay_single asks for it
+        replayer.ahead(request.payload, fix.name, extra_env=request.env)
+    held = snapshot.breakdown
+    savers = [
+        fix.name
+        for name in singles
+        if (fix := fix_named(name)) is not None
+        and fix.prescribable
+        and any(getattr(held, category, 0) for category in fix.addresses)
+    ]
+    likely = fix_named("+".join(savers)) if automatic and not replayer.leak else None
+    if len(savers) >= 2 and likely is not None:
+        request = likely.request(snapshot)
+        replayer.ahead(request.payload, likely.name, extra_env=request.env, priority=SPECULATIVE)
 
 
 LEAK_NO_BATCH_SEARCH = (
@@ -818,7 +1064,11 @@ def finish(snapshot: Snapshot, replayer: Replayer, state: ReplayState, progress:
         reference=reference_text,
         skipped=state.skipped,
         runs=[replay.timing() for replay in replayer.replays],
+        jobs=replayer.jobs,
     )
+    unused = replayer.unused_runs()
+    if unused:
+        summary.extra["unused_runs"] = unused
     if search is not None:
         summary.batch_search = batch_search_record(search, state.batch_info.get("source"))
     if state.saver_search is not None and state.saver_fix is not None:
@@ -827,7 +1077,8 @@ def finish(snapshot: Snapshot, replayer: Replayer, state: ReplayState, progress:
             fixes=state.saver_fix.name,
         )
     snapshot.replay = summary
-    progress.header(f"{len(replayer.replays)} replays in {progress.total():.1f} s")
+    side_by_side = f", up to {replayer.jobs} side by side" if replayer.jobs > 1 else ""
+    progress.header(f"{len(replayer.replays)} replays in {progress.total():.1f} s{side_by_side}")
 
 
 def batch_search_record(search: batch_model.SearchResult, source: Optional[str]) -> BatchSearch:
@@ -904,8 +1155,11 @@ def prescription_for(
     if original is None:
         chosen.batch_size, chosen.accumulation_steps = None, 1
     chosen.snippet = prescription_snippet(snapshot, chosen, state)
-    if chosen.fits:
-        verify_with_flags(replayer, snapshot, chosen, state)
+    if chosen.fits and not replayer.stopped:
+        try:
+            verify_with_flags(replayer, snapshot, chosen, state)
+        except ReplaysInterrupted:
+            pass  # Ctrl-C during the check: the prescription stands without it
     return chosen
 
 

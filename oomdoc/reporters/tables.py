@@ -144,8 +144,9 @@ def replay_summary_lines(analysis: Analysis) -> list[str]:
     for skipped in replay.skipped if replay else []:
         lines.append(f"not tried: {skipped.name}: {skipped.reason}")
     if replay is not None:
+        side_by_side = f", up to {replay.jobs} side by side" if replay.jobs > 1 else ""
         lines.append(
-            f"{replay.replays} replays in {replay.total_s:.1f} s "
+            f"{replay.replays} replays in {replay.total_s:.1f} s{side_by_side} "
             f"(each ran {replay.max_steps or 2} steps with OOMDOC_REPLAY=1)"
         )
     return lines

@@ -1,0 +1,178 @@
+"""Replays side by side: how many at once, and the threads that run them.
+
+Most of a replay's time is spent before the device: starting Python,
+importing the framework, building the model on the CPU (on the H100, ~10 s
+of a GPT-2-medium Trainer replay, against ~2 s on the GPU). Replays that do
+not depend on each other (the single fixes, beside the batch search's chain
+of probes) run side by side in `jobs` lanes, while the device lock
+(oomdoc.capture.gate) keeps their device work one at a time, so each
+measurement is as clean as when it runs alone.
+
+The decisions stay sequential: the orchestrator asks for one replay at a
+time, as it always did, and gets the answer of a replay started ahead of
+time when there is one. One lane is kept for what it asks for, so the
+critical chain never waits behind work started ahead.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import os
+import threading
+from typing import Any, Callable
+
+# Lanes at most by default: beyond three the device, which replays take in
+# turn, is the bottleneck.
+MAX_JOBS = 3
+# Priorities: what the decisions wait for now, replays they will ask for,
+# and replays they may ask for.
+DEMANDED, AHEAD, SPECULATIVE = 0, 1, 2
+
+
+def default_jobs(
+    device_kind: str,
+    cpus: int | None = None,
+    available_bytes: int | None = None,
+    child_bytes: int | None = None,
+) -> int:
+    """Lanes for this machine. On CUDA a replay's device work leaves the CPU
+    to the others: one lane per core beyond the first. On the simulated
+    device the device work is CPU work too: one lane per four cores. Each lane
+    holds a running child and a warm one: together at most three quarters
+    of the host memory available, at the failing run's size (`child_bytes`)."""
+    if cpus is None:
+        try:
+            cpus = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            cpus = os.cpu_count() or 1
+    by_cpu = cpus - 1 if device_kind == "cuda" else cpus // 4
+    jobs = max(1, min(MAX_JOBS, by_cpu))
+    if available_bytes and child_bytes and child_bytes > 0:
+        jobs = max(1, min(jobs, int(0.75 * available_bytes) // (2 * child_bytes)))
+    return jobs
+
+
+class Job:
+    """One replay to run in a lane; `wait()` returns what its work returned
+    (None when it was cancelled before it started)."""
+
+    def __init__(self, work: Callable[[Job], Any], priority: int):
+        self.work = work
+        self.priority = priority
+        self.cancel = threading.Event()
+        self.finished = threading.Event()
+        self.started = False
+        # Its place among the jobs its lanes started (1, 2, ...), or None.
+        self.number: int | None = None
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        self.started = True
+        try:
+            self.result = self.work(self)
+        except BaseException as exc:  # handed to whoever waits for it
+            self.error = exc
+        finally:
+            self.finished.set()
+
+    def wait(self) -> Any:
+        self.finished.wait()
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+class Lanes:
+    """`count` threads that run jobs, the highest priority first; jobs
+    started ahead (priority above DEMANDED) use at most count - 1 of them."""
+
+    def __init__(self, count: int):
+        self.count = count
+        self._pending: list[tuple[int, int, Job]] = []
+        self._order = itertools.count()
+        self._numbers = itertools.count(1)
+        self._condition = threading.Condition()
+        self._closed = False
+        self._running_ahead = 0
+        self._threads = [
+            threading.Thread(target=self._serve, name=f"oomdoc-replay-lane-{n}", daemon=True)
+            for n in range(count)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, job: Job) -> None:
+        with self._condition:
+            if self._closed:
+                job.finished.set()
+                return
+            heapq.heappush(self._pending, (job.priority, next(self._order), job))
+            self._condition.notify_all()
+
+    def promote(self, job: Job, priority: int) -> None:
+        """Now wanted sooner (a job started ahead that the decisions ask for)."""
+        with self._condition:
+            for index, (_priority, order, pending) in enumerate(self._pending):
+                if pending is job and priority < job.priority:
+                    job.priority = priority
+                    self._pending[index] = (priority, order, job)
+                    heapq.heapify(self._pending)
+                    self._condition.notify_all()
+                    return
+
+    def withdraw(self, job: Job) -> bool:
+        """Drop a job that has not started (True), so that it never runs."""
+        with self._condition:
+            for index, (_priority, _order, pending) in enumerate(self._pending):
+                if pending is job:
+                    del self._pending[index]
+                    heapq.heapify(self._pending)
+                    job.finished.set()
+                    return True
+        return False
+
+    def withdraw_all(self) -> None:
+        with self._condition:
+            for _priority, _order, job in self._pending:
+                job.finished.set()
+            self._pending.clear()
+
+    def close(self) -> None:
+        """Run nothing more; wait for the jobs running (the caller cancels them)."""
+        self.withdraw_all()
+        with self._condition:
+            self._closed = True
+            self._condition.notify_all()
+        for thread in self._threads:
+            thread.join()
+
+    def _next(self) -> Job | None:
+        with self._condition:
+            while True:
+                if self._pending:
+                    priority = self._pending[0][0]
+                    if priority == DEMANDED or self._running_ahead < self.count - 1:
+                        job = heapq.heappop(self._pending)[2]
+                        job.number = next(self._numbers)  # in the order they start
+                        if priority != DEMANDED:
+                            self._running_ahead += 1
+                        return job
+                if self._closed:
+                    return None
+                self._condition.wait()
+
+    def _serve(self) -> None:
+        while True:
+            job = self._next()
+            if job is None:
+                return
+            ahead = job.priority != DEMANDED
+            try:
+                job.run()
+            finally:
+                if ahead:
+                    with self._condition:
+                        self._running_ahead -= 1
+                        self._condition.notify_all()

@@ -1,0 +1,424 @@
+"""Replays side by side, unit by unit: how many lanes, the lanes' order, the
+device lock (a holder that dies or forks releases it), CUDA's start deferred
+until the lock is held, the packages imported ahead, and the allocator
+replays the failing run's numbers make pointless."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from adapters import diagnose
+from conftest import REPO_ROOT, oomdoc_env
+
+from oomdoc.fixes import fix_named
+from oomdoc.model import Snapshot
+from oomdoc.replay.lanes import AHEAD, DEMANDED, SPECULATIVE, Job, Lanes, default_jobs
+from oomdoc.replay.orchestrate import plan, replay_jobs
+from oomdoc.replay.progress import Progress
+
+MiB = 1024 * 1024
+GiB = 1024 * MiB
+
+
+# ------------------------------------------------------------------ lanes
+
+
+def test_default_jobs_follow_cores_and_memory():
+    assert default_jobs("cuda", cpus=16) == 3
+    assert default_jobs("cuda", cpus=3) == 2
+    assert default_jobs("cuda", cpus=1) == 1
+    assert default_jobs("simulated", cpus=2) == 1
+    assert default_jobs("simulated", cpus=8) == 2
+    assert default_jobs("simulated", cpus=64) == 3
+    # A running child and a warm one per lane, in 3/4 of the free memory.
+    assert default_jobs("cuda", cpus=16, available_bytes=16 * GiB, child_bytes=3 * GiB) == 2
+    assert default_jobs("cuda", cpus=16, available_bytes=4 * GiB, child_bytes=3 * GiB) == 1
+    assert default_jobs("cuda", cpus=16, available_bytes=128 * GiB, child_bytes=GiB) == 3
+
+
+def test_replay_jobs_from_the_option_else_the_machine():
+    class Options:
+        replay_jobs = 4
+        distributed = None
+
+    snapshot = Snapshot.from_dict({"device": {"kind": "simulated", "capacity_bytes": 1}})
+    assert replay_jobs(snapshot, Options()) == 4
+    Options.distributed = object()  # a torchrun job's replays take every GPU: one at a time
+    assert replay_jobs(snapshot, Options()) == 1
+    Options.distributed, Options.replay_jobs = None, None
+    assert replay_jobs(snapshot, Options()) == default_jobs("simulated")
+
+
+class Blocked:
+    """Jobs that wait until `release` is set, and the order they started in."""
+
+    def __init__(self):
+        self.started: list[str] = []
+        self.release = threading.Event()
+
+    def job(self, priority, name):
+        def work(job):
+            self.started.append(name)
+            self.release.wait(10)
+            return name
+
+        return Job(work, priority)
+
+
+@pytest.fixture
+def lanes_of():
+    made = []
+    blocked = Blocked()
+
+    def make(count):
+        made.append(Lanes(count))
+        return made[-1], blocked
+
+    yield make
+    blocked.release.set()
+    for lanes in made:
+        lanes.close()
+
+
+def test_one_lane_is_kept_for_what_the_decisions_wait_for(lanes_of):
+    lanes, blocked = lanes_of(2)
+    ahead = [blocked.job(AHEAD, f"ahead {n}") for n in range(2)]
+    for job in ahead:
+        lanes.submit(job)
+    time.sleep(0.3)
+    assert blocked.started == ["ahead 0"]  # the second lane waits for a demanded job
+    demanded = blocked.job(DEMANDED, "demanded")
+    lanes.submit(demanded)
+    time.sleep(0.3)
+    assert blocked.started == ["ahead 0", "demanded"]
+    blocked.release.set()
+    assert demanded.wait() == "demanded" and ahead[1].wait() == "ahead 1"
+    assert [ahead[0].number, demanded.number, ahead[1].number] == [1, 2, 3]  # start order
+
+
+def test_lanes_run_the_highest_priority_first_and_withdraw(lanes_of):
+    lanes, blocked = lanes_of(3)
+    busy = [blocked.job(AHEAD, f"busy {n}") for n in range(2)]
+    for job in busy:
+        lanes.submit(job)
+    time.sleep(0.3)
+    speculative = blocked.job(SPECULATIVE, "speculative")
+    single = blocked.job(AHEAD, "single")
+    dropped = blocked.job(AHEAD, "dropped")
+    for job in (speculative, single, dropped):
+        lanes.submit(job)
+    assert lanes.withdraw(dropped) and dropped.wait() is None
+    lanes.promote(speculative, DEMANDED)
+    time.sleep(0.3)
+    assert blocked.started[-1] == "speculative"  # promoted: the kept lane runs it now
+    blocked.release.set()
+    for job in (speculative, single, *busy):
+        job.wait()
+    assert blocked.started.index("single") > blocked.started.index("speculative")
+    assert "dropped" not in blocked.started
+
+
+def test_progress_lines_of_replays_side_by_side():
+    stream = io.StringIO()
+    progress = Progress(stream)
+    first, second = progress.start("autocast"), progress.start("checkpointing")
+    assert (first, second) == (1, 2)
+    progress.finish("fits", second)
+    progress.finish("out of memory", first)
+    lines = stream.getvalue().splitlines()
+    assert lines[0].startswith("oomdoc: replay 2: checkpointing: fits (")
+    assert lines[1].startswith("oomdoc: replay 1: autocast: out of memory (")
+
+
+# ----------------------------------------------------------- the device lock
+
+HOLDER = """
+import json, os, signal, sys, time
+from oomdoc.capture.gate import DeviceGate
+lock, status, waiter_status, fork = sys.argv[1:5]
+gate = DeviceGate({"path": lock, "status": status})
+gate.acquire()
+if fork == "fork" and os.fork() == 0:
+    time.sleep(60)  # a DataLoader worker, say: it must not keep the lock
+    os._exit(0)
+deadline = time.time() + 60
+while time.time() < deadline:  # until the waiter waits
+    try:
+        if "waiting_since" in json.load(open(waiter_status)):
+            break
+    except (OSError, ValueError):
+        pass
+    time.sleep(0.05)
+time.sleep(0.5)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+WAITER = """
+import sys
+from oomdoc.capture.gate import DeviceGate
+gate = DeviceGate({"path": sys.argv[1], "status": sys.argv[2]})
+gate.acquire()
+print(round(gate.waited_s, 3))
+"""
+
+
+@pytest.mark.parametrize("fork", ["no-fork", "fork"])
+def test_a_holder_that_dies_releases_the_device_lock(tmp_path, fork):
+    lock, holder_status, waiter_status = (tmp_path / n for n in ("lock", "h.json", "w.json"))
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, lock, holder_status, waiter_status, fork],
+        env=oomdoc_env(),
+    )
+    deadline = time.time() + 60
+    while not holder_status.exists() or "held_since" not in holder_status.read_text():
+        assert time.time() < deadline and holder.poll() is None
+        time.sleep(0.05)
+    waiter = subprocess.run(
+        [sys.executable, "-c", WAITER, lock, waiter_status],
+        env=oomdoc_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert holder.wait(timeout=60) == -9  # SIGKILL while holding the lock
+    assert waiter.returncode == 0, waiter.stderr
+    status = json.loads(waiter_status.read_text())
+    assert status["held_since"] >= status["waiting_since"]
+    assert float(waiter.stdout) > 0.3  # it did wait for the holder
+
+
+CUDA_GATE = """
+import json, sys
+import torch, torch.cuda, torch.cuda.memory
+from oomdoc.capture.gate import DeviceGate
+
+class Tracker:
+    excluded = 0.0
+    def exclude_seconds(self, seconds):
+        self.excluded += seconds
+
+original = torch.cuda._lazy_init
+gate = DeviceGate({"path": sys.argv[1], "status": sys.argv[2]})
+gate.install("cuda", Tracker())
+patched = torch.cuda._lazy_init is not original and torch.cuda.memory._lazy_init is not original
+torch.cuda.set_device(0)  # the device CUDA starts on: nothing to do yet
+held_after_set_device = gate.held
+try:
+    torch.cuda._lazy_init()  # what C++ calls too
+except Exception:
+    pass  # no CUDA on this machine: the lock was taken before CUDA was asked
+print(json.dumps({"patched": patched, "early": held_after_set_device, "held": gate.held}))
+"""
+
+
+def test_cuda_starts_only_after_the_device_lock(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-c", CUDA_GATE, tmp_path / "lock", tmp_path / "s.json"],
+        env=oomdoc_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == {"patched": True, "early": False, "held": True}
+    assert "held_since" in json.loads((tmp_path / "s.json").read_text())
+
+
+DEFERRED_BACKEND = """
+import torch
+from oomdoc.capture.backends import CudaBackend
+queued = len(torch.cuda._queued_calls)
+backend = CudaBackend(16 * 2**30, deferred=True)  # nothing here may start CUDA
+backend.install(object())
+print(len(torch.cuda._queued_calls) - queued, torch.cuda.is_initialized())
+"""
+
+
+@pytest.mark.skipif(
+    __import__("torch").cuda.is_available(), reason="checks that nothing starts CUDA"
+)
+def test_the_cuda_capture_set_up_waits_for_cuda_to_start():
+    result = subprocess.run(
+        [sys.executable, "-c", DEFERRED_BACKEND],
+        env=oomdoc_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["1", "False"]
+
+
+# ------------------------------------------------------ importing ahead
+
+IMPORTS = """
+import json, sys
+sys.path[:0] = sys.argv[1:3]
+from oomdoc.capture.imports import imported_packages, preimport
+import torch
+before = frozenset(sys.modules)
+import heavy, light, local_heavy
+for n in range(12):
+    __import__(f"heavy.m{n}")
+    __import__(f"local_heavy.m{n}")
+found = imported_packages(before)
+record = {}
+preimport(["cuda_at_import", "missing_package_xyz", "heavy"], record)
+import builtins
+error = getattr(builtins, "CUDA_ERROR", None)
+print(json.dumps({"found": found, "record": record, "cuda": torch.cuda.is_initialized(), "error": error}))
+"""
+
+
+def write_package(root, name, modules, body=""):
+    package = root / name
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(body)
+    for n in range(modules):
+        (package / f"m{n}.py").write_text("")
+
+
+def test_heavy_installed_packages_are_recorded_and_imported_ahead(tmp_path):
+    installed, local = tmp_path / "lib" / "site-packages", tmp_path / "project"
+    write_package(installed, "heavy", 12)
+    write_package(installed, "light", 2)
+    write_package(local, "local_heavy", 12)  # the script's own code: never imported ahead
+    write_package(
+        installed,
+        "cuda_at_import",
+        0,
+        "import builtins, torch\n"
+        "try:\n"
+        "    torch.cuda._lazy_init()\n"
+        "except Exception as error:\n"
+        "    builtins.CUDA_ERROR = type(error).__name__\n"
+        "    raise\n",
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", IMPORTS, installed, local],
+        env=oomdoc_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    document = json.loads(result.stdout)
+    assert document["found"] == ["heavy"]
+    # A module that would start CUDA, or is missing, is left to the script.
+    assert document["record"]["modules"] == [] and document["record"]["seconds"] >= 0
+    assert document["cuda"] is False and document["error"] == "_WouldStartCuda"
+
+
+# -------------------------------------------- allocator replays that cannot help
+
+
+def cuda_failing(allocated, reserved, requested, capacity=16 * GiB, **extra):
+    document = {
+        "device": {"kind": "cuda", "capacity_bytes": capacity, "supports_bf16": True},
+        "outcome": "oom",
+        "oom": {
+            "step": 0,
+            "phase": "forward",
+            "requested_bytes": requested,
+            "allocated_bytes": allocated,
+            "reserved_bytes": reserved,
+            "free_bytes": capacity - reserved,
+            "capacity_bytes": capacity,
+        },
+        "allocator": {
+            "reserved_bytes": reserved,
+            "allocated_bytes": allocated,
+            "inactive_split_bytes": reserved - allocated,
+            "inactive_split_blocks": 21,
+            "segments": 278,
+        },
+        "breakdown": {"parameters": GiB, "activations": allocated - GiB},
+        "models": [{"class": "GPT2", "parameters_bytes": GiB, "repeated_blocks": []}],
+        "optimizers": ["AdamW"],
+    }
+    document.update(extra)
+    return Snapshot.from_dict(document)
+
+
+def skip_reasons(snapshot, requested=None):
+    return {entry.name: entry.reason for entry in plan(snapshot, requested)[1]}
+
+
+def test_allocator_replays_are_skipped_when_the_cache_cannot_cover_the_need():
+    # The H100 GPT-2-medium Trainer run: 71 MiB cached of 16 GiB.
+    h100 = cuda_failing(17078010880, 17152606208, 32 * MiB)
+    reasons = skip_reasons(h100)
+    assert "only 71.14 MiB was reserved but unallocated" in reasons["empty_cache"]
+    assert "only 71.14 MiB" in reasons["expandable_segments"]
+    # Asked for by name, it is measured anyway.
+    assert "empty_cache" in plan(h100, ["empty_cache"])[0]
+    # Plenty cached, but what was allocated plus the request exceeds the card.
+    over = cuda_failing(15 * GiB, 16 * GiB - 10 * MiB, 1536 * MiB)
+    assert "more than the capacity" in skip_reasons(over)["empty_cache"]
+    assert "more than the capacity" in skip_reasons(over)["expandable_segments"]
+    # Fragmentation that decided the OOM: both are replayed.
+    fragmented = cuda_failing(12 * GiB, 15 * GiB, 512 * MiB)
+    chosen = plan(fragmented, None)[0]
+    assert "empty_cache" in chosen and "expandable_segments" in chosen
+    assert fix_named("empty_cache").skip_reason(fragmented, explicit=False) is None
+
+
+def test_fragmentation_is_not_called_decisive_when_the_replays_skipped_its_fixes():
+    h100 = cuda_failing(17078010880, 17152606208, 32 * MiB)
+    document = h100.to_dict()
+    alone = next(d for d in diagnose(document) if d["kind"] == "fragmentation")
+    assert "decided the OOM" in alone["summary"]  # no replays: the moment's numbers
+    document["replay"] = {
+        "replays": 3,
+        "skipped": [
+            {"name": name, "reason": skip_reasons(h100)[name]}
+            for name in ("empty_cache", "expandable_segments")
+        ],
+    }
+    replayed = next(d for d in diagnose(document) if d["kind"] == "fragmentation")
+    assert "decided" not in replayed["summary"]
+    assert any(
+        "did not try empty_cache, expandable_segments" in line for line in replayed["evidence"]
+    )
+
+
+def test_the_parent_modules_stay_torch_free():
+    code = "import sys, oomdoc.replay.lanes, oomdoc.replay.orchestrate; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT).returncode == 0
+
+
+def test_a_warm_child_imports_ahead_while_it_waits(tmp_path):
+    """The pool's children import what configure() names before their work
+    comes, and the replay's timings say so."""
+    from oomdoc.runner import ChildRequest, WarmPool, run_child
+
+    installed = tmp_path / "site-packages"
+    write_package(installed, "slowpkg", 0, "import time\ntime.sleep(1.0)\n")
+    script = tmp_path / "script.py"
+    script.write_text("import slowpkg\n")
+    env = {"PYTHONPATH": str(installed), "OOMDOC_REPLAY": "1"}
+    pool = WarmPool("cpu", env)
+    try:
+        pool.configure(size=1, preimports=["slowpkg"])
+        request = ChildRequest(
+            target=str(script),
+            args=[],
+            device="cpu",
+            capacity_bytes=64 * MiB,
+            extra_env=env,
+            output_path=str(tmp_path / "replay.log"),
+            timeout_s=120,
+        )
+        result = run_child(request, pool=pool)
+    finally:
+        pool.close()
+    assert result.warm and result.exit_code == 0, (tmp_path / "replay.log").read_text()
+    timings = result.capture["timings"]
+    assert timings["preimport_s"] >= 1.0  # done while it waited...
+    assert timings["script_s"] < timings["preimport_s"]  # ...not by the script
