@@ -170,7 +170,11 @@ def run(config: dict, imported_at: float | None = None) -> int:
         dumps({"partial": True, "device": {"kind": backend.kind}}),
         overwrite=True,
     )
-    tracker = Tracker(backend, max_steps=config.get("max_steps"))
+    tracker = Tracker(
+        backend,
+        max_steps=config.get("max_steps"),
+        micro_batches_per_step=config.get("micro_batches_per_step"),
+    )
     tracker.install()
     backend.install(tracker)
     parallel.install(
