@@ -439,6 +439,11 @@ class Prescription:
     batch_size: Optional[int] = None
     accumulation_steps: int = 1
     peak_allocated_bytes: Optional[int] = None
+    # With accumulation_steps > 1: true when the peak was measured with the
+    # accumulation running (the later micro-batches' forward with the earlier
+    # ones' gradients alive, optimizer steps); false when it is the
+    # micro-batch's peak without accumulation. None without accumulation.
+    accumulation_measured: Optional[bool] = None
     fits: bool = False
     samples_per_second: Optional[float] = None
     measured: bool = True

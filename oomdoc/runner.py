@@ -37,6 +37,9 @@ class ChildRequest:
     capacity_bytes: int | None = None
     is_module: bool = False
     max_steps: int | None = None
+    # Micro-batches per optimizer step (gradient accumulation): before the
+    # first optimizer step, `max_steps` counts this many model calls per step.
+    micro_batches_per_step: int | None = None
     fix: dict | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
     # Replays send the script's output to a log instead of the terminal.
@@ -435,6 +438,7 @@ def run_child(
             "device": request.device,
             "capacity_bytes": request.capacity_bytes,
             "max_steps": request.max_steps,
+            "micro_batches_per_step": request.micro_batches_per_step,
             "fix": request.fix,
             "result_path": result_path,
             "artifact_dir": request.artifact_dir or workdir,

@@ -47,6 +47,30 @@ def load_json(path) -> dict:
     return json.loads(Path(path).read_text())
 
 
+def run_capped(snapshot_path, capacity, script, args, options=(), cwd=None):
+    """`oomdoc run` of `script args` on the simulated device of `capacity`
+    (with `options`, e.g. --no-replay), writing `snapshot_path`:
+    (the CompletedProcess, the snapshot)."""
+    completed = run_oomdoc(
+        [
+            "run",
+            "--device",
+            "cpu",
+            "--device-memory",
+            capacity,
+            *options,
+            "-o",
+            snapshot_path,
+            script,
+            *args,
+        ],
+        cwd=cwd,
+        timeout=600,
+    )
+    assert Path(snapshot_path).exists(), completed.stderr[-3000:]
+    return completed, load_json(snapshot_path)
+
+
 @pytest.fixture
 def oomdoc_cli():
     return run_oomdoc

@@ -10,12 +10,17 @@ import importlib.metadata
 import sys
 
 import pytest
-from conftest import SCRIPTS, load_json, run_oomdoc
+from conftest import SCRIPTS, run_capped
 
 from oomdoc import fixes
 from oomdoc.frameworks import FRAMEWORKS, Framework, context_from_snapshot, framework_for
 from oomdoc.frameworks.accelerate import Accelerate
-from oomdoc.frameworks.base import find_option, with_option
+from oomdoc.frameworks.base import (
+    accumulation_on_command_line,
+    find_option,
+    with_enough_steps,
+    with_option,
+)
 from oomdoc.frameworks.huggingface import HuggingFace
 from oomdoc.frameworks.lightning import Lightning
 from oomdoc.frameworks.plain import Plain
@@ -293,6 +298,9 @@ def test_lightning_trainer_snippets():
     assert text.count("Trainer(") == 1
     assert 'precision="bf16-mixed",' in text and "accumulate_grad_batches=2," in text
     assert "for block in self.transformer.h:" in text
+    # Changes that are all in the module: no empty Trainer(...) block.
+    alone = lightning.prescription_snippet(["checkpointing"], context)
+    assert "Trainer(" not in alone and "for block in self.transformer.h:" in alone
 
 
 def test_lightning_fabric_snippets():
@@ -448,6 +456,29 @@ def test_generic_flags_of_an_argparse_script():
     )
     assert plain.flag_variant("expandable_segments", args, options, context) is None
     assert plain.flag_variant("autocast", args, [], context) is None
+
+
+def test_steps_flag_is_raised_for_replays_with_accumulation():
+    """A replay with gradient accumulation must run its optimizer steps
+    whether the script's steps flag counts optimizer steps or micro-batches:
+    a smaller value (or one oomdoc cannot see) is raised, a larger one kept."""
+    options = ["--batch-size", "--steps", "--accumulate-grad-batches", "--fast"]
+    context = {"script_option_values": {"--batch-size": [], "--steps": []}}
+    args = ["--batch-size", "16", "--steps", "6"]
+    raised, note = with_enough_steps(args, options, context, 32)
+    assert raised == ["--batch-size", "16", "--steps", "32"]
+    assert note == "--steps raised to 32 from 6"
+    assert with_enough_steps(raised, options, context, 32) == (raised, None)
+    assert with_enough_steps(["--steps=40"], options, context, 32) == (["--steps=40"], None)
+    added, note = with_enough_steps(["--batch-size", "16"], options, context, 8)
+    assert added == ["--batch-size", "16", "--steps", "8"] and "not on the command line" in note
+    # HfArgumentParser's --max_steps; a switch or an undeclared flag is left alone.
+    hf = {"script_option_values": {"--max_steps": []}}
+    assert with_enough_steps([], ["--max_steps"], hf, 4)[0] == ["--max_steps", "4"]
+    assert with_enough_steps(["--steps", "2"], ["--steps"], {}, 8) == (["--steps", "2"], None)
+    assert with_enough_steps(["--steps", "2"], ["--fast"], context, 8) == (["--steps", "2"], None)
+    assert accumulation_on_command_line(["--accumulate-grad-batches", "4"], options) == 4
+    assert accumulation_on_command_line(["--batch-size", "4"], options) == 1
 
 
 def test_option_helpers():
@@ -614,26 +645,8 @@ def test_a_pytorch_lightning_trainer_is_lightning_under_its_import_name(detector
 def run_case(tmp_path, case, *, extra_args=(), replay=False, options=()):
     script, capacity, args = case
     snapshot = tmp_path / f"{script.stem}-{len(list(tmp_path.glob('*.json')))}.json"
-    result = run_oomdoc(
-        [
-            "run",
-            "--device",
-            "cpu",
-            "--device-memory",
-            capacity,
-            *([] if replay else ["--no-replay"]),
-            *options,
-            "-o",
-            snapshot,
-            script,
-            *args,
-            *extra_args,
-        ],
-        cwd=tmp_path,
-        timeout=600,
-    )
-    assert snapshot.exists(), result.stderr[-3000:]
-    return result, load_json(snapshot)
+    options = [*([] if replay else ["--no-replay"]), *options]
+    return run_capped(snapshot, capacity, script, [*args, *extra_args], options, cwd=tmp_path)
 
 
 def version_of(package: str) -> str:
@@ -702,6 +715,7 @@ def test_lightning_trainer_is_detected_with_its_options(tmp_path):
         "--depth",
         "--precision",
         "--accumulate-grad-batches",
+        "--gradient-checkpointing",
         "--accelerator",
     ]
     assert document["script_option_values"]["--precision"] == ["32-true", "bf16-mixed"]

@@ -1,8 +1,15 @@
 """The prescription: the measured configuration with the highest throughput
-that leaves the safety margin free; no-op fixes are never combined."""
+that leaves the safety margin free; no-op fixes are never combined; one with
+gradient accumulation is measured with it."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import pytest
+
+from oomdoc.model import Snapshot
+from oomdoc.replay.orchestrate import Replay, ReplaysInterrupted, ReplayState, measured_choice
 from oomdoc.replay.prescribe import Candidate, choose, is_no_op
 
 MiB = 1024**2
@@ -44,3 +51,89 @@ def test_no_op_fixes():
     # Out of memory later, or with less in use: it helped.
     assert not is_no_op(None, False, (1, "forward", 16 * MiB, 180 * MiB), failing, need)
     assert not is_no_op(None, False, (0, "backward", 16 * MiB, 150 * MiB), failing, need)
+
+
+class ScriptedReplayer:
+    """Stands in for the orchestrator's Replayer: each replay's outcome and
+    peak come from a script, and what was asked is kept."""
+
+    def __init__(self, outcomes):
+        self.outcomes = list(outcomes)
+        self.script = list(outcomes)
+        self.calls = []
+        self.max_steps = 2
+        self.options = SimpleNamespace(margin_fraction=0.05, batch_arg=None)
+        self.request = SimpleNamespace(args=["--batch-size", "64"])
+
+    def run(self, payload, label, args=None, extra_env=None, micro_batches_per_step=None):
+        self.calls.append((payload, args, micro_batches_per_step))
+        outcome, peak = self.outcomes.pop(0)
+        if outcome == "interrupted":
+            raise ReplaysInterrupted()
+        return Replay(label=label, outcome=outcome, peak_allocated_bytes=peak)
+
+
+def prescribe_with(replayer, candidates):
+    snapshot = Snapshot.from_dict(
+        {
+            "device": {"capacity_bytes": 100 * MiB},
+            "script_options": ["--batch-size", "--steps"],
+            "script_option_values": {"--batch-size": [], "--steps": []},
+        }
+    )
+    state = ReplayState(skipped=[], batch_info={"source": "--batch-size"})
+    chosen, interrupted = measured_choice(replayer, snapshot, state, candidates, 64, None)
+    assert interrupted == ("interrupted" in [outcome for outcome, _peak in replayer.script])
+    return chosen
+
+
+def test_a_prescription_with_accumulation_is_measured_with_it():
+    """The micro-batch's peak without accumulation is not the configuration's:
+    one replay runs the prescribed micro-batch with oomdoc's accumulation, for
+    two optimizer steps (the script's --steps raised), and its peak is the
+    prescription's."""
+    replayer = ScriptedReplayer([("fits", 80 * MiB)])
+    chosen = prescribe_with(replayer, [Candidate([], 16, 70 * MiB, 1.0, "b16")])
+    assert (chosen.batch_size, chosen.accumulation_steps) == (16, 4)
+    assert chosen.fits and chosen.accumulation_measured is True
+    assert chosen.peak_allocated_bytes == 80 * MiB and chosen.headroom_bytes == 20 * MiB
+    ((payload, args, micro_batches),) = replayer.calls
+    assert payload == {
+        "name": "smaller_batch",
+        "batch_size": 16,
+        "accumulation_steps": 4,
+        "batch_mode": "argv",
+    }
+    assert args == ["--batch-size", "16", "--steps", "8"] and micro_batches == 4
+    assert "--steps raised to 8" in chosen.extra["accumulation_replay"]["note"]
+
+
+def test_a_prescription_over_the_margin_with_accumulation_gives_way():
+    """b32 x 2 peaks over the margin once accumulating: b48 (the same
+    micro-batch of 32) is not tried again, b16 x 4 is measured and prescribed;
+    a configuration at the user's own batch needs no second replay."""
+    replayer = ScriptedReplayer([("fits", 97 * MiB), ("fits", 70 * MiB)])
+    candidates = [
+        Candidate([], 48, 90 * MiB, 9.0, "b48"),
+        Candidate([], 32, 85 * MiB, 8.0, "b32"),
+        Candidate([], 16, 60 * MiB, 4.0, "b16"),
+        Candidate(["checkpointing"], 64, 99 * MiB, 100.0, "over the margin at 64"),
+    ]
+    chosen = prescribe_with(replayer, candidates)
+    assert (chosen.batch_size, chosen.accumulation_steps) == (16, 4)
+    assert chosen.peak_allocated_bytes == 70 * MiB and chosen.accumulation_measured is True
+    assert [call[0]["batch_size"] for call in replayer.calls] == [32, 16]
+    assert "batch 32 x 2 accumulation steps" in chosen.detail
+    at_own_batch = ScriptedReplayer([])
+    chosen = prescribe_with(at_own_batch, [Candidate(["autocast"], 64, 50 * MiB, 1.0, "a")])
+    assert chosen.accumulation_steps == 1 and chosen.accumulation_measured is None
+    assert at_own_batch.calls == []
+
+
+@pytest.mark.parametrize("outcome", ["error", "timeout", "interrupted"])
+def test_a_failed_replay_with_accumulation_says_the_peak_is_the_micro_batchs(outcome):
+    replayer = ScriptedReplayer([(outcome, None)])
+    chosen = prescribe_with(replayer, [Candidate([], 32, 60 * MiB, 1.0, "b32")])
+    assert chosen.fits and chosen.peak_allocated_bytes == 60 * MiB
+    assert chosen.accumulation_measured is False
+    assert "the peak is batch 32's without accumulation" in chosen.detail

@@ -4,7 +4,10 @@ leak, the leak's remedy, with no fix marked as fitting."""
 
 from __future__ import annotations
 
-from conftest import SCRIPTS, load_json, run_oomdoc
+import shlex
+
+import pytest
+from conftest import SCRIPTS, load_json, run_capped, run_oomdoc
 
 
 def test_a_leak_is_prescribed_its_remedy_and_no_fix_fits(tmp_path):
@@ -40,3 +43,85 @@ def test_a_leak_is_prescribed_its_remedy_and_no_fix_fits(tmp_path):
     grows = [fix for fix in document["fixes"] if fix.get("outcome") == "grows"]
     assert grows and all("delays_oom_by_steps" in fix for fix in grows)
     assert "Prescription: fix the leak first" in completed.stderr
+
+
+def printed_command(prescription, script) -> list[str]:
+    """The script's arguments in the command the prescription prints (its
+    last line: the script with the framework's own flags)."""
+    line = prescription["snippet"].strip().splitlines()[-1]
+    words = shlex.split(line)
+    assert words[:2] == ["python", str(script)], line
+    return words[2:]
+
+
+def check_by_hand(tmp_path, capacity, script, document):
+    """The prescription fits, and so does the script run by hand with the
+    command it prints, with a peak within 5% of the prescription's."""
+    prescription = document["prescription"]
+    assert prescription["kind"] == "config" and prescription["measured"] and prescription["fits"]
+    capacity_bytes = document["device"]["capacity_bytes"]
+    assert prescription["peak_allocated_bytes"] <= capacity_bytes - prescription["margin_bytes"]
+    if prescription["accumulation_steps"] > 1:
+        assert prescription["accumulation_measured"] is True, prescription["detail"]
+        assert prescription["accumulation_replay"]["accumulation_covered"] is True
+    args = printed_command(prescription, script)
+    run, by_hand = run_capped(
+        tmp_path / "by-hand.json", capacity, script, args, ["--no-replay"], cwd=tmp_path
+    )
+    assert run.returncode == 0 and by_hand["outcome"] == "ok", run.stderr[-3000:]
+    peak = by_hand["peak"]["allocated_bytes"]
+    expected = prescription["peak_allocated_bytes"]
+    assert abs(peak - expected) <= 0.05 * expected, (peak, prescription)
+    return args
+
+
+def test_a_hugging_face_trainer_prescription_fits_when_run_by_hand(tmp_path):
+    """The Trainer at a batch that does not fit: the prescription is written
+    in TrainingArguments and the HfArgumentParser flags of the same names, and
+    the script run with those flags fits at the peak the prescription gives."""
+    pytest.importorskip("transformers")
+    script = SCRIPTS / "fw_hf_trainer.py"
+    completed, document = run_capped(
+        tmp_path / "hf.json", "24MiB", script, ["--per_device_train_batch_size", "16"], cwd=tmp_path
+    )
+    assert document["outcome"] == "oom", completed.stderr[-3000:]
+    prescription = document["prescription"]
+    assert "training_args = TrainingArguments(" in prescription["snippet"]
+    checked = prescription["verified_by_flags"]
+    assert checked["outcome"] == "fits" and 0.95 <= checked["peak_ratio"] <= 1.05, checked
+    args = check_by_hand(tmp_path, "24MiB", script, document)
+    assert args == checked["args"]
+    assert "Prescription (measured)" in completed.stderr
+
+
+def test_a_lightning_prescription_with_accumulation_is_measured_with_it(tmp_path):
+    """The Lightning Trainer at batch 64 on 7.5 MiB, where 20 fits: 4
+    micro-batches of 16 through the Trainer's accumulate_grad_batches. The
+    prescription's peak is measured with the accumulation running (the
+    micro-batches after the first run with the gradients alive); the replay
+    with the script's own flags raises its --steps to run two optimizer
+    steps, and peaks the same; so does the script run by hand with the
+    command the prescription prints."""
+    pytest.importorskip("lightning")
+    script = SCRIPTS / "fw_lightning_trainer.py"
+    completed, document = run_capped(
+        tmp_path / "lightning.json",
+        "7.5MiB",
+        script,
+        ["--batch-size", "64"],
+        ["--fixes", "smaller_batch"],
+        cwd=tmp_path,
+    )
+    assert document["outcome"] == "oom", completed.stderr[-3000:]
+    prescription = document["prescription"]
+    assert (prescription["batch_size"], prescription["accumulation_steps"]) == (16, 4)
+    snippet = prescription["snippet"]
+    assert "accumulate_grad_batches=4," in snippet and "batch_size=16 in your DataModule" in snippet
+    checked = prescription["verified_by_flags"]
+    assert checked["args"] == ["--batch-size", "16", "--accumulate-grad-batches", "4"]
+    assert checked["accumulation_covered"] is True
+    assert checked["note"].startswith("--steps raised to 8")
+    assert 0.95 <= checked["peak_ratio"] <= 1.05, checked
+    assert "--steps raised to 8" in completed.stderr
+    assert "measured with the gradient accumulation running" in completed.stderr
+    check_by_hand(tmp_path, "7.5MiB", script, document)

@@ -403,3 +403,75 @@ def test_an_unused_warm_child_is_ended_at_once():
     pool.close()
     assert all(spare.process.returncode == -signal.SIGKILL for spare in spares)
     assert pool.spares == [] and not os.path.exists(pool.log_dir)
+
+
+ACCUMULATION_CHECK = """
+import json, torch, torch.nn as nn
+from oomdoc.fixes.smaller_batch import accumulate
+
+record = {}
+accumulate(3, record)
+seen = {}
+
+# A plain loop: zero_grad first, step last.
+model = nn.Linear(2, 1, bias=False)
+optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1)  # wraps the step of the instance
+grads, updates = [], 0
+for _ in range(7):
+    before = model.weight.detach().clone()
+    optimizer.zero_grad()
+    model(torch.ones(1, 2)).sum().backward()
+    grads.append(model.weight.grad[0, 0].item())
+    optimizer.step()
+    scheduler.step()
+    updates += int(not torch.equal(before, model.weight))
+seen["loop"] = [grads, updates, dict(record)]
+
+# Lightning's way: optimizer.step(closure), zero_grad between forward and backward.
+model = nn.Linear(2, 1, bias=False)
+optimizer = torch.optim.AdamW(model.parameters())
+grads = []
+
+def closure():
+    loss = model(torch.ones(1, 2)).sum()
+    model.zero_grad()
+    loss.backward()
+    grads.append(model.weight.grad[0, 0].item())
+    return loss
+
+losses = [optimizer.step(closure) is not None for _ in range(5)]
+seen["closure"] = [grads, losses, len(optimizer.state), dict(record)]
+print(json.dumps(seen))
+"""
+
+
+def test_the_replays_gradient_accumulation_holds_steps_and_zero_grads_back():
+    """smaller_batch's accumulation in the child: only every third step call
+    updates; the gradients add up in between, the loop's zero_grad (or one
+    inside a Lightning closure) clears them only when a cycle begins, and a
+    held-back closure still runs its forward and backward."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import oomdoc_env
+
+    completed = subprocess.run(
+        [sys.executable, "-c", ACCUMULATION_CHECK],
+        env=oomdoc_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    seen = json.loads(completed.stdout)
+    grads, updates, record = seen["loop"]
+    assert grads == [1.0, 2.0, 3.0, 1.0, 2.0, 3.0, 1.0]
+    assert updates == 2
+    assert record == {"accumulation_steps": 3, "optimizer_steps": 2, "held_back_steps": 5}
+    # The loop left one call held back: the closures go on counting from there.
+    grads, losses, state, record = seen["closure"]
+    assert grads == [1.0, 2.0, 1.0, 2.0, 3.0]
+    assert all(losses) and state == 1
+    assert record["optimizer_steps"] == 4

@@ -9,7 +9,7 @@ import pickle
 from pathlib import Path
 
 import pytest
-from conftest import SCRIPTS, run_oomdoc
+from conftest import SCRIPTS, run_capped, run_oomdoc
 from suggest_builders import oomdoc_document, torch_snapshot
 
 from oomdoc.snapshot import MAX_SNAPSHOT_BYTES
@@ -35,22 +35,9 @@ def runs(tmp_path_factory):
     results = {}
     for name, (script, capacity, args) in SCENARIOS.items():
         snapshot = directory / f"{name}.json"
-        completed = run_oomdoc(
-            [
-                "run",
-                "--device",
-                "cpu",
-                "--device-memory",
-                capacity,
-                "--no-replay",
-                "-o",
-                snapshot,
-                SCRIPTS / script,
-                *args,
-            ],
-            cwd=directory,
+        completed, _document = run_capped(
+            snapshot, capacity, SCRIPTS / script, args, ["--no-replay"], cwd=directory
         )
-        assert snapshot.exists(), completed.stderr[-2000:]
         results[name] = (snapshot, completed)
     return results
 

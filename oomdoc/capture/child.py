@@ -182,7 +182,11 @@ def run(config: dict, imported_at: float | None = None, preimported: dict | None
         dumps({"partial": True, "device": {"kind": backend.kind}}),
         overwrite=True,
     )
-    tracker = Tracker(backend, max_steps=config.get("max_steps"))
+    tracker = Tracker(
+        backend,
+        max_steps=config.get("max_steps"),
+        micro_batches_per_step=config.get("micro_batches_per_step"),
+    )
     gate = None
     if config.get("device_lock"):  # replays side by side: one on the device at a time
         gate = DeviceGate(config["device_lock"])

@@ -54,9 +54,18 @@ _SAMPLED_PHASES = frozenset(("forward", "backward", "optimizer"))
 
 
 class Tracker:
-    def __init__(self, backend: Backend, max_steps: int | None = None):
+    def __init__(
+        self,
+        backend: Backend,
+        max_steps: int | None = None,
+        micro_batches_per_step: int | None = None,
+    ):
         self.backend = backend
         self.max_steps = max_steps
+        # Under gradient accumulation, the model calls before the first
+        # optimizer step (each closes a step of its own until then) that
+        # make one optimizer step: the stop waits for that step.
+        self.micro_batches_per_step = max(1, micro_batches_per_step or 1)
         self.step_index = 0
         self.phase = "setup"
         self.unit = "module"  # becomes "optimizer" at the first optimizer step
@@ -368,7 +377,10 @@ class Tracker:
             self._first_step()
         if self._pending_close or (self.unit == "module" and self._current["forward_calls"]):
             self._close_step()
-            if self.max_steps is not None and len(self.steps) >= self.max_steps:
+            limit = self.max_steps
+            if limit is not None and self.unit == "module":
+                limit *= self.micro_batches_per_step
+            if limit is not None and len(self.steps) >= limit:
                 raise StopRun()
         self._add_model(module)
         self._set_phase("forward")

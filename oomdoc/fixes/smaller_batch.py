@@ -1,5 +1,10 @@
 """smaller_batch: the largest batch that fits, with gradient accumulation to
-keep the effective batch. Measured by the batch search (oomdoc.replay.batch)."""
+keep the effective batch. Measured by the batch search (oomdoc.replay.batch).
+
+The prescription's replay also runs the accumulation itself
+(`accumulation_steps` in the payload): under accumulation the forward of a
+micro-batch runs while the earlier micro-batches' gradients are alive, so a
+micro-batch's peak without it can be lower than the configuration's."""
 
 from __future__ import annotations
 
@@ -68,6 +73,9 @@ class SmallerBatch(Fix):
         parent does not know the original size yet and asks for a fraction)."""
         record["mode"] = payload.get("batch_mode", "dataloader")
         record["batch_size"] = payload.get("batch_size")
+        steps = int(payload.get("accumulation_steps") or 1)
+        if steps > 1:
+            accumulate(steps, record)
         if record["mode"] != "dataloader":
             return
         import torch.utils.data
@@ -101,3 +109,70 @@ class SmallerBatch(Fix):
 
         init.__wrapped__ = original_init  # type: ignore[attr-defined]
         loader_class.__init__ = init  # type: ignore[method-assign]
+
+
+def accumulate(steps: int, record: dict) -> None:
+    """Gradient accumulation whatever the script's loop: only every
+    `steps`-th call of an optimizer's step updates the parameters (the others
+    run their closure, as Lightning's `optimizer.step(closure)` needs, and
+    return), and `zero_grad` (the optimizer's or a module's) clears the
+    gradients only when no step has been held back since the last update, so
+    the micro-batches in between add up their gradients, as with the
+    framework's own accumulation. Counted per call, so that a script that
+    accumulates itself accumulates `steps` times more."""
+    import torch
+
+    record.update(accumulation_steps=steps, optimizer_steps=0, held_back_steps=0)
+    held_back = [0]  # step calls since the last update
+    depth = [0]  # a step inside a step (a wrapper optimizer's): decided once
+    optimizer_class = torch.optim.Optimizer
+    original_init = optimizer_class.__init__
+
+    def wrap_step(original: Any) -> Any:
+        def step(self: Any, *args: Any, **kwargs: Any) -> Any:
+            closure = kwargs.get("closure", args[0] if args else None)
+            if depth[0] == 0 and held_back[0] + 1 < steps:
+                # The closure runs first: its zero_grad (Lightning's, before
+                # its backward) clears the gradients when a cycle begins.
+                result = None
+                if closure is not None:
+                    with torch.enable_grad():
+                        result = closure()
+                held_back[0] += 1
+                record["held_back_steps"] += 1
+                return result
+            depth[0] += 1
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                depth[0] -= 1
+                if depth[0] == 0:
+                    held_back[0] = 0
+                    record["optimizer_steps"] += 1
+
+        step.__wrapped__ = original  # type: ignore[attr-defined]
+        # torch wraps a class's step with its hooks once, unless marked hooked:
+        # its hooks (the tracker's) must run only for the steps that update.
+        step.hooked = True  # type: ignore[attr-defined]
+        step.oomdoc_accumulation = True  # type: ignore[attr-defined]
+        return step
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        original_init(self, *args, **kwargs)
+        cls = type(self)
+        if not getattr(cls.step, "oomdoc_accumulation", False):
+            cls.step = wrap_step(cls.step)
+
+    def held(original: Any) -> Any:
+        def zero_grad(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if held_back[0]:
+                return None  # the gradients of this accumulation cycle stay
+            return original(self, *args, **kwargs)
+
+        zero_grad.__wrapped__ = original  # type: ignore[attr-defined]
+        return zero_grad
+
+    init.__wrapped__ = original_init  # type: ignore[attr-defined]
+    optimizer_class.__init__ = init  # type: ignore[method-assign]
+    optimizer_class.zero_grad = held(optimizer_class.zero_grad)  # type: ignore[method-assign]
+    torch.nn.Module.zero_grad = held(torch.nn.Module.zero_grad)  # type: ignore[method-assign]

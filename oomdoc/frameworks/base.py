@@ -89,6 +89,20 @@ DTYPE_VALUES = {
     "bfloat16": ("bf16", "bfloat16", "bf16-mixed"),
     "float16": ("fp16", "float16", "16-mixed", "16"),
 }
+# Flags that bound how many steps a script runs (optimizer steps or
+# micro-batches, depending on the script).
+STEPS_FLAGS = (
+    "--max_steps",
+    "--max-steps",
+    "--steps",
+    "--num_steps",
+    "--num-steps",
+    "--train_steps",
+    "--train-steps",
+    "--max_iters",
+    "--max-iters",
+    "--iters",
+)
 OPTIMIZER_FLAGS = ("--optim", "--optimizer", "--opt")
 EMPTY_CACHE_FLAGS = ("--empty-cache", "--empty_cache")
 
@@ -253,6 +267,32 @@ def dtype_value(option: str, dtype: str, context: dict, defaults: dict) -> str |
     return None
 
 
+def accumulation_on_command_line(args: list[str], script_options) -> int:
+    """The gradient accumulation the command line already asks for (1 when
+    none of the script's accumulation flags is given a number)."""
+    flag = declared(script_options, *ACCUMULATION_FLAGS)
+    found = find_option(args, flag) if flag else None
+    return int(found[1]) if found and found[1] and found[1].isdigit() else 1
+
+
+def with_enough_steps(
+    args: list[str], script_options, context: dict, needed: int
+) -> tuple[list[str], str | None]:
+    """args with the script's steps flag (`--max_steps`, `--steps`, ...)
+    raised to `needed` when it is below that or not given (its default is
+    unknown), and a sentence saying so; unchanged without such a flag."""
+    for option in STEPS_FLAGS:
+        if option not in (script_options or ()) or not takes_value(option, context):
+            continue
+        found = find_option(args, option)
+        value = found[1] if found else None
+        if value is not None and value.lstrip("-").isdigit() and int(value) >= needed:
+            return args, None
+        was = f"from {value}" if value is not None else "(not on the command line)"
+        return with_option(args, option, str(needed)), f"{option} raised to {needed} {was}"
+    return args, None
+
+
 def generic_flag_variant(
     fix: str, args: list[str], script_options, context: dict, dtype_defaults: dict
 ) -> list[str] | None:
@@ -290,8 +330,7 @@ def generic_flag_variant(
             return None
         if batch_flag not in (script_options or ()) and find_option(args, batch_flag) is None:
             return None
-        found = find_option(args, accumulation_flag)
-        already = int(found[1]) if found and found[1] and found[1].isdigit() else 1
+        already = accumulation_on_command_line(args, script_options)
         variant = with_option(args, batch_flag, str(micro))
         return with_option(variant, accumulation_flag, str(already * steps))
     if fix == "lighter_optimizer":

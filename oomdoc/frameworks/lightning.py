@@ -168,10 +168,12 @@ class Lightning(Framework):
                 if fix in fixes:
                     blocks.append(self._fabric_snippet(fix, context))
         else:
-            lines = [f"trainer = {alias}.Trainer(", "    ...,  # your other arguments"]
-            lines += [f"    {argument}" for argument in self._trainer_arguments(fixes, context)]
-            lines.append(")")
-            blocks.append("\n".join(lines))
+            arguments = self._trainer_arguments(fixes, context)
+            if arguments:  # none: the changes are all in the module
+                lines = [f"trainer = {alias}.Trainer(", "    ...,  # your other arguments"]
+                lines += [f"    {argument}" for argument in arguments]
+                lines.append(")")
+                blocks.append("\n".join(lines))
             if "smaller_batch" in fixes:
                 blocks.append(self._batch_line(context))
             if "checkpointing" in fixes:

@@ -29,6 +29,7 @@ from oomdoc.fixes import FIXES, Combination, Fix, fix_named
 from oomdoc.fixes.optimizer import optimizer_state_estimate
 from oomdoc.fixes.ranking import rank_fixes
 from oomdoc.frameworks import context_from_snapshot, framework_of, preimports
+from oomdoc.frameworks.base import accumulation_on_command_line, with_enough_steps
 from oomdoc.model import (
     BatchSearch,
     Breakdown,
@@ -261,8 +262,13 @@ class Replayer:
         """Ctrl-C or SIGTERM came: no replay starts any more."""
         return self._interrupted or (self.signals is not None and self.signals.stopped)
 
-    def _job(self, payload, label, args, extra_env, priority: int) -> Job:
-        return Job(lambda job: self._execute(job, payload, label, args, extra_env), priority)
+    def _job(
+        self, payload, label, args, extra_env, priority: int, micro_batches_per_step=None
+    ) -> Job:
+        return Job(
+            lambda job: self._execute(job, payload, label, args, extra_env, micro_batches_per_step),
+            priority,
+        )
 
     def ahead(
         self,
@@ -287,12 +293,13 @@ class Replayer:
         label: str,
         args: list[str] | None = None,
         extra_env: dict | None = None,
+        micro_batches_per_step: int | None = None,
     ) -> Replay:
         job = self._ahead.pop(replay_key(payload, label, args, extra_env), None)
         if job is None:
             if self.stopped:
                 raise ReplaysInterrupted()
-            job = self._job(payload, label, args, extra_env, DEMANDED)
+            job = self._job(payload, label, args, extra_env, DEMANDED, micro_batches_per_step)
             if self.lanes is None:
                 job.run()
             else:
@@ -323,6 +330,7 @@ class Replayer:
         label: str,
         args: list[str] | None,
         extra_env: dict | None,
+        micro_batches_per_step: int | None = None,
     ) -> Optional[Replay]:
         """Run one replay's child (in a lane, or inline without lanes)."""
         if self.stopped or job.cancel.is_set():
@@ -341,6 +349,7 @@ class Replayer:
             capacity_bytes=self.request.capacity_bytes,
             is_module=self.request.is_module,
             max_steps=self.max_steps,
+            micro_batches_per_step=micro_batches_per_step,
             fix=payload,
             extra_env=env,
             output_path=log_path,
@@ -1146,21 +1155,207 @@ def prescription_for(
                         run.replay.label,
                     )
                 )
-    margin = float(getattr(replayer.options, "margin_fraction", 0.05))
-    chosen = prescribe.choose(
-        candidates, original or 1, snapshot.device.capacity_bytes, margin, reference
+    chosen, interrupted = measured_choice(
+        replayer, snapshot, state, candidates, original, reference
     )
     if chosen is None:
         return None
-    if original is None:
-        chosen.batch_size, chosen.accumulation_steps = None, 1
     chosen.snippet = prescription_snippet(snapshot, chosen, state)
-    if chosen.fits and not replayer.stopped:
+    if chosen.fits and not interrupted and not replayer.stopped:
         try:
             verify_with_flags(replayer, snapshot, chosen, state)
         except ReplaysInterrupted:
             pass  # Ctrl-C during the check: the prescription stands without it
     return chosen
+
+
+# At most this many replays measure a prescription with gradient
+# accumulation (the next candidate is tried when one does not fit).
+PRESCRIPTION_REPLAYS = 2
+
+
+def measured_choice(
+    replayer: Replayer,
+    snapshot: Snapshot,
+    state: ReplayState,
+    candidates: list[prescribe.Candidate],
+    original: Optional[int],
+    reference: Optional[prescribe.Candidate],
+) -> tuple[Optional[Prescription], bool]:
+    """The prescription among the candidates, and whether Ctrl-C stopped its
+    replay. A candidate was measured at one batch without accumulation; when
+    its prescription accumulates, one more replay runs exactly the prescribed
+    configuration, accumulation included (the later micro-batches' forward
+    runs with the earlier ones' gradients alive, which can peak higher): its
+    peak is the prescription's. One that then leaves the margin no longer
+    free gives way to the next candidate."""
+    capacity = snapshot.device.capacity_bytes
+    margin = float(getattr(replayer.options, "margin_fraction", 0.05))
+    limit = capacity - int(margin * capacity)
+    remaining = list(candidates)
+    rejected: list[str] = []
+    replays = 0
+    interrupted = False
+    while True:
+        picked = prescribe.pick(remaining, capacity, margin)
+        if picked is None:
+            return None, interrupted
+        candidate, fits = picked
+        chosen = prescribe.prescription_from(
+            candidate, fits, original or 1, capacity, margin, reference
+        )
+        if original is None:
+            chosen.batch_size, chosen.accumulation_steps = None, 1
+        if chosen.accumulation_steps <= 1 or chosen.batch_size is None:
+            break
+        without = f"the peak is batch {candidate.batch_size}'s without accumulation"
+        if not fits or replays >= PRESCRIPTION_REPLAYS:
+            chosen.accumulation_measured = False
+            chosen.detail = f"{chosen.detail}; {without}"
+            break
+        replays += 1
+        try:
+            replay = replay_prescription(replayer, snapshot, state, chosen)
+        except ReplaysInterrupted:
+            interrupted, chosen.accumulation_measured = True, False
+            chosen.detail = (
+                f"{chosen.detail}; its replay with accumulation was interrupted: {without}"
+            )
+            break
+        if replay.outcome in ("timeout", "error"):
+            chosen.accumulation_measured = False
+            chosen.detail = (
+                f"{chosen.detail}; its replay with {chosen.accumulation_steps} accumulation steps "
+                f"failed ({replay.message}): {without}"
+            )
+            break
+        if replay.fits and replay.peak_allocated_bytes is not None:
+            if replay.peak_allocated_bytes <= limit:
+                with_accumulation(chosen, candidate, replay, capacity)
+                break
+        rejected.append(
+            f"{' + '.join(chosen.fixes) or 'no fix'} at batch {chosen.batch_size} x "
+            f"{chosen.accumulation_steps} accumulation steps: {summarise(replay)}, over the margin"
+        )
+        # With the same fixes, accumulating over a micro-batch at least as
+        # large would not fit either (the user's own batch, measured without
+        # accumulation, stays a candidate).
+        remaining = [
+            other
+            for other in remaining
+            if other.fixes != candidate.fixes
+            or not chosen.batch_size <= other.batch_size < (original or 1)
+        ]
+    if rejected:
+        chosen.detail = (
+            f"{chosen.detail}; replayed with accumulation and not prescribed: "
+            + "; ".join(rejected)
+        )
+    return chosen, interrupted
+
+
+def replay_prescription(
+    replayer: Replayer, snapshot: Snapshot, state: ReplayState, prescription: Prescription
+) -> Replay:
+    """One replay of exactly the prescribed configuration: its fixes, its
+    micro-batch, and oomdoc.fixes.smaller_batch's gradient accumulation, long
+    enough for two optimizer steps (the script's steps flag raised if need be)."""
+    micro, steps = prescription.batch_size, prescription.accumulation_steps
+    payload: dict = {"name": "smaller_batch"}
+    env: dict = {}
+    if prescription.fixes:
+        fix = fix_named("+".join(prescription.fixes))
+        assert fix is not None
+        request = fix.request(snapshot)
+        payload, env = dict(request.payload, also=["smaller_batch"]), request.env
+    payload.update(batch_size=micro, accumulation_steps=steps)
+    args = list(replayer.request.args)
+    source = state.batch_info.get("source") or ""
+    found = find_batch_arg(args, replayer.options.batch_arg) if source.startswith("-") else None
+    if found is not None:
+        position, flag, _value = found
+        payload["batch_mode"] = "argv"
+        args = with_batch_size(args, position, flag, int(micro or 1))
+    else:
+        payload.update(
+            batch_mode="dataloader", original_batch_size=state.batch_info.get("original_batch_size")
+        )
+    micro_batches = steps * accumulation_on_command_line(args, snapshot.script_options)
+    args, raised = enough_steps(replayer, snapshot, args, micro_batches)
+    label = f"the prescription ({' + '.join(prescription.fixes) or 'no fix'}, batch {micro} x {steps} accumulation steps)"
+    replay = replayer.run(
+        payload, label, args=args, extra_env=env, micro_batches_per_step=micro_batches
+    )
+    prescription.extra["accumulation_replay"] = replay_record(replay, args, raised)
+    return replay
+
+
+def enough_steps(
+    replayer: Replayer, snapshot: Snapshot, args: list[str], micro_batches: int
+) -> tuple[list[str], Optional[str]]:
+    """args with the script's steps flag raised so that a replay with
+    `micro_batches` micro-batches per optimizer step runs its steps, whether
+    the script counts optimizer steps or micro-batches."""
+    if micro_batches <= 1 or not snapshot.script_options:
+        return args, None
+    needed = replayer.max_steps * micro_batches
+    args, raised = with_enough_steps(
+        args, snapshot.script_options, context_from_snapshot(snapshot), needed
+    )
+    if raised:
+        raised += (
+            f" so that the replay runs {replayer.max_steps} optimizer steps of "
+            f"{micro_batches} micro-batches"
+        )
+    return args, raised
+
+
+def accumulation_covered(capture: Optional[Snapshot]) -> bool:
+    """Whether a replay ran an optimizer step and then at least two more
+    micro-batches (a forward with the gradients and the optimizer state alive)."""
+    if capture is None or capture.step_unit != "optimizer":
+        return False
+    return any(step.index >= 1 and step.forward_calls >= 2 for step in capture.steps)
+
+
+def replay_record(replay: Replay, args: list[str], raised: Optional[str]) -> dict:
+    """A replay of the prescription, for the snapshot: what ran and what it
+    measured, and how its steps were made long enough."""
+    record: dict[str, Any] = {
+        "args": args,
+        "outcome": replay.outcome,
+        "peak_allocated_bytes": replay.peak_allocated_bytes,
+        "accumulation_covered": accumulation_covered(replay.capture),
+    }
+    if raised:
+        record["note"] = raised
+    return record
+
+
+def with_accumulation(
+    prescription: Prescription, candidate: prescribe.Candidate, replay: Replay, capacity: int
+) -> None:
+    """The prescription's peak as its replay with the accumulation running
+    measured it. The throughput stays the candidate's: the same micro-batches
+    (a step of the replay also holds the script's data loading and epoch ends,
+    which its few steps do not average out)."""
+    assert replay.peak_allocated_bytes is not None
+    peak = replay.peak_allocated_bytes
+    prescription.peak_allocated_bytes = peak
+    prescription.headroom_bytes = capacity - peak
+    prescription.accumulation_measured = True
+    record = prescription.extra.get("accumulation_replay") or {}
+    throughput = (
+        f", {candidate.samples_per_second:.1f} samples/s" if candidate.samples_per_second else ""
+    )
+    detail = (
+        f"peak measured in the replay {replay.label!r}, with the accumulation running; "
+        f"batch {candidate.batch_size} without accumulation in {candidate.label!r}: "
+        f"peak {format_bytes(candidate.peak_allocated_bytes)}{throughput}"
+    )
+    if not record.get("accumulation_covered"):
+        detail += "; the replay ended before an optimizer step and two more micro-batches: the peak may be low"
+    prescription.detail = detail + "".join(f"; {note}" for note in candidate.notes)
 
 
 def snippet_in_framework(snapshot: Snapshot, name: str, context: dict) -> str:
@@ -1216,13 +1411,20 @@ def verify_with_flags(
             args, covered = variant, [*covered, change]
     if not covered:
         return
-    replay = replayer.run(None, "the script's own flags: " + " ".join(args), args=args)
-    record: dict[str, Any] = {
-        "args": args,
-        "covers": covered,
-        "outcome": replay.outcome,
-        "peak_allocated_bytes": replay.peak_allocated_bytes,
-    }
+    micro_batches = 1
+    if "smaller_batch" in covered:
+        micro_batches = accumulation_on_command_line(args, snapshot.script_options)
+    replayed_args, raised = enough_steps(replayer, snapshot, args, micro_batches)
+    replay = replayer.run(
+        None,
+        "the script's own flags: " + " ".join(replayed_args),
+        args=replayed_args,
+        micro_batches_per_step=micro_batches if micro_batches > 1 else None,
+    )
+    record = replay_record(replay, args, raised)
+    record["covers"] = covered
+    if micro_batches <= 1:
+        del record["accumulation_covered"]
     prescription.extra["verified_by_flags"] = record
     if replay.fits and replay.peak_allocated_bytes and prescription.peak_allocated_bytes:
         ratio = replay.peak_allocated_bytes / prescription.peak_allocated_bytes

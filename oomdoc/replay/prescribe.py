@@ -69,10 +69,22 @@ def choose(
 ) -> Optional[Prescription]:
     """The candidate with the highest throughput that leaves the margin free;
     without one, the fitting candidate with the lowest peak (said so)."""
+    picked = pick(candidates, capacity_bytes, margin_fraction)
+    if picked is None:
+        return None
+    best, fits = picked
+    return prescription_from(
+        best, fits, original_batch_size, capacity_bytes, margin_fraction, reference
+    )
+
+
+def pick(
+    candidates: list[Candidate], capacity_bytes: int, margin_fraction: float
+) -> Optional[tuple[Candidate, bool]]:
+    """(the candidate to prescribe, whether it leaves the margin free)."""
     if not candidates:
         return None
-    margin = int(margin_fraction * capacity_bytes)
-    limit = capacity_bytes - margin
+    limit = capacity_bytes - int(margin_fraction * capacity_bytes)
 
     def throughput(candidate: Candidate) -> float:
         return candidate.samples_per_second or 0.0
@@ -81,10 +93,21 @@ def choose(
     if within:
         # Highest throughput; then fewer changes; then the lower peak.
         best = max(within, key=lambda c: (throughput(c), -len(c.fixes), -c.peak_allocated_bytes))
-        fits = True
-    else:
-        best = min(candidates, key=lambda c: c.peak_allocated_bytes)
-        fits = False
+        return best, True
+    return min(candidates, key=lambda c: c.peak_allocated_bytes), False
+
+
+def prescription_from(
+    best: Candidate,
+    fits: bool,
+    original_batch_size: int,
+    capacity_bytes: int,
+    margin_fraction: float,
+    reference: Optional[Candidate],
+) -> Prescription:
+    """The prescription of one candidate: its micro-batch and accumulation
+    keep the user's effective batch."""
+    margin = int(margin_fraction * capacity_bytes)
     micro, steps = batch_model.accumulation_plan(
         original_batch_size, min(best.batch_size, original_batch_size)
     )

@@ -205,6 +205,12 @@ def prescription_lines(analysis: Analysis) -> list[str]:
                 )
             )
         lines.append(text)
+    if prescription.accumulation_measured is not None:
+        lines.append(
+            "  measured with the gradient accumulation running (micro-batches with the gradients alive, optimizer steps)"
+            if prescription.accumulation_measured
+            else "  the peak is the micro-batch's without gradient accumulation (not measured with it)"
+        )
     checked = prescription.extra.get("verified_by_flags")
     if isinstance(checked, dict) and checked.get("args") is not None:
         args = " ".join(str(arg) for arg in checked["args"])
@@ -216,6 +222,10 @@ def prescription_lines(analysis: Analysis) -> list[str]:
                 f", needed more than {format_bytes(peak)}" if isinstance(peak, int) else ""
             )
         lines.append(f"  replayed with your script's own flags ({args}): {verdict}")
+        if checked.get("note"):
+            lines.append(f"    ({checked['note']})")
+        if checked.get("accumulation_covered") is False:
+            lines.append("    (it ended before an optimizer step and two more micro-batches)")
     if prescription.samples_per_second:
         text = f"  throughput {prescription.samples_per_second:.1f} samples/s"
         if prescription.throughput_ratio:

@@ -74,7 +74,12 @@ def main():
         eos_token_id=0,
     )
     model = GPT2LMHeadModel(config)
-    samples = training_args.max_steps * training_args.per_device_train_batch_size
+    # Enough samples for max_steps optimizer steps of full accumulation cycles.
+    samples = (
+        training_args.max_steps
+        * training_args.per_device_train_batch_size
+        * training_args.gradient_accumulation_steps
+    )
     data = RandomTokens(samples, model_args.seq_len, model_args.vocab_size)
     trainer = Trainer(model=model, args=training_args, train_dataset=data)
     result = trainer.train()

@@ -3,6 +3,7 @@ small nn.TransformerEncoder, random token data, argparse flags.
 
     python fw_lightning_trainer.py --batch-size 64              # OOMs under oomdoc on 48MiB
     python fw_lightning_trainer.py --batch-size 64 --precision bf16-mixed --accumulate-grad-batches 2
+    python fw_lightning_trainer.py --batch-size 64 --gradient-checkpointing
 
 No logger, checkpoints, progress bar, model summary or sanity check; the CPU
 only, one process.
@@ -16,6 +17,7 @@ import lightning as L
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, Dataset
 
 
@@ -38,25 +40,33 @@ class RandomTokens(Dataset):
 
 
 class TokenData(L.LightningDataModule):
-    def __init__(self, batch_size, steps, seq_len, vocab_size):
+    def __init__(self, batch_size, batches, seq_len, vocab_size):
         super().__init__()
         self.batch_size = batch_size
-        self.data = RandomTokens(steps * batch_size, seq_len, vocab_size)
+        self.data = RandomTokens(batches * batch_size, seq_len, vocab_size)
 
     def train_dataloader(self):
         return DataLoader(self.data, batch_size=self.batch_size, num_workers=0)
 
 
 class LitEncoder(L.LightningModule):
-    def __init__(self, vocab_size, width, depth, heads):
+    def __init__(self, vocab_size, width, depth, heads, checkpointing=False):
         super().__init__()
+        self.checkpointing = checkpointing
         self.embed = nn.Embedding(vocab_size, width)
         layer = nn.TransformerEncoderLayer(width, heads, 4 * width, dropout=0.0, batch_first=True)
         self.encoder = nn.TransformerEncoder(layer, depth, enable_nested_tensor=False)
         self.head = nn.Linear(width, vocab_size)
 
     def forward(self, tokens):
-        return self.head(self.encoder(self.embed(tokens)))
+        if not self.checkpointing:
+            return self.head(self.encoder(self.embed(tokens)))
+        # Activation checkpointing by hand: each layer's activations are
+        # recomputed in backward instead of kept.
+        x = self.embed(tokens)
+        for layer in self.encoder.layers:
+            x = checkpoint(layer, x, use_reentrant=False)
+        return self.head(x)
 
     def training_step(self, tokens, batch_index):
         logits = self(tokens[:, :-1])
@@ -76,6 +86,7 @@ def main():
     parser.add_argument("--depth", type=int, default=2)
     parser.add_argument("--precision", choices=["32-true", "bf16-mixed"], default="32-true")
     parser.add_argument("--accumulate-grad-batches", type=int, default=1)
+    parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--accelerator", default="cpu", help="cpu (the tests) or gpu")
     args = parser.parse_args()
 
@@ -85,8 +96,12 @@ def main():
     # Tiny ops: one thread is much faster than two contending ones on a busy CI machine.
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = LitEncoder(args.vocab_size, args.width, args.depth, heads=4)
-    data = TokenData(args.batch_size, args.steps, args.seq_len, args.vocab_size)
+    model = LitEncoder(
+        args.vocab_size, args.width, args.depth, heads=4, checkpointing=args.gradient_checkpointing
+    )
+    # Enough batches for `steps` optimizer steps of full accumulation cycles.
+    batches = args.steps * args.accumulate_grad_batches
+    data = TokenData(args.batch_size, batches, args.seq_len, args.vocab_size)
     trainer = L.Trainer(
         accelerator=args.accelerator,
         devices=1,
