@@ -47,6 +47,34 @@ def load_json(path) -> dict:
     return json.loads(Path(path).read_text())
 
 
+def run_case(tmp_path, case, *, extra_args=(), replay=False, options=()):
+    """`oomdoc run` on the simulated device: case = (script, capacity, script
+    arguments); without replays unless `replay`. Returns (the completed
+    process, the snapshot)."""
+    script, capacity, args = case
+    snapshot = tmp_path / f"{script.stem}-{len(list(tmp_path.glob('*.json')))}.json"
+    result = run_oomdoc(
+        [
+            "run",
+            "--device",
+            "cpu",
+            "--device-memory",
+            capacity,
+            *([] if replay else ["--no-replay"]),
+            *options,
+            "-o",
+            snapshot,
+            script,
+            *args,
+            *extra_args,
+        ],
+        cwd=tmp_path,
+        timeout=600,
+    )
+    assert snapshot.exists(), result.stderr[-3000:]
+    return result, load_json(snapshot)
+
+
 @pytest.fixture
 def oomdoc_cli():
     return run_oomdoc

@@ -10,7 +10,7 @@ import importlib.metadata
 import sys
 
 import pytest
-from conftest import SCRIPTS, load_json, run_oomdoc
+from conftest import SCRIPTS, run_case
 
 from oomdoc import fixes
 from oomdoc.frameworks import FRAMEWORKS, Framework, context_from_snapshot, framework_for
@@ -609,31 +609,6 @@ def test_a_pytorch_lightning_trainer_is_lightning_under_its_import_name(detector
 
 
 # ---------------------------------------------------------------- end to end
-
-
-def run_case(tmp_path, case, *, extra_args=(), replay=False, options=()):
-    script, capacity, args = case
-    snapshot = tmp_path / f"{script.stem}-{len(list(tmp_path.glob('*.json')))}.json"
-    result = run_oomdoc(
-        [
-            "run",
-            "--device",
-            "cpu",
-            "--device-memory",
-            capacity,
-            *([] if replay else ["--no-replay"]),
-            *options,
-            "-o",
-            snapshot,
-            script,
-            *args,
-            *extra_args,
-        ],
-        cwd=tmp_path,
-        timeout=600,
-    )
-    assert snapshot.exists(), result.stderr[-3000:]
-    return result, load_json(snapshot)
 
 
 def version_of(package: str) -> str:
