@@ -26,6 +26,22 @@ def test_a_smaller_batch_gets_gradient_accumulation_for_the_effective_batch():
     assert (chosen.batch_size, chosen.accumulation_steps) == (16, 4)
 
 
+def test_the_micro_batch_prescribed_is_the_one_measured():
+    """A search replay at 20 prescribes micro-batches of 16 (4 x 16 = 64):
+    once a replay ran at 16, its peak and throughput are the prescription's,
+    even where the replay at 20 ran faster."""
+    at_20 = Candidate([], 20, 15 * MiB, 1.0, "b20")
+    at_16 = Candidate([], 16, 12 * MiB, 1.0, "b16")
+    chosen = choose([at_20, at_16], 64, 20 * MiB, 0.05, reference=None)
+    assert (chosen.batch_size, chosen.accumulation_steps) == (16, 4)
+    assert chosen.peak_allocated_bytes == 12 * MiB and chosen.samples_per_second == 16.0
+    assert "'b16'" in chosen.detail
+    # With other fixes, the replay at 16 measures another configuration.
+    with_fix = Candidate(["checkpointing"], 16, 12 * MiB, 1.0, "checkpointing b16")
+    chosen = choose([at_20, with_fix], 64, 20 * MiB, 0.05, reference=None)
+    assert chosen.fixes == [] and chosen.peak_allocated_bytes == 15 * MiB
+
+
 def test_without_room_for_the_margin_the_lowest_peak_is_offered_and_says_so():
     tight = Candidate(["checkpointing"], 64, 190 * MiB, 1.0, "checkpointing")
     tighter = Candidate(["autocast"], 64, 189 * MiB, 2.0, "autocast")

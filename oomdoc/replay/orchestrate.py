@@ -901,12 +901,50 @@ def prescription_for(
     )
     if chosen is None:
         return None
+    if measure_the_micro_batch(state, candidates, chosen):
+        # It ran at the micro-batch it prescribes now: choose again.
+        chosen = prescribe.choose(
+            candidates, original or 1, snapshot.device.capacity_bytes, margin, reference
+        )
+        if chosen is None:
+            return None
     if original is None:
         chosen.batch_size, chosen.accumulation_steps = None, 1
     chosen.snippet = prescription_snippet(snapshot, chosen, state)
     if chosen.fits:
         verify_with_flags(replayer, snapshot, chosen, state)
     return chosen
+
+
+def measure_the_micro_batch(
+    state: ReplayState, candidates: list[prescribe.Candidate], chosen: Prescription
+) -> bool:
+    """The prescription's micro-batch, when no replay ran it (the searches
+    measure near the limit, the accumulation plan keeps the effective batch
+    below it): replayed as its search replays, and added to the candidates.
+    True when it was measured."""
+    searches: dict[tuple, Optional[batch_model.SearchResult]] = {(): state.search}
+    if state.saver_fix is not None:
+        searches[tuple(part.name for part in state.saver_fix.parts)] = state.saver_search
+    fixes = tuple(chosen.fixes)
+    search = searches.get(fixes)
+    if (
+        not chosen.fits
+        or not chosen.batch_size
+        or search is None
+        or search.trial is None
+        or (fixes, chosen.batch_size) in {(tuple(c.fixes), c.batch_size) for c in candidates}
+    ):
+        return False
+    run = search.trial(chosen.batch_size)
+    if not run.fits or run.peak_allocated_bytes is None or run.replay is None:
+        return False
+    candidates.append(
+        prescribe.Candidate(
+            list(fixes), run.batch_size, run.peak_allocated_bytes, run.step_s, run.replay.label
+        )
+    )
+    return True
 
 
 def snippet_in_framework(snapshot: Snapshot, name: str, context: dict) -> str:

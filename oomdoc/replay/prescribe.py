@@ -60,6 +60,14 @@ def is_no_op(
     ) <= NO_OP_SHARE * max(allocated, f_allocated, 1)
 
 
+def planned_batch(candidate: Candidate, original_batch_size: int) -> int:
+    """The micro-batch prescribed for a candidate: the accumulation plan that
+    keeps the effective batch, from the batch it ran at."""
+    return batch_model.accumulation_plan(
+        original_batch_size, min(candidate.batch_size, original_batch_size)
+    )[0]
+
+
 def choose(
     candidates: list[Candidate],
     original_batch_size: int,
@@ -69,6 +77,16 @@ def choose(
 ) -> Optional[Prescription]:
     """The candidate with the highest throughput that leaves the margin free;
     without one, the fitting candidate with the lowest peak (said so)."""
+    # A candidate that ran at another batch than the micro-batch it
+    # prescribes (the accumulation plan for its batch) gives way to one
+    # that ran at that micro-batch with the same fixes: that one measured it.
+    ran = {(tuple(c.fixes), c.batch_size) for c in candidates}
+    candidates = [
+        c
+        for c in candidates
+        if planned_batch(c, original_batch_size) == c.batch_size
+        or (tuple(c.fixes), planned_batch(c, original_batch_size)) not in ran
+    ]
     if not candidates:
         return None
     margin = int(margin_fraction * capacity_bytes)
@@ -85,9 +103,8 @@ def choose(
     else:
         best = min(candidates, key=lambda c: c.peak_allocated_bytes)
         fits = False
-    micro, steps = batch_model.accumulation_plan(
-        original_batch_size, min(best.batch_size, original_batch_size)
-    )
+    micro = planned_batch(best, original_batch_size)
+    steps = batch_model.accumulation_plan(original_batch_size, micro)[1]
     ratio = None
     if reference is not None and best.samples_per_second and reference.samples_per_second:
         ratio = round(best.samples_per_second / reference.samples_per_second, 3)
