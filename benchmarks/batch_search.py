@@ -3,6 +3,17 @@
     python benchmarks/batch_search.py                       # GPU: reference GPT, 16 GiB cap, batch 32
     python benchmarks/batch_search.py --device cpu          # simulated device: tiny GPT, 192 MiB, batch 64
     python benchmarks/batch_search.py --full-run            # also time a whole `oomdoc run` with its fixes
+    python benchmarks/batch_search.py --offline             # no device: the recorded H100 runs
+
+--offline replays oomdoc's search on what replays measured on an H100
+(tests/data/batch_grid/, recorded by benchmarks/batch_grid.py): the reference
+GPT, torchvision's ResNet-50, a Hugging Face GPT-2-medium Trainer and a
+Lightning TransformerEncoder, each failing under a 16 GiB cap. A probe at a
+recorded batch size gets that replay's capture; any other (marked ~) fits
+up to the recorded limit and gets each number on the line through the
+nearest recorded batch sizes. It prints the probes, the replays and whether
+the result is exact, next to the search's probes on the same H100 before,
+and how many replays the search takes from other first probes.
 
 Every strategy runs the same trial: a fresh oomdoc replay child of
 examples/gpt_train.py at one batch size, two training steps, the batch size
@@ -101,8 +112,103 @@ def binary(trials: Trials, limit: int = 4096) -> tuple[int, bool]:
     return low, low > 0
 
 
+GRID = ROOT / "tests" / "data" / "batch_grid"
+OFFLINE_CASES = {
+    "gpt": "reference GPT (examples/gpt_train.py), batch 32",
+    "resnet": "ResNet-50 (torchvision), batch 512",
+    "hf": "GPT-2 medium, Hugging Face Trainer, batch 16",
+    "lightning": "TransformerEncoder 12x1024, Lightning Trainer, batch 256",
+}
+# Other first probes, as shares of the largest batch that fits.
+OTHER_FIRST_PROBES = (0.5, 0.8, 1.2)
+
+
+def load_grid(case: str):
+    """The recorded H100 runs of one case (benchmarks/batch_grid.py's RecordedGrid)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "batch_grid", ROOT / "benchmarks" / "batch_grid.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = sys.modules.get("batch_grid") or importlib.util.module_from_spec(spec)
+    if "batch_grid" not in sys.modules:
+        sys.modules["batch_grid"] = module
+        spec.loader.exec_module(module)
+    return module.RecordedGrid.load(GRID / f"{case}.json")
+
+
+def offline_search(case: str, probe: int | None = None):
+    """oomdoc's search on a recorded case: (the grid, the search's result)."""
+    grid = load_grid(case)
+    failing = grid.failing
+    first = probe if probe is not None else batch_model.first_probe_for(failing, grid.original)
+    result = batch_model.search_max_batch(
+        grid.original,
+        failing.device.capacity_bytes,
+        [batch_model.observe(failing, grid.original)],
+        grid.trial,
+        probe=first,
+    )
+    return grid, result
+
+
+def probes_text(trials, interpolated=()) -> str:
+    return ", ".join(
+        f"{'~' if size in interpolated else ''}{size} {'fits' if fits else 'OOM'}"
+        for size, fits in trials
+    )
+
+
+def offline() -> None:
+    rows = []
+    for case, title in OFFLINE_CASES.items():
+        grid, result = offline_search(case)
+        trials = [(run.batch_size, run.fits) for run in result.trials]
+        before = grid.document.get("before", {}).get("trials") or []
+        others = []
+        for share in OTHER_FIRST_PROBES:
+            probe = max(1, min(grid.original - 1, round(share * (grid.true_max or 1))))
+            _grid, other = offline_search(case, probe)
+            exact = other.exact and other.max_batch_size == grid.true_max
+            others.append(f"{probe}: {len(other.trials)}{'' if exact else ' (not exact)'}")
+        rows.append(
+            [
+                title,
+                grid.true_max,
+                probes_text(trials, grid.interpolated),
+                len(result.trials),
+                "yes" if result.exact and result.max_batch_size == grid.true_max else "NO",
+                f"{probes_text(before)} ({len(before)})",
+                "; ".join(others),
+                f"{grid.wall_s:.0f}",
+            ]
+        )
+    print(
+        "\nLargest batch size that fits, on the recorded H100 runs (torch 2.11, --device-memory 16GiB)"
+    )
+    print(
+        tabulate(
+            rows,
+            headers=[
+                "case",
+                "max",
+                "probes (~ interpolated)",
+                "replays",
+                "exact",
+                "before (replays)",
+                "from other first probes: replays",
+                "replays s",
+            ],
+        )
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--offline", action="store_true", help="replay the search on the recorded H100 runs"
+    )
     parser.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
     parser.add_argument(
         "--device-memory",
@@ -123,6 +229,9 @@ def main() -> None:
         "--full-run", action="store_true", help="also time `oomdoc run` with every fix it measures"
     )
     args = parser.parse_args()
+    if args.offline:
+        offline()
+        return
 
     import torch  # the benchmark decides the device itself (oomdoc's parent never imports torch)
 

@@ -71,6 +71,16 @@ def run_capped(snapshot_path, capacity, script, args, options=(), cwd=None):
     return completed, load_json(snapshot_path)
 
 
+def run_case(tmp_path, case, *, extra_args=(), replay=False, options=()):
+    """`oomdoc run` on the simulated device: case = (script, capacity, script
+    arguments); without replays unless `replay`. Returns (the completed
+    process, the snapshot)."""
+    script, capacity, args = case
+    snapshot = tmp_path / f"{script.stem}-{len(list(tmp_path.glob('*.json')))}.json"
+    options = [*([] if replay else ["--no-replay"]), *options]
+    return run_capped(snapshot, capacity, script, [*args, *extra_args], options, cwd=tmp_path)
+
+
 @pytest.fixture
 def oomdoc_cli():
     return run_oomdoc

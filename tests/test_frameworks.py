@@ -10,7 +10,7 @@ import importlib.metadata
 import sys
 
 import pytest
-from conftest import SCRIPTS, run_capped
+from conftest import SCRIPTS, run_case
 
 from oomdoc import fixes
 from oomdoc.frameworks import FRAMEWORKS, Framework, context_from_snapshot, framework_for
@@ -642,13 +642,6 @@ def test_a_pytorch_lightning_trainer_is_lightning_under_its_import_name(detector
 # ---------------------------------------------------------------- end to end
 
 
-def run_case(tmp_path, case, *, extra_args=(), replay=False, options=()):
-    script, capacity, args = case
-    snapshot = tmp_path / f"{script.stem}-{len(list(tmp_path.glob('*.json')))}.json"
-    options = [*([] if replay else ["--no-replay"]), *options]
-    return run_capped(snapshot, capacity, script, [*args, *extra_args], options, cwd=tmp_path)
-
-
 def version_of(package: str) -> str:
     return importlib.metadata.version(package)
 
@@ -762,3 +755,35 @@ def test_hf_trainer_replays_find_the_exact_max_batch(tmp_path):
     trials = dict(map(tuple, search["trials"]))
     assert trials[maximum] is True and trials[maximum + 1] is False
     assert document["framework"]["name"] == "transformers"
+
+
+def test_lightning_phases_inside_the_closure_and_the_exact_max_batch(tmp_path):
+    """Lightning runs forward and backward inside optimizer.step(closure):
+    the steps still have their forward, backward and optimizer phases (the
+    batch model reads them), and the search through --batch-size is exact."""
+    pytest.importorskip("lightning")
+    script, capacity, _args = LIGHTNING_CASE
+    result, fitting = run_case(tmp_path, (script, capacity, ["--batch-size", "16"]))
+    assert fitting["outcome"] == "ok", result.stderr[-3000:]
+    peaks = fitting["category_peaks"]
+    static = peaks["parameters"] + peaks["gradients"] + peaks["optimizer_state"]
+    first, *steady = fitting["steps"]
+    # In the order they ran: nothing is labelled optimizer before the
+    # closure's forward, and the update (which creates the state) is.
+    assert list(first["phase_peaks"])[:4] == ["setup", "forward", "backward", "optimizer"]
+    assert static <= first["phase_peaks"]["optimizer"]
+    assert steady and all(
+        {"forward", "backward", "optimizer"} <= set(step["phase_peaks"]) for step in steady
+    )
+
+    result, document = run_case(
+        tmp_path, LIGHTNING_CASE, replay=True, options=["--fixes", "smaller_batch"]
+    )
+    assert document["outcome"] == "oom", result.stderr[-3000:]
+    search = document["replay"]["batch_search"]
+    assert search["source"] == "--batch-size" and search["exact"] is True
+    maximum = document["max_batch_size"]
+    assert maximum is not None and 1 < maximum < 64
+    trials = dict(map(tuple, search["trials"]))
+    assert trials[maximum] is True and trials[maximum + 1] is False
+    assert len(search["trials"]) <= 4

@@ -8,19 +8,23 @@ the search are tested exactly as the orchestrator uses them.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 from adapters import median_step_seconds, observe
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from oomdoc.model import Snapshot
 from oomdoc.replay.batch import (
     BatchRun,
     Line,
     accumulation_plan,
+    estimated_max_batch,
     first_probe,
+    first_probe_for,
     fit_model,
+    forward_progress,
     search_max_batch,
 )
 
@@ -44,6 +48,13 @@ class Workload:
     slack_bytes: int = 0  # CUDA-like fragmentation: reserved but unusable
     slack_per_sample: int = 0  # ... growing with the batch
     constant_oom_need: int | None = None  # an OOM the batch size does not change
+    # Non-linear: extra bytes per sample squared (a workspace, attention
+    # over a sequence that grows with the batch...).
+    act_quadratic: int = 0
+    # The forward runs through this many alike blocks (the capture names the
+    # block an OOM in the forward came from, as oomdoc's module attribution does).
+    blocks: int = 8
+    optimizer: str = "AdamW"
 
     def _round(self, value: int) -> int:
         if not self.granule:
@@ -60,13 +71,13 @@ class Workload:
         optimizer_begins = self.params + grads + self.leftover * b
         optimizer_peak = optimizer_begins + self.opt_state + self.opt_temp
         first_start = self.params + self.input_bytes * b
-        first_forward = first_start + self.act_forward * b
+        first_forward = first_start + self.act_forward * b + self.act_quadratic * b * b
         yield 0, "setup", first_start, self.params
         yield 0, "forward", first_forward, first_start
         yield 0, "backward", first_forward + self.act_backward * b + grads // 8, first_forward
         yield 0, "optimizer", optimizer_peak, optimizer_begins
         steady_start = self.params + self.opt_state + self.input_bytes * b
-        steady_forward = steady_start + self.act_forward * b
+        steady_forward = steady_start + self.act_forward * b + self.act_quadratic * b * b
         yield 1, "idle", steady_start + self.leftover * b, steady_start
         yield 1, "forward", steady_forward, steady_start
         yield 1, "backward", steady_forward + self.act_backward * b + grads // 8, steady_forward
@@ -109,7 +120,10 @@ class Workload:
                 allocated = base + ((limit - base) // chunk) * chunk
                 requested = chunk
                 step["phase_peaks"][phase] = allocated
+                # In the forward, each of the 8 allocations is one block's.
+                block = min(self.blocks - 1, (allocated - base) // chunk * self.blocks // 8)
                 return {
+                    **self.described(),
                     "outcome": "oom",
                     "step_unit": "optimizer" if index else "module",
                     "steps": list(steps.values()),
@@ -119,6 +133,8 @@ class Workload:
                         "allocated_bytes": allocated,
                         "requested_bytes": requested,
                         "reserved_bytes": allocated + slack,
+                        "capacity_bytes": self.capacity,
+                        "module": f"blocks.{block}.mlp" if phase == "forward" else None,
                     },
                     "peak": {"allocated_bytes": allocated, "reserved_bytes": allocated + slack},
                 }
@@ -127,11 +143,30 @@ class Workload:
             step["peak_reserved_bytes"] = max(step["peak_reserved_bytes"], value + slack)
         peak = max(s["peak_allocated_bytes"] for s in steps.values())
         return {
+            **self.described(),
             "outcome": "ok",
             "step_unit": "optimizer",
             "steps": list(steps.values()),
             "oom": None,
             "peak": {"allocated_bytes": peak, "reserved_bytes": peak + slack},
+        }
+
+    def described(self) -> dict:
+        """What a capture says about the device and the model."""
+        return {
+            "device": {
+                "kind": "cuda" if self.granule else "simulated",
+                "capacity_bytes": self.capacity,
+            },
+            "optimizers": [self.optimizer],
+            "models": [
+                {
+                    "class": "Net",
+                    "parameters_bytes": self.params,
+                    "repeated_blocks": [{"path": "blocks", "class": "Block", "count": self.blocks}],
+                }
+            ],
+            "breakdown": {"parameters": self.params},
         }
 
     def true_max(self, upper: int) -> int:
@@ -150,6 +185,28 @@ def run_search(workload: Workload, batch: int, **kwargs):
 
     result = search_max_batch(
         batch, workload.capacity, [baseline], trial, probe=first_probe(batch, completed), **kwargs
+    )
+    return result, calls
+
+
+def run_estimated_search(workload: Workload, batch: int, **kwargs):
+    """The search as `oomdoc run` starts it: the first replay at the failing
+    run's own estimate of the limit (first_probe_for)."""
+    failing = workload.capture(batch)
+    assert failing["outcome"] == "oom"
+    calls = []
+
+    def trial(b):
+        calls.append(b)
+        return observe(workload.capture(b), b)
+
+    result = search_max_batch(
+        batch,
+        workload.capacity,
+        [observe(failing, batch)],
+        trial,
+        probe=first_probe_for(Snapshot.from_dict(failing), batch),
+        **kwargs,
     )
     return result, calls
 
@@ -337,3 +394,138 @@ def test_median_step_seconds_skips_the_first_step():
 def test_first_probe(completed, expected):
     assert first_probe(32, completed) == expected
     assert first_probe(1, completed) == 1
+
+
+# Typical shapes, in round numbers, each on 16 GiB with CUDA-like rounding of
+# every peak to 2 MiB: (workload, failing batch).
+TYPICAL = {
+    "gpt": (GPT_LIKE, 32),
+    "gpt-rounded": (
+        replace(
+            GPT_LIKE,
+            act_forward=590 * MiB + 12345,
+            act_backward=130 * MiB + 777,
+            granule=2 * MiB,
+            blocks=12,
+        ),
+        32,
+    ),
+    # A CNN: small weights, SGD with momentum, large feature maps.
+    "cnn": (
+        Workload(
+            params=100 * MiB,
+            opt_state=100 * MiB,
+            opt_temp=0,
+            act_forward=80 * MiB,
+            act_backward=6 * MiB,
+            input_bytes=600 * 1024,
+            granule=2 * MiB,
+            blocks=16,
+            optimizer="SGD",
+        ),
+        512,
+    ),
+    # A 350M-parameter language model: the weights, gradients and AdamW state
+    # take a third of the device, a sample 1.6 GB.
+    "large-model": (
+        Workload(
+            params=1350 * MiB,
+            opt_state=2700 * MiB,
+            opt_temp=1350 * MiB,
+            act_forward=1500 * MiB,
+            act_backward=150 * MiB,
+            leftover=50 * MiB,
+            granule=2 * MiB,
+            blocks=24,
+        ),
+        16,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TYPICAL))
+def test_typical_shapes_are_exact_in_three_replays(name):
+    workload, batch = TYPICAL[name]
+    result, calls = run_estimated_search(workload, batch)
+    truth = workload.true_max(batch)
+    assert result.exact and result.max_batch_size == truth, (calls, truth)
+    assert len(calls) <= 3, (calls, truth)
+
+
+def test_the_estimate_comes_from_how_far_the_forward_got():
+    """At 64 the failing run's forward ran out of memory in block 4 of 12
+    (its OOM names the module): about 3/8 of the forward's activations were
+    made. The estimate is near the limit, not at the more than twice too
+    large batch the bytes made so far would suggest."""
+    workload, batch = TYPICAL["gpt-rounded"][0], 64
+    failing = Snapshot.from_dict(workload.capture(batch))
+    module = failing.oom.extra["module"]
+    block = int(module.split(".")[1])
+    made = failing.oom.needed_bytes - failing.steps[0].start_allocated_bytes
+    assert forward_progress(failing, made) == pytest.approx((block + 0.5) / workload.blocks)
+    truth = workload.true_max(batch)
+    estimate = estimated_max_batch(failing, batch)
+    assert abs(estimate - truth) <= 0.25 * truth, (estimate, truth)
+    failing.oom.extra.pop("module")  # no module attribution: the forward counts as complete
+    assert forward_progress(failing, made) == 1.0
+    assert estimated_max_batch(failing, batch) > 2 * truth
+
+
+def test_an_estimate_too_large_costs_replays_not_exactness():
+    """Many small samples whose backward needs a third more than their
+    forward (the estimate assumes a tenth): the first replay runs out of
+    memory in its first step, the next goes to 3/4 of it."""
+    workload = Workload(
+        params=200 * MiB,
+        opt_state=400 * MiB,
+        opt_temp=200 * MiB,
+        act_forward=3 * MiB,
+        act_backward=1 * MiB,
+        input_bytes=4096,
+        granule=2 * MiB,
+    )
+    result, calls = run_estimated_search(workload, 8192)
+    truth = workload.true_max(8192)
+    assert calls[0] > truth and calls[1] == calls[0] * 3 // 4
+    assert result.exact and result.max_batch_size == truth, calls
+    assert len(calls) <= 5, calls
+
+
+@pytest.mark.parametrize(
+    "quadratic,granule", [(2 * MiB, 0), (6 * MiB, 2 * MiB), (500 * 1024, 2 * MiB)]
+)
+def test_a_non_linear_workload_stays_exact(quadratic, granule):
+    """Activations that grow with the square of the batch (the model's lines
+    are wrong at every distance): still exact, with more replays."""
+    workload = replace(
+        GPT_LIKE,
+        act_forward=300 * MiB,
+        act_backward=60 * MiB,
+        input_bytes=0,
+        leftover=20 * MiB,
+        granule=granule,
+        act_quadratic=quadratic,
+    )
+    result, calls = run_estimated_search(workload, 64, max_trials=20)
+    truth = workload.true_max(64)
+    assert result.exact and result.max_batch_size == truth, (calls, truth)
+    assert len(calls) <= 8, calls
+
+
+def test_fragmentation_seen_at_an_oom_in_the_deciding_phase_shrinks_the_device():
+    """CUDA-like: reserved-but-unusable bytes at the OOM (here 600 MiB, as the
+    H100 runs' 0.1 to 1.6 GB) make the limit lower than the allocated bytes
+    say; the search still ends exact."""
+    workload = replace(GPT_LIKE, granule=2 * MiB, slack_bytes=600 * MiB)
+    result, calls = run_estimated_search(workload, 32)
+    assert result.exact and result.max_batch_size == workload.true_max(32), calls
+    assert len(calls) <= 4, calls
+
+
+def test_an_oom_read_without_a_batch_size_has_no_estimate():
+    """The orchestrator reads fix replays at batch size 0 (their OOM's
+    signature only): nothing to estimate per sample, and no error."""
+    workload, batch = TYPICAL["gpt-rounded"]
+    run = observe(workload.capture(batch), 0)
+    assert run.estimated_max is None and run.oom_signature is not None
+    assert observe(workload.capture(batch), batch).estimated_max is not None

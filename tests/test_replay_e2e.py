@@ -91,7 +91,11 @@ def test_the_ranked_list_and_the_report(replayed):
 
     stderr = result.stderr
     assert "OOMDOC_REPLAY=1" in stderr
-    assert "oomdoc: replay 1: smaller_batch (--batch-size 1024)" in stderr  # plain lines: not a TTY
+    # Plain lines (not a TTY); the first replay at the failing run's own
+    # estimate of the limit, the search's other replays verifying it.
+    first = replay["batch_search"]["trials"][0][0]
+    assert f"oomdoc: replay 1: smaller_batch (--batch-size {first})" in stderr
+    assert abs(first - document["max_batch_size"]) <= 0.2 * document["max_batch_size"]
     assert "Fixes, measured by replaying the failing step" in stderr
     assert "(ESTIMATE from the batch-size model)" in stderr
     assert f"Largest batch size that fits: {document['max_batch_size']}" in stderr

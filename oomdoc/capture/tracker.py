@@ -438,6 +438,16 @@ class Tracker:
         self._state_table = None  # the step may create or replace state
         if self.unit != "optimizer":
             self._switch_to_optimizer_unit()
+        with_closure = _with_phased_closure(self, args, kwargs)
+        if with_closure is not None:
+            # The closure runs the forward and backward inside the step
+            # (Lightning's automatic optimization, LBFGS): their phases are
+            # their own, the update after the closure is the optimizer's.
+            return with_closure
+        self._set_phase("optimizer")
+        return None
+
+    def _closure_returned(self) -> None:
         self._set_phase("optimizer")
 
     def _on_optimizer_post(self, optimizer, args, kwargs):
@@ -866,6 +876,30 @@ class _CudaStepTimer:
 
 
 _CO_OPTIMIZED = 0x0001
+
+
+def _with_phased_closure(tracker: Tracker, args: tuple, kwargs: dict) -> tuple | None:
+    """`optimizer.step(closure)`'s arguments with the closure wrapped so that
+    the phase becomes `optimizer` when it returns (None without a closure).
+    `args` starts with the optimizer itself. An exception (an OOM) leaves
+    the phase where it happened."""
+    if callable(kwargs.get("closure")):
+        closure = kwargs["closure"]
+        kwargs = {**kwargs, "closure": _phased(tracker, closure)}
+        return args, kwargs
+    if len(args) > 1 and callable(args[1]):
+        return (args[0], _phased(tracker, args[1]), *args[2:]), kwargs
+    return None
+
+
+def _phased(tracker: Tracker, closure):
+    def closure_in_step(*args, **kwargs):
+        result = closure(*args, **kwargs)
+        tracker._closure_returned()
+        return result
+
+    closure_in_step.__wrapped__ = closure  # type: ignore[attr-defined]
+    return closure_in_step
 
 
 def _frame_locals(frame) -> list[tuple[str, object]]:

@@ -8,14 +8,19 @@ the step's peak, so a line through the overall peak of two small batches has
 almost no slope and predicts a far too large batch. Here every (step kind,
 phase) gets its own line, and the step's need is the largest of them.
 
-One replay at a smaller batch gives one point per phase. The slope of the
-first step's forward/backward peak comes from what was alive when that step
-began (parameters, the dataset: measured at two batch sizes, the failing run's
-and the probe's); the steady steps' forward/backward peaks share that slope
-(the same activations per sample) on top of their own static memory (with
-optimizer state). Later replays add points, and a line through two measured
-points replaces the estimate. The prediction is then verified: the largest
-batch that fits is exact only when it ran and one more ran out of memory.
+The first replay goes where the failing run puts the limit
+(estimated_max_batch): near the limit a replay measures the most. One that
+fits gives one point per phase. The slope of the first step's
+forward/backward peak comes from what was alive when that step began
+(parameters, the dataset: measured at two batch sizes, the failing run's and
+the probe's); the steady steps' forward/backward peaks share that slope (the
+same activations per sample) on top of their own static memory (with
+optimizer state). One that runs out of memory in a later step gives the
+first step's points and, on CUDA, the fragmentation at the limit (reserved
+but unusable bytes, which no count of allocated bytes predicts). Later
+replays add points, and a line through two measured points replaces the
+estimate. The prediction is then verified: the largest batch that fits is
+exact only when it ran and one more ran out of memory.
 """
 
 from __future__ import annotations
@@ -24,12 +29,18 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from oomdoc.fixes.optimizer import optimizer_state_estimate
 from oomdoc.model import Snapshot, Step
 
 FIRST, STEADY = "first", "steady"
 FORWARD_BACKWARD = ("forward", "backward")
 # Model-guided trials (once something fits) before the search falls back to bisection.
 BISECT_AFTER = 4
+# A prediction this close to a fit (in samples and in bytes) is within what
+# CUDA's allocator loses to fragmentation near the limit (1 to 9% of the
+# device on the H100 runs of benchmarks/batch_search.py --offline).
+ENDGAME_SAMPLES = 3
+ENDGAME_SHARE = 0.02
 
 
 @dataclass
@@ -53,6 +64,9 @@ class BatchRun:
     # pressure): the allocator could not use them, so capacity is that much smaller.
     slack_bytes: int = 0
     step_s: float | None = None
+    # An OOM in the first step: the largest batch estimated from it
+    # (estimated_max_batch), as from the failing run.
+    estimated_max: int | None = None
     inconclusive: bool = False  # timed out or failed otherwise: says nothing about memory
     wall_s: float = 0.0
     note: str = ""
@@ -106,6 +120,8 @@ def observe(capture: Snapshot, batch_size: int) -> BatchRun:
             run.lower_bounds[bound_key] = max(run.lower_bounds.get(bound_key, 0), oom.needed_bytes)
         run.slack_bytes = max(0, oom.reserved_bytes - oom.allocated_bytes)
         run.oom_signature = (oom_step, oom.phase, oom.requested_bytes, oom.allocated_bytes)
+        if (oom_step or 0) == 0:
+            run.estimated_max = estimated_max_batch(capture, run.batch_size)
     if capture.peak is not None:
         run.peak_allocated_bytes = capture.peak.allocated_bytes
         run.peak_reserved_bytes = capture.peak.reserved_bytes
@@ -198,6 +214,24 @@ def fit_model(runs: list[BatchRun]) -> BatchModel:
             line = Line(v1 - (slope or 0.0) * b1, slope or 0.0)
         lines[key] = line
     for key, observed in bounds.items():
+        if key not in lines:
+            # Only ever ran out of memory in this phase: a line through the
+            # need at the OOM (a lower bound) with the phase's slope in the
+            # first step, else the forward's of its own step kind.
+            slope = next(
+                (
+                    lines[other].slope
+                    for other in ((FIRST, key[1]), (key[0], "forward"), (FIRST, "forward"))
+                    if other in lines
+                ),
+                None,
+            )
+            if slope is not None:
+                lines[key] = max(
+                    (Line(need - slope * batch_size, slope) for batch_size, need in observed),
+                    key=lambda line: line.intercept,
+                )
+            continue
         for batch_size, need in observed:
             known = lines.get(key)
             if known is None or known.at(batch_size) >= need:
@@ -229,6 +263,9 @@ class SearchResult:
     predictions: list  # the model's prediction before each trial (None: no model yet)
     stopped: str = ""  # why the search ended early, if it did
     model: BatchModel | None = None
+    # Replays one more batch size the same way (the prescription measures
+    # the micro-batch it prescribes when the search did not).
+    trial: Callable[[int], BatchRun] | None = field(default=None, repr=False, compare=False)
 
     @property
     def best_run(self) -> BatchRun | None:
@@ -237,10 +274,9 @@ class SearchResult:
 
 
 def first_probe(original_batch_size: int, step0_completed: bool) -> int:
-    """The first smaller batch to try: half the failing batch (a batch that
-    OOMs is usually not many times too large, and the nearer the probe is to
-    the limit, the less its one point has to be extrapolated); a quarter when
-    even the failing run's first forward pass was far over the capacity."""
+    """Without an estimate: half the failing batch (a batch that OOMs is
+    usually not many times too large); a quarter when even the failing run's
+    first forward pass was far over the capacity."""
     return max(1, original_batch_size // (2 if step0_completed else 4))
 
 
@@ -264,7 +300,99 @@ def probe_divisor(snapshot: Snapshot) -> int:
 
 
 def first_probe_for(snapshot: Snapshot, original_batch_size: int) -> int:
+    """The first batch to replay: the failing run's own estimate of the
+    largest batch that fits (estimated_max_batch), else a fixed fraction."""
+    estimate = estimated_max_batch(snapshot, original_batch_size)
+    if estimate is not None:
+        return max(1, min(estimate, original_batch_size - 1))
     return max(1, original_batch_size // probe_divisor(snapshot))
+
+
+# The backward's peak over the forward's activations, per sample: the
+# gradients flowing back and the loss's copies of the logits come on top
+# (1.0 to 1.4 on the H100 runs of benchmarks/batch_search.py --offline).
+BACKWARD_OVER_FORWARD = 1.1
+
+
+def estimated_max_batch(snapshot: Snapshot, original_batch_size: int) -> int | None:
+    """The largest batch that fits, guessed from the failing run alone, for
+    the first replay: near the limit, that replay measures the most (one that
+    fits gives every phase's peak; one that runs out of memory in a later
+    step gives the first step's peaks and the fragmentation at the limit).
+
+    Per sample: the activations the failing run's first forward had made by
+    the OOM, scaled by how far the forward got (the OOM's module among the
+    model's repeated blocks), times BACKWARD_OVER_FORWARD. Fixed: what was
+    alive when the step began, plus gradients and optimizer state (estimated
+    from the optimizer's class when the OOM came before its first step).
+    None when the failing run did not measure enough (no step start, an OOM
+    outside the first step's forward and no completed forward)."""
+    oom = snapshot.oom
+    capacity = snapshot.device.capacity_bytes or (oom.capacity_bytes if oom else 0)
+    first = next((step for step in snapshot.steps if step.index <= 0), None)
+    if (
+        oom is None
+        or original_batch_size <= 0
+        or not capacity
+        or first is None
+        or first.start_allocated_bytes is None
+    ):
+        return None
+    start = first.start_allocated_bytes
+    forward_peak = first.phase_peaks.get("forward")
+    if (oom.step or 0) == 0 and oom.phase == "forward":
+        made = oom.needed_bytes - start
+        activations = made / forward_progress(snapshot, made) if made > 0 else 0
+    elif forward_peak is not None and first.forward_calls <= 1:
+        activations = forward_peak - start  # the whole first forward completed
+    else:
+        return None
+    if activations <= 0:
+        return None
+    per_sample = BACKWARD_OVER_FORWARD * activations / original_batch_size
+    parameters = snapshot.breakdown.bytes_of("parameters") or sum(
+        model.parameters_bytes for model in snapshot.models
+    )
+    gradients = max(snapshot.breakdown.bytes_of("gradients"), parameters)
+    fixed = start + gradients + optimizer_state_estimate(snapshot)
+    if fixed >= capacity:
+        return 0
+    return int((capacity - fixed) // per_sample)
+
+
+def forward_progress(snapshot: Snapshot, made_bytes: float) -> float:
+    """How much of the first forward's activations the failing run had made
+    when it ran out of memory (0 < progress <= 1), from the module that asked
+    for the memory: inside a run of repeated blocks (a transformer's layers),
+    the blocks before it plus half its own; outside any module, after the
+    model returned (the loss): all of it. Blocks are assumed alike, which
+    overstates the later blocks of a CNN (whose feature maps shrink): the
+    first replay then fits, below the limit. 1 when unknown."""
+    module = snapshot.oom.extra.get("module") if snapshot.oom else None
+    if not isinstance(module, str):
+        return 1.0
+    groups = [block for model in snapshot.models for block in model.repeated_blocks]
+    groups = [block for block in groups if block.count >= 2]
+    total = sum(block.count for block in groups)
+    offset = 0
+    for block in groups:
+        prefix = "" if block.path == "(root)" else block.path + "."
+        rest = module[len(prefix) :] if module.startswith(prefix) else None
+        index = rest.split(".", 1)[0] if rest else ""
+        if index.isdigit():
+            done = offset + min(int(index), block.count - 1) + 0.5
+            # The blocks' own activations (the module table, when there is
+            # one, plus the failed request) extrapolate to all blocks; the
+            # rest (embeddings, a CNN's stem) was made once.
+            in_blocks = made_bytes
+            for entry in snapshot.modules:
+                if entry.path == block.path:
+                    request = snapshot.oom.requested_bytes if snapshot.oom else 0
+                    in_blocks = min(made_bytes, entry.bytes.bytes_of("activations") + request)
+            whole = made_bytes - in_blocks + in_blocks * total / done
+            return max(1e-3, min(1.0, made_bytes / whole)) if whole > 0 else 1.0
+        offset += block.count
+    return 1.0
 
 
 def search_max_batch(
@@ -278,9 +406,11 @@ def search_max_batch(
     """Find the largest batch size that fits, exactly when the trials allow.
 
     `runs` holds what is known already (the failing run at the original batch
-    size, maybe a first probe); `trial(b)` replays at batch size b. Each trial
-    goes where the model predicts the limit (clamped inside the bracket of
-    known fit and known OOM); when the model stalls, the bracket is bisected.
+    size, maybe a first probe); `trial(b)` replays at batch size b; `probe`
+    is the first (first_probe_for). Each trial goes where the model predicts
+    the limit (clamped inside the bracket of known fit and known OOM), or,
+    within the allocator's fragmentation of a fit, halfway there; when the
+    model stalls, the bracket is bisected.
     """
     runs = list(runs)
     known = [run for run in runs if not run.inconclusive]
@@ -289,26 +419,52 @@ def search_max_batch(
     failing = next(
         (run for run in runs if run.batch_size == original_batch_size and not run.fits), None
     )
-    result = SearchResult(original_batch_size, lo or None, False, [], [])
+    result = SearchResult(original_batch_size, lo or None, False, [], [], trial=trial)
     guided = 0
     optimistic = False
     while hi - lo > 1 and len(result.trials) < max_trials:
         model = fit_model(runs)
-        # Fragmentation seen at the nearest OOM makes the device smaller,
-        # unless a batch the model thought too large for that has just fit.
-        slack = 0 if optimistic else _slack_near(runs, hi)
+        # Fragmentation seen at the nearest OOM makes the device smaller
+        # where that OOM's phase is the one that decides the limit, unless
+        # a batch the model thought too large for that has just fit.
+        slack = 0 if optimistic else _slack_near(runs, hi, model)
         prediction = model.largest_fitting(capacity_bytes - slack)
         if not any(run.batch_size < original_batch_size for run in runs) and probe is not None:
             candidate = min(max(1, probe), hi - 1)
+        elif lo == 0 and prediction is not None and _measured_a_step(runs, hi):
+            # Nothing fits yet, but the smallest OOM came in a later step:
+            # the model has the first step's lines and the fragmentation.
+            candidate = min(max(prediction, 1), hi - 1)
         elif lo == 0:
-            # Nothing fits yet, so the model knows no steady step: step well
-            # below the smallest OOM (far below when even its first forward failed).
-            divisor = 4 if _oom_in_first_forward(runs, hi) else 2
-            candidate = max(
-                1, min(prediction, hi // 2) if prediction is not None else hi // divisor
-            )
+            # Nothing fits yet, so the model knows no steady step.
+            if any(run.batch_size == hi for run in result.trials):
+                # The smallest OOM, a replay's, came in its first step:
+                # estimate again from it (how far its forward got), at most
+                # 3/4 of it (an estimate too large once tends to be again).
+                again = _estimate_below(result.trials, hi)
+                candidate = max(1, min(again or hi, hi * 3 // 4))
+            else:
+                # Step well below the smallest OOM (far below when even its
+                # first forward failed).
+                divisor = 4 if _oom_in_first_forward(runs, hi) else 2
+                candidate = max(
+                    1, min(prediction, hi // 2) if prediction is not None else hi // divisor
+                )
         elif prediction is None or guided >= BISECT_AFTER:
             candidate = (lo + hi) // 2  # the model did not converge: bisect
+        elif (
+            1 < prediction - lo <= ENDGAME_SAMPLES
+            and slack == 0
+            and _fragments(runs)
+            and (model.need(prediction) or 0) - (model.need(lo) or 0)
+            <= ENDGAME_SHARE * capacity_bytes
+        ):
+            # A fit a few samples and a percent or two of the device below
+            # the prediction, on an allocator that fragments, with no OOM
+            # here to say by how much: the limit is anywhere from the fit to
+            # the prediction (which counts allocated bytes only), so take the middle.
+            guided += 1
+            candidate = min((lo + prediction + 1) // 2, hi - 1)
         else:
             guided += 1
             candidate = min(max(prediction, lo + 1), hi - 1)
@@ -325,6 +481,8 @@ def search_max_batch(
             optimistic = optimistic or (prediction is not None and candidate > prediction)
             lo = max(lo, candidate)
         else:
+            if candidate < hi:
+                optimistic = False  # a new OOM nearer the limit: its fragmentation counts
             hi = min(hi, candidate)
             if (
                 failing is not None
@@ -351,12 +509,46 @@ def _oom_in_first_forward(runs: list[BatchRun], hi: int) -> bool:
     return False
 
 
-def _slack_near(runs: list[BatchRun], hi: int) -> int:
-    """The fragmentation seen at the OOM nearest the limit (0 on the simulated device)."""
+def _fragments(runs: list[BatchRun]) -> bool:
+    """The allocator held more than was allocated at some peak or OOM (CUDA's
+    caching allocator; never the simulated device)."""
+    return any(
+        run.slack_bytes > 0 or (run.peak_reserved_bytes or 0) > (run.peak_allocated_bytes or 0)
+        for run in runs
+        if not run.inconclusive
+    )
+
+
+def _measured_a_step(runs: list[BatchRun], hi: int) -> bool:
+    """The OOM at `hi` came after its first step completed: the model has
+    that step's lines, and the OOM's fragmentation is the limit's."""
+    return any(
+        run.batch_size == hi and not run.fits and (FIRST, "backward") in run.exact for run in runs
+    )
+
+
+def _estimate_below(trials: list[BatchRun], hi: int) -> int | None:
+    """The largest batch estimated from a first-step OOM of the replay at
+    `hi`, when it is below `hi`."""
+    for run in trials:
+        if run.batch_size == hi and run.estimated_max is not None:
+            return run.estimated_max if run.estimated_max < hi else None
+    return None
+
+
+def _slack_near(runs: list[BatchRun], hi: int, model: BatchModel) -> int:
+    """The fragmentation seen at the OOM nearest the limit (0 on the simulated
+    device), where that OOM came in the phase that decides the limit: a
+    first forward's OOM far above the limit says little about the allocator
+    there."""
     at_limit = [
         run for run in runs if not run.fits and not run.inconclusive and run.batch_size == hi
     ]
-    return at_limit[-1].slack_bytes if at_limit else 0
+    if not at_limit:
+        return 0
+    binding = model.binding(max(hi - 1, 1))
+    run = at_limit[-1]
+    return run.slack_bytes if binding is None or binding in run.lower_bounds else 0
 
 
 def _same_oom(run: BatchRun, failing: BatchRun) -> bool:

@@ -1,0 +1,86 @@
+"""The largest-batch search on what replays measured on an H100 (torch 2.11,
+16 GiB cap): tests/data/batch_grid/, recorded by benchmarks/batch_grid.py and
+replayed offline as benchmarks/batch_search.py --offline does. Deterministic:
+the search reads only the recorded captures."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import pytest
+from conftest import REPO_ROOT
+
+from oomdoc.replay.batch import first_probe_for, observe, search_max_batch
+
+
+def recorded(case: str):
+    name = "batch_grid"
+    module = sys.modules.get(name)
+    if module is None:
+        spec = importlib.util.spec_from_file_location(
+            name, REPO_ROOT / "benchmarks" / "batch_grid.py"
+        )
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return module.RecordedGrid.load(REPO_ROOT / "tests" / "data" / "batch_grid" / f"{case}.json")
+
+
+# The largest batch that fits, as `oomdoc run` found it on that H100 before.
+KNOWN_MAX = {"gpt": 20, "resnet": 192, "hf": 7, "lightning": 24}
+
+
+@pytest.mark.parametrize("case", sorted(KNOWN_MAX))
+def test_the_recorded_runs_hold_the_limit(case):
+    grid = recorded(case)
+    assert grid.true_max == KNOWN_MAX[case]
+    assert grid.runs[grid.true_max]["outcome"] == "ok"
+    assert grid.runs[grid.true_max + 1]["outcome"] == "oom"
+    assert grid.failing.outcome == "oom" and grid.failing.oom.step == 0
+
+
+@pytest.mark.parametrize("case", sorted(KNOWN_MAX))
+def test_exact_in_at_most_three_replays(case):
+    grid = recorded(case)
+    failing = grid.failing
+    result = search_max_batch(
+        grid.original,
+        failing.device.capacity_bytes,
+        [observe(failing, grid.original)],
+        grid.trial,
+        probe=first_probe_for(failing, grid.original),
+    )
+    probes = [(run.batch_size, run.fits) for run in result.trials]
+    assert result.exact and result.max_batch_size == grid.true_max, probes
+    assert len(result.trials) <= 3, probes
+    # Proven by measurement: the maximum ran and fit, one more ran out of memory.
+    assert (grid.true_max, True) in probes and (grid.true_max + 1, False) in probes
+
+
+def test_the_first_probe_is_near_the_limit_not_half_the_batch():
+    """From the failing run alone (how far its first forward got, the
+    parameters and the optimizer). The transformers' blocks are alike: within
+    a fifth of the limit, where half the failing batch is up to 5x off.
+    ResNet's later blocks hold far less than its first ones, which the
+    estimate takes as alike: it errs low, on a batch that fits."""
+    for case in ("gpt", "hf", "lightning"):
+        grid = recorded(case)
+        probe = first_probe_for(grid.failing, grid.original)
+        assert abs(probe - KNOWN_MAX[case]) <= KNOWN_MAX[case] / 5, (case, probe)
+    assert recorded("lightning").original // 2 > 5 * KNOWN_MAX["lightning"]
+    resnet = recorded("resnet")
+    assert first_probe_for(resnet.failing, resnet.original) < KNOWN_MAX["resnet"] / 2
+
+
+def test_an_off_grid_batch_is_interpolated_between_recorded_ones():
+    grid = recorded("resnet")
+    low, high, middle = grid.runs[128], grid.runs[160], grid.capture(144)
+    assert middle["outcome"] == "ok" and grid.interpolated == [144]
+    for step in range(2):
+        for phase in ("forward", "backward"):
+            values = [run["steps"][step]["phase_peaks"][phase] for run in (low, middle, high)]
+            assert values[0] < values[1] < values[2]
+    above = grid.capture(grid.true_max + 5)
+    assert above["outcome"] == "oom"
