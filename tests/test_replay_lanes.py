@@ -53,6 +53,11 @@ def test_replay_jobs_from_the_option_else_the_machine():
     assert replay_jobs(snapshot, Options()) == 1
     Options.distributed, Options.replay_jobs = None, None
     assert replay_jobs(snapshot, Options()) == default_jobs("simulated")
+    # On CUDA, one unless asked (see CUDA_SIDE_BY_SIDE_BY_DEFAULT), whatever the machine.
+    cuda = Snapshot.from_dict({"device": {"kind": "cuda", "capacity_bytes": 1}})
+    assert replay_jobs(cuda, Options()) == 1
+    Options.replay_jobs = 3
+    assert replay_jobs(cuda, Options()) == 3
 
 
 class Blocked:
