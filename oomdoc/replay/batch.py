@@ -322,7 +322,8 @@ def estimated_max_batch(snapshot: Snapshot, original_batch_size: int) -> int | N
 
     Per sample: the activations the failing run's first forward had made by
     the OOM, scaled by how far the forward got (the OOM's module among the
-    model's repeated blocks), times BACKWARD_OVER_FORWARD. Fixed: what was
+    model's repeated blocks), times BACKWARD_OVER_FORWARD (and at least
+    what an OOM after the forward had needed by then). Fixed: what was
     alive when the step began, plus gradients and optimizer state (estimated
     from the optimizer's class when the OOM came before its first step).
     None when the failing run did not measure enough (no step start, an OOM
@@ -350,6 +351,9 @@ def estimated_max_batch(snapshot: Snapshot, original_batch_size: int) -> int | N
     if activations <= 0:
         return None
     per_sample = BACKWARD_OVER_FORWARD * activations / original_batch_size
+    if (oom.step or 0) == 0 and oom.phase != "forward":
+        # After the forward, in its first step: what it needed by then is a floor.
+        per_sample = max(per_sample, (oom.needed_bytes - start) / original_batch_size)
     parameters = snapshot.breakdown.bytes_of("parameters") or sum(
         model.parameters_bytes for model in snapshot.models
     )
