@@ -3,8 +3,9 @@
 For each model: what the capture costs per training step (the same script
 run plainly and under `oomdoc run --no-replay`, interleaved, median step time
 as the script itself prints it) and over the whole process (start-up
-included), whether that cost stays flat over a long run (the feature-keeping leak: median of the last steps over the first ones,
-under oomdoc relative to plain), how many replays `oomdoc run` needed for the
+included), whether that cost stays flat over a long run (the
+feature-keeping leak: median of the last steps over the first ones, under
+oomdoc relative to plain), how many replays `oomdoc run` needed for the
 exact max batch (the snapshot's replay.batch_search.trials), the whole
 `oomdoc run`'s wall time (the failing run and every replay) and how many
 replays it ran (side by side: `--replay-jobs`, else as the machine allows).
