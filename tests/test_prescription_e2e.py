@@ -95,9 +95,10 @@ def test_a_hugging_face_trainer_prescription_fits_when_run_by_hand(tmp_path):
 
 
 def test_a_lightning_prescription_with_accumulation_is_measured_with_it(tmp_path):
-    """The Lightning Trainer at batch 64 on 7.5 MiB, where 20 fits: 4
-    micro-batches of 16 through the Trainer's accumulate_grad_batches. The
-    prescription's peak is measured with the accumulation running (the
+    """The Lightning Trainer at batch 64 on 7.5 MiB, where 20 fits (but
+    leaves less than the 5% margin free): micro-batches through the
+    Trainer's accumulate_grad_batches that keep the effective batch of 64.
+    The prescription's peak is measured with the accumulation running (the
     micro-batches after the first run with the gradients alive); the replay
     with the script's own flags raises its --steps to run two optimizer
     steps, and peaks the same; so does the script run by hand with the
@@ -113,15 +114,19 @@ def test_a_lightning_prescription_with_accumulation_is_measured_with_it(tmp_path
         cwd=tmp_path,
     )
     assert document["outcome"] == "oom", completed.stderr[-3000:]
+    assert document["replay"]["batch_search"]["max_batch_size"] == 20
     prescription = document["prescription"]
-    assert (prescription["batch_size"], prescription["accumulation_steps"]) == (16, 4)
+    micro, steps = prescription["batch_size"], prescription["accumulation_steps"]
+    assert micro * steps == 64 and steps > 1 and micro < 20
+    assert prescription["accumulation_measured"] is True
     snippet = prescription["snippet"]
-    assert "accumulate_grad_batches=4," in snippet and "batch_size=16 in your DataModule" in snippet
+    assert f"accumulate_grad_batches={steps}," in snippet
+    assert f"batch_size={micro} in your DataModule" in snippet
     checked = prescription["verified_by_flags"]
-    assert checked["args"] == ["--batch-size", "16", "--accumulate-grad-batches", "4"]
+    assert checked["args"] == ["--batch-size", str(micro), "--accumulate-grad-batches", str(steps)]
     assert checked["accumulation_covered"] is True
-    assert checked["note"].startswith("--steps raised to 8")
+    assert checked["note"].startswith(f"--steps raised to {2 * steps}")
     assert 0.95 <= checked["peak_ratio"] <= 1.05, checked
-    assert "--steps raised to 8" in completed.stderr
+    assert f"--steps raised to {2 * steps}" in completed.stderr
     assert "measured with the gradient accumulation running" in completed.stderr
     check_by_hand(tmp_path, "7.5MiB", script, document)

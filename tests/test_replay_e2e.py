@@ -249,11 +249,13 @@ def test_replays_side_by_side_measure_what_one_at_a_time_measures(replayed, tmp_
             for fix in document["fixes"]
         ]
 
+    # The prescription's own replays (with its accumulation, with the script's
+    # flags) follow the throughput-ranked choice, which timings may change.
     def measured(document):
         return {
             run["label"]: (run["outcome"], run["peak_allocated_bytes"])
             for run in document["replay"]["runs"]
-            if not run["label"].startswith("the script's own flags")
+            if not run["label"].startswith(("the script's own flags", "the prescription"))
         }
 
     assert table(parallel) == table(sequential)
@@ -270,11 +272,12 @@ def test_replays_side_by_side_measure_what_one_at_a_time_measures(replayed, tmp_
     assert any(
         run["started_s"] < first_probe["started_s"] + first_probe["wall_s"] for run in runs[1:]
     )
-    peaks = {peak for _outcome, peak in measured(sequential).values()}
     for document in (sequential, parallel):
         prescription = document["prescription"]
         assert prescription["measured"] and prescription["fits"]
+        peaks = {run["peak_allocated_bytes"] for run in document["replay"]["runs"]}
         assert prescription["peak_allocated_bytes"] in peaks
     assert "up to 2 side by side" in result.stderr
     # Numbered as they start: the batch search's first probe first.
-    assert "oomdoc: replay 1: smaller_batch (--batch-size 1024)" in result.stderr
+    first_batch = parallel["replay"]["batch_search"]["trials"][0][0]
+    assert f"oomdoc: replay 1: smaller_batch (--batch-size {first_batch})" in result.stderr
