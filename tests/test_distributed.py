@@ -189,7 +189,7 @@ def test_sigterm_to_oomdoc_stops_every_rank_with_its_capture(tmp_path):
         for line in process.stdout:  # rank 0 prints after step 0's all_reduce
             if line.startswith("step 0:") or time.monotonic() > deadline:
                 break
-        time.sleep(1.0)  # into step 1: rank 0 sleeps, rank 1 waits
+        time.sleep(2.0)  # into step 1: rank 0 sleeps, rank 1 waits
         process.send_signal(signal.SIGTERM)
         _out, err = process.communicate(timeout=JOB_TIMEOUT)
     finally:

@@ -114,6 +114,7 @@ class ParallelCapture:
         self.waiting_at: dict | None = None
         self.signal_name: str | None = None
         self._claimed = threading.Lock()
+        self._waiting_lock = threading.Lock()
         self._owner: str | None = None
         self._writer: Any = None
         self._backend: Any = None
@@ -199,11 +200,13 @@ class ParallelCapture:
             if not numbers:
                 continue
             number = numbers[0]
-            if self.waiting_at is None:
+            if self.signal_name is None:
+                self.signal_name = signal.Signals(number).name
                 frame = sys._current_frames().get(self._main_ident or 0)
                 if frame is not None:
-                    self.waiting_at = waiting_location(stack_of_frame(frame))
-                self.signal_name = signal.Signals(number).name
+                    # The main thread may have left the script's frames by now
+                    # (its own handler ran): then its traceback says where.
+                    self._note_waiting(waiting_location(stack_of_frame(frame)))
             time.sleep(WATCHER_GRACE_S)
             if not self.claim("watcher"):
                 return  # the main thread is writing the capture
@@ -225,6 +228,13 @@ class ParallelCapture:
             finally:
                 os._exit(exit_code)
 
+    def _note_waiting(self, location: dict | None) -> None:
+        """Where the main thread was stopped: the first place found wins, and
+        the watcher thread and the main thread may both look, concurrently."""
+        with self._waiting_lock:
+            if self.waiting_at is None and location is not None:
+                self.waiting_at = location
+
     def claim(self, owner: str) -> bool:
         """Only one thread writes the capture: the first to claim it."""
         with self._claimed:
@@ -244,7 +254,7 @@ class ParallelCapture:
             location = waiting_location(stack)
             stopped = not isinstance(failure, Exception)  # KeyboardInterrupt, SIGTERM
             if location is not None and (stopped or location.get("collective")):
-                self.waiting_at = location
+                self._note_waiting(location)
         if self.distributed and not self.claim("main"):
             while True:
                 time.sleep(3600)
