@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from oomdoc import frames
 from oomdoc.capture.modules import category_of, phase_from_frames
-from oomdoc.capture.passthrough import CASTS, PassThrough
+from oomdoc.capture.passthrough import PassThrough
 from oomdoc.sizes import format_bytes
 
 OutOfMemoryError = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
@@ -213,6 +213,22 @@ def _innermost_user_code(frame) -> tuple:
     return None, 0
 
 
+def _engine_callers() -> frozenset:
+    """ids of the code objects of torch's functions that run the autograd
+    engine: while one runs under the tracker's backward wrapper, it is alive."""
+    found = set()
+    try:
+        from torch.autograd import graph
+
+        found.add(id(graph._engine_run_backward.__code__))
+    except Exception:
+        pass
+    return frozenset(found)
+
+
+_ENGINE_CALLERS = _engine_callers()
+
+
 class _StorageRef(weakref.ref):
     """A weak reference to a storage that names its key when the storage
     dies: cheaper than weakref.finalize, paid for every new storage."""
@@ -288,6 +304,36 @@ if _DYNAMO_GUARD is not None:
         )
 
 
+class _RuleLookup:
+    """For every op a mode sees, torch asks in Python whether a dispatch rule
+    was registered for the mode's class (torch.library.register_torch_dispatch):
+    never for this private one. The lookup answers that first, for a tenth of
+    the cost, and asks torch's for every other class."""
+
+    def __init__(self) -> None:
+        self._registry = sys.modules.get("torch._library.simple_registry")
+        self._original = getattr(self._registry, "find_torch_dispatch_rule", None)
+        self._installed = None
+        if self._original is None:
+            return
+        original = self._original
+
+        def find_torch_dispatch_rule(op, torch_dispatch_class):
+            if torch_dispatch_class is _CountingMode:
+                return None
+            return original(op, torch_dispatch_class)
+
+        self._installed = find_torch_dispatch_rule
+        self._registry.find_torch_dispatch_rule = find_torch_dispatch_rule
+
+    def remove(self) -> None:
+        if self._installed is not None and (
+            getattr(self._registry, "find_torch_dispatch_rule", None) is self._installed
+        ):
+            self._registry.find_torch_dispatch_rule = self._original
+        self._installed = None
+
+
 def _flat_tensors(value, found: list) -> list:
     """The tensors in nested lists, tuples and dicts, in pytree's order."""
     if isinstance(value, _Tensor):
@@ -307,8 +353,8 @@ def _flat_tensors(value, found: list) -> list:
 # an in-place update (every output is a written input: `add_`, `mul_`; not
 # one that can resize or replace its storage: `resize_`, `set_`, `out=`
 # variants) there is nothing new to count: the inputs were looked at before
-# the op. A cast (aten.to) is let through when its `self` is a number.
-_COUNT, _VIEW, _IN_PLACE, _CAST = "count", "view", "in-place", "cast"
+# the op.
+_COUNT, _VIEW, _IN_PLACE = "count", "view", "in-place"
 _OP_ENTRIES: dict = {}
 _PlainOverload = getattr(torch._ops, "OpOverload", None)
 
@@ -317,14 +363,10 @@ def _op_entry(func) -> tuple:
     call = func
     if _PlainOverload is not None and type(func) is _PlainOverload:
         call = getattr(func, "_op", func)
-    kind = _COUNT
-    if func in CASTS:
-        kind = _CAST
-    else:
-        try:
-            kind = _kind_of(func)
-        except Exception:
-            pass
+    try:
+        kind = _kind_of(func)
+    except Exception:
+        kind = _COUNT
     # Keyed by id: an OpOverload lives as long as the process (torch caches
     # it, and so does the entry).
     entry = _OP_ENTRIES[id(func)] = (call, kind, func)
@@ -382,11 +424,16 @@ class SimulatedBackend(Backend):
         self._records: dict[int, StorageRecord] = {}
         self._finalizers: dict[int, _StorageRef] = {}
         self._freed_callback = self._on_storage_freed  # one bound method, made once
+        # In a backward pass, the frame that runs the autograd engine, with the
+        # user code above it: every storage the engine's own nodes make has the
+        # same site. Held only while the tracker's backward wrapper runs.
+        self._engine_frame: tuple | None = None
         self._live = 0
         self._peak = 0
         self.enabled = False
         self._mode = None
         self._pass_through: PassThrough | None = None
+        self._rule_lookup: _RuleLookup | None = None
         self.tracker = None
         self._sequence = 0
         # Bytes per category. Parameters, gradients and optimizer state are
@@ -415,6 +462,7 @@ class SimulatedBackend(Backend):
         self.tracker = tracker
         self._mode = _CountingMode(self)
         self._mode.__enter__()
+        self._rule_lookup = _RuleLookup()
         if self._use_pass_through:
             self._pass_through = PassThrough(self._mode)
             self._pass_through.install()
@@ -436,6 +484,9 @@ class SimulatedBackend(Backend):
 
     def uninstall(self) -> None:
         self.enabled = False
+        if self._rule_lookup is not None:
+            self._rule_lookup.remove()
+            self._rule_lookup = None
         if self._pass_through is not None:
             self._pass_through.remove()
             self._pass_through = None
@@ -453,9 +504,7 @@ class SimulatedBackend(Backend):
         if entry is None:
             entry = _op_entry(func)
         call, kind, _func = entry
-        if not self.enabled or (kind is _CAST and args and not isinstance(args[0], _Tensor)):
-            # The cast of a Python number inside a pass-through op's kernel
-            # (oomdoc.capture.passthrough): never seen before, never counted.
+        if not self.enabled:
             return call(*args, **kwargs) if kwargs else call(*args)
         records = self._records
         for item in args:
@@ -568,12 +617,20 @@ class SimulatedBackend(Backend):
         Python 3.11+ each frame looked at is made into a frame object."""
         tracker = self.tracker
         nbytes = storage.nbytes()
+        frame = sys._getframe(depth)
         if tracker is not None:
             step, phase = tracker.step_index, tracker.phase
             module = tracker.scopes.allocation_path()
+            engine = self._engine_frame
+            if engine is not None and engine[0] is frame:
+                code, line = engine[1], engine[2]
+            else:
+                code, line = _innermost_user_code(frame)
+                if tracker.in_backward and id(frame.f_code) in _ENGINE_CALLERS:
+                    self._engine_frame = (frame, code, line)
         else:
             step, phase, module = 0, "setup", None
-        code, line = _innermost_user_code(sys._getframe(depth))
+            code, line = _innermost_user_code(frame)
         # The one category rule (oomdoc.capture.modules), for the breakdown,
         # the sites and the modules alike.
         category = _PHASE_CATEGORIES.get(phase)
@@ -596,9 +653,15 @@ class SimulatedBackend(Backend):
             self._forward_backward_total += nbytes
             if step > self._forward_backward_last_step:
                 self._forward_backward_last_step = step
-        if self._mark_added is not None:
-            self._mark_added.add(key)
-            self._check_mark_log()
+        added = self._mark_added
+        if added is not None:
+            added.add(key)
+            if len(added) + len(self._mark_freed) > self._mark_log_limit:
+                self._check_mark_log()
+
+    def backward_ended(self) -> None:
+        """The tracker's backward wrapper returns: let go of the engine frame."""
+        self._engine_frame = None
 
     def _resize(self, key, record: StorageRecord, nbytes: int) -> None:
         grown = nbytes - record.nbytes
@@ -623,12 +686,6 @@ class SimulatedBackend(Backend):
         if key is None or self._finalizers.get(key) is not reference:
             return  # detached, or a stale reference to a key in use again
         del self._finalizers[key]
-        record = self._records.pop(key, None)
-        if record is not None:
-            self._forget(key, record)
-
-    def _on_free(self, key) -> None:
-        self._finalizers.pop(key, None)
         record = self._records.pop(key, None)
         if record is not None:
             self._forget(key, record)

@@ -9,14 +9,10 @@ the dispatcher goes straight to the CPU kernel and the mode never sees them.
 
 What the device counts does not change: an op of PASS_THROUGH_OPS neither
 makes nor resizes a storage, and its CPU kernel (dense tensors of one dtype)
-dispatches only other ops of the list. One difference: a storage made
-outside torch's ops (torch.from_numpy, a DataLoader worker's shared memory)
-is counted from the first counted op that touches it, as before, but a
-pass-through op no longer counts as touching it. A pass-through in-place op
-casts a Python number operand (`x.mul_(0.9)`) through `aten.to`, which the
-mode then sees with a number for `self` (a tensor can only be cast through
-a tensor): the mode lets an op of CASTS with a number for `self` through
-uncounted, as it was never seen before.
+dispatches nothing the mode would count (views). One difference: a storage
+made outside torch's ops (torch.from_numpy, a DataLoader worker's shared
+memory) is counted from the first counted op that touches it, as before, but
+a pass-through op no longer counts as touching it.
 
 The registrations are global to the process, and would also skip the
 `__torch_dispatch__` of any other mode or tensor subclass (torch.compile's
@@ -31,10 +27,10 @@ import torch
 import torch.utils._python_dispatch as python_dispatch
 
 # Ops that neither make nor resize a storage, and whose CPU kernels dispatch
-# nothing else (or only ops of this list). In-place ops that take a second
-# tensor operand are left out: given two dtypes, their kernels cast it
-# through ops that allocate (aten.to, aten.empty_like), which the mode
-# would then count.
+# nothing else (or only views). In-place ops that take a tensor operand
+# (`add_`, `mul_(0.9)`: a Python number becomes a tensor) are left out:
+# given two dtypes, their kernels cast it through ops that allocate
+# (aten.to, aten.empty_like), which the mode would then count.
 PASS_THROUGH_OPS = (
     # Views: the output shares the input's storage.
     "aten::view",
@@ -70,11 +66,6 @@ PASS_THROUGH_OPS = (
     "profiler::_record_function_exit._RecordFunction",
 )
 
-CASTS = frozenset(
-    overload
-    for name in ("dtype", "device", "dtype_layout", "other")
-    if (overload := getattr(torch.ops.aten.to, name, None)) is not None
-)
 _Tensor = torch.Tensor
 
 

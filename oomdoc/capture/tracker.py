@@ -318,6 +318,11 @@ class Tracker:
         replayed fixes reach it through the tracker they are given."""
         return checkpoint_targets(model)
 
+    @property
+    def in_backward(self) -> bool:
+        """Inside torch.autograd.backward or grad (the wrapped ones)."""
+        return self._backward_depth > 0
+
     def _on_registration(self, module, name, value):
         self._registration_epoch += 1
 
@@ -351,6 +356,9 @@ class Tracker:
             try:
                 return original(*args, **kwargs)
             finally:
+                ended = getattr(tracker.backend, "backward_ended", None)
+                if ended is not None:
+                    ended()
                 tracker._backward_depth -= 1
 
         wrapped.__wrapped__ = original
