@@ -142,8 +142,8 @@ def _limit_backend_class():
             self._finalizers.clear()
             self._records.clear()
 
-        def _register(self, key, storage, tensor) -> None:
-            super()._register(key, storage, tensor)
+        def _register(self, key, storage, tensor, depth: int = 1) -> None:
+            super()._register(key, storage, tensor, depth + 1)
             if self._live > self.high_water:
                 self.high_water = self._live
                 if self._live > self.limit_bytes and (

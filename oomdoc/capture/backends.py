@@ -11,12 +11,15 @@ from __future__ import annotations
 import os
 import sys
 import weakref
+from itertools import compress
+from operator import attrgetter, methodcaller
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from oomdoc import frames
 from oomdoc.capture.modules import category_of, phase_from_frames
+from oomdoc.capture.passthrough import PassThrough
 from oomdoc.sizes import format_bytes
 
 OutOfMemoryError = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
@@ -133,6 +136,22 @@ class Backend:
         """Bytes the device really spends on a storage of `nbytes`."""
         return nbytes
 
+    def storage_table(self, tensors) -> dict:
+        """{storage key: storage_bytes} of the tensors (None allowed) on this
+        device, each storage once."""
+        table: dict = {}
+        for tensor in tensors:
+            if tensor is None or not self.owns(tensor):
+                continue
+            try:
+                storage = tensor.untyped_storage()
+                key = storage._cdata
+                if key not in table:
+                    table[key] = self.storage_bytes(storage.nbytes())
+            except Exception:  # sparse and other storage-less layouts
+                pass
+        return table
+
     def live_storages(self):
         """Yield (key, bytes, StorageRecord|None) for each live allocation when
         the backend can see them one by one, else nothing."""
@@ -163,9 +182,17 @@ def storage_key(tensor: torch.Tensor):
 
 _Tensor = torch.Tensor
 _FORWARD_BACKWARD = frozenset(("forward", "backward"))
+_PHASE_CATEGORIES: dict = {}  # phase -> category_of(None, phase)
+_IS_CPU = attrgetter("is_cpu")
+_UNTYPED_STORAGE = methodcaller("untyped_storage")
+_STORAGE_KEY = attrgetter("_cdata")
+_NBYTES = methodcaller("nbytes")
 
-# Code object -> is it the user's? The innermost user frame is looked up for
-# every new storage: a dict lookup per frame instead of a path check.
+# id(code object) -> (code, is it the user's?). The innermost user frame is
+# looked up for every new storage: a dict lookup per frame instead of a path
+# check. Keyed by id, not by the code object, whose hash is computed anew
+# from its bytecode and constants at every lookup; the entry keeps the code
+# alive, so an id is never reused while it is in the table.
 _USER_CODE: dict = {}
 _USER_CODE_LIMIT = 1 << 16
 
@@ -175,15 +202,31 @@ def _innermost_user_code(frame) -> tuple:
     cache = _USER_CODE
     while frame is not None:
         code = frame.f_code
-        user = cache.get(code)
-        if user is None:
+        entry = cache.get(id(code))
+        if entry is None:
             if len(cache) >= _USER_CODE_LIMIT:
                 cache.clear()
-            user = cache[code] = frames.is_user_file(code.co_filename)
-        if user:
+            entry = cache[id(code)] = (code, frames.is_user_file(code.co_filename))
+        if entry[1]:
             return code, frame.f_lineno
         frame = frame.f_back
     return None, 0
+
+
+def _engine_callers() -> frozenset:
+    """ids of the code objects of torch's functions that run the autograd
+    engine: while one runs under the tracker's backward wrapper, it is alive."""
+    found = set()
+    try:
+        from torch.autograd import graph
+
+        found.add(id(graph._engine_run_backward.__code__))
+    except Exception:
+        pass
+    return frozenset(found)
+
+
+_ENGINE_CALLERS = _engine_callers()
 
 
 class _StorageRef(weakref.ref):
@@ -261,6 +304,36 @@ if _DYNAMO_GUARD is not None:
         )
 
 
+class _RuleLookup:
+    """For every op a mode sees, torch asks in Python whether a dispatch rule
+    was registered for the mode's class (torch.library.register_torch_dispatch):
+    never for this private one. The lookup answers that first, for a tenth of
+    the cost, and asks torch's for every other class."""
+
+    def __init__(self) -> None:
+        self._registry = sys.modules.get("torch._library.simple_registry")
+        self._original = getattr(self._registry, "find_torch_dispatch_rule", None)
+        self._installed = None
+        if self._original is None:
+            return
+        original = self._original
+
+        def find_torch_dispatch_rule(op, torch_dispatch_class):
+            if torch_dispatch_class is _CountingMode:
+                return None
+            return original(op, torch_dispatch_class)
+
+        self._installed = find_torch_dispatch_rule
+        self._registry.find_torch_dispatch_rule = find_torch_dispatch_rule
+
+    def remove(self) -> None:
+        if self._installed is not None and (
+            getattr(self._registry, "find_torch_dispatch_rule", None) is self._installed
+        ):
+            self._registry.find_torch_dispatch_rule = self._original
+        self._installed = None
+
+
 def _flat_tensors(value, found: list) -> list:
     """The tensors in nested lists, tuples and dicts, in pytree's order."""
     if isinstance(value, _Tensor):
@@ -272,6 +345,58 @@ def _flat_tensors(value, found: list) -> list:
         for item in value.values():
             _flat_tensors(item, found)
     return found
+
+
+# What dispatch needs to know of an op, looked up once per OpOverload: how to
+# call it (the C++ operator itself, without OpOverload.__call__'s frame) and
+# its kind. After a view (every output aliases an input, nothing written) or
+# an in-place update (every output is a written input: `add_`, `mul_`; not
+# one that can resize or replace its storage: `resize_`, `set_`, `out=`
+# variants) there is nothing new to count: the inputs were looked at before
+# the op.
+_COUNT, _VIEW, _IN_PLACE = "count", "view", "in-place"
+_OP_ENTRIES: dict = {}
+_PlainOverload = getattr(torch._ops, "OpOverload", None)
+
+
+def _op_entry(func) -> tuple:
+    call = func
+    if _PlainOverload is not None and type(func) is _PlainOverload:
+        call = getattr(func, "_op", func)
+    try:
+        kind = _kind_of(func)
+    except Exception:
+        kind = _COUNT
+    # Keyed by id: an OpOverload lives as long as the process (torch caches
+    # it, and so does the entry).
+    entry = _OP_ENTRIES[id(func)] = (call, kind, func)
+    return entry
+
+
+def _kind_of(func) -> str:
+    schema = func._schema
+    returns = schema.returns
+    if not returns or any(ret.alias_info is None for ret in returns):
+        return _COUNT
+    if all(not ret.alias_info.is_write for ret in returns):
+        return _VIEW
+    name = schema.name.split("::")[-1]
+    if (
+        len(returns) == 1
+        and name.endswith("_")
+        and not name.startswith("_")
+        and "out" not in schema.overload_name
+        and not any(word in name for word in ("resize", "set_", "sparse", "swap"))
+        and schema.arguments
+        and schema.arguments[0].alias_info is not None
+        and schema.arguments[0].alias_info.is_write
+        and all(
+            argument.alias_info is None or argument is schema.arguments[0]
+            for argument in schema.arguments
+        )
+    ):
+        return _IN_PLACE
+    return _COUNT
 
 
 class SimulatedBackend(Backend):
@@ -291,14 +416,24 @@ class SimulatedBackend(Backend):
     kind = "simulated"
     per_storage = True
 
-    def __init__(self, capacity_bytes: int):
+    def __init__(self, capacity_bytes: int, pass_through: bool = True):
         self._capacity = int(capacity_bytes)
+        # Let the ops that cannot make a storage skip the mode
+        # (oomdoc.capture.passthrough); tests compare with and without.
+        self._use_pass_through = pass_through
         self._records: dict[int, StorageRecord] = {}
         self._finalizers: dict[int, _StorageRef] = {}
+        self._freed_callback = self._on_storage_freed  # one bound method, made once
+        # In a backward pass, the frame that runs the autograd engine, with the
+        # user code above it: every storage the engine's own nodes make has the
+        # same site. Held only while the tracker's backward wrapper runs.
+        self._engine_frame: tuple | None = None
         self._live = 0
         self._peak = 0
         self.enabled = False
         self._mode = None
+        self._pass_through: PassThrough | None = None
+        self._rule_lookup: _RuleLookup | None = None
         self.tracker = None
         self._sequence = 0
         # Bytes per category. Parameters, gradients and optimizer state are
@@ -308,6 +443,7 @@ class SimulatedBackend(Backend):
             ("parameters", "gradients", "optimizer_state", "activations", "other"), 0
         )
         self._known_applied: dict[int, str] = {}
+        self._known_named: dict = {}  # the last apply_known's argument
         # Live bytes made in the forward or backward of each step.
         self._forward_backward_bytes: dict[int, int] = {}
         self._forward_backward_total = 0
@@ -326,16 +462,34 @@ class SimulatedBackend(Backend):
         self.tracker = tracker
         self._mode = _CountingMode(self)
         self._mode.__enter__()
+        self._rule_lookup = _RuleLookup()
+        if self._use_pass_through:
+            self._pass_through = PassThrough(self._mode)
+            self._pass_through.install()
         self.enabled = True
         # DataLoader workers fork from this process: they must not count (or
         # raise) against the parent's device.
         os.register_at_fork(after_in_child=self._disable_in_child)
+
+    @property
+    def pass_through_active(self) -> bool:
+        return self._pass_through is not None and self._pass_through.active
+
+    @property
+    def pass_through_ops(self) -> list[str]:
+        return list(self._pass_through.ops) if self._pass_through is not None else []
 
     def _disable_in_child(self) -> None:
         self.enabled = False
 
     def uninstall(self) -> None:
         self.enabled = False
+        if self._rule_lookup is not None:
+            self._rule_lookup.remove()
+            self._rule_lookup = None
+        if self._pass_through is not None:
+            self._pass_through.remove()
+            self._pass_through = None
         if self._mode is not None:
             try:
                 self._mode.__exit__(None, None, None)
@@ -346,28 +500,45 @@ class SimulatedBackend(Backend):
     # bookkeeping: the dispatch hot path
     def dispatch(self, func, args, kwargs):
         """Run one op: count new input storages, then its new outputs."""
+        entry = _OP_ENTRIES.get(id(func))  # OpOverload.__hash__ is Python code
+        if entry is None:
+            entry = _op_entry(func)
+        call, kind, _func = entry
         if not self.enabled:
-            return func(*args, **(kwargs or {}))
-        adopt = self.adopt
+            return call(*args, **kwargs) if kwargs else call(*args)
+        records = self._records
         for item in args:
             if isinstance(item, _Tensor):
-                adopt(item)
+                # adopt(item), inline: it runs for every tensor argument.
+                if item.is_cpu:
+                    try:
+                        storage = item.untyped_storage()
+                    except Exception:  # sparse and other storage-less layouts
+                        continue
+                    key = storage._cdata
+                    record = records.get(key)
+                    if record is None:
+                        if storage.nbytes():
+                            self._register(key, storage, item, 3)
+                    elif storage.nbytes() != record.nbytes:  # resized in place
+                        self._resize(key, record, storage.nbytes())
             elif isinstance(item, (list, tuple)):
                 self.adopt_inputs(item, None)
         if kwargs:
             for item in kwargs.values():
                 if isinstance(item, _Tensor):
-                    adopt(item)
+                    self.adopt(item)
                 elif isinstance(item, (list, tuple)):
                     self.adopt_inputs(item, None)
-            out = func(*args, **kwargs)
+            out = call(*args, **kwargs)
         else:
-            out = func(*args)
-        if self.enabled:
-            if isinstance(out, _Tensor):
-                self.register_output(out)
-            elif out is not None:
-                self.register_outputs(out, func)
+            out = call(*args)
+        if kind is _VIEW or kind is _IN_PLACE or not self.enabled:
+            return out  # its outputs are its inputs' storages, looked at above
+        if isinstance(out, _Tensor):
+            self.register_output(out)
+        elif out is not None:
+            self.register_outputs(out, func)
         return out
 
     def adopt(self, tensor: torch.Tensor) -> None:
@@ -383,7 +554,7 @@ class SimulatedBackend(Backend):
         record = self._records.get(key)
         if record is None:
             if storage.nbytes():
-                self._register(key, storage, tensor)
+                self._register(key, storage, tensor, 2)
         else:
             nbytes = storage.nbytes()
             if nbytes != record.nbytes:  # resized in place (resize_, out=)
@@ -412,7 +583,7 @@ class SimulatedBackend(Backend):
             return
         if self._live + nbytes > self._capacity:
             self.raise_oom(nbytes)
-        self._register(key, storage, tensor)
+        self._register(key, storage, tensor, 4)
 
     def register_outputs(self, out, func=None) -> None:
         pending: dict = {}
@@ -438,39 +609,43 @@ class SimulatedBackend(Backend):
         if self._live + requested > self._capacity:
             self.raise_oom(requested)
         for key, (storage, tensor) in pending.items():
-            self._register(key, storage, tensor)
+            self._register(key, storage, tensor, 4)
 
-    def _register(self, key, storage, tensor) -> None:
+    def _register(self, key, storage, tensor, depth: int = 1) -> None:
+        """Count a new storage. `depth`: how many frames above this one are
+        surely oomdoc's (the dispatch path's), skipped without a look: on
+        Python 3.11+ each frame looked at is made into a frame object."""
         tracker = self.tracker
         nbytes = storage.nbytes()
+        frame = sys._getframe(depth)
         if tracker is not None:
             step, phase = tracker.step_index, tracker.phase
             module = tracker.scopes.allocation_path()
+            engine = self._engine_frame
+            if engine is not None and engine[0] is frame:
+                code, line = engine[1], engine[2]
+            else:
+                code, line = _innermost_user_code(frame)
+                if tracker.in_backward and id(frame.f_code) in _ENGINE_CALLERS:
+                    self._engine_frame = (frame, code, line)
         else:
             step, phase, module = 0, "setup", None
-        code, line = _innermost_user_code(sys._getframe(1))
+            code, line = _innermost_user_code(frame)
         # The one category rule (oomdoc.capture.modules), for the breakdown,
         # the sites and the modules alike.
-        category = category_of(None, phase)
-        self._sequence += 1
+        category = _PHASE_CATEGORIES.get(phase)
+        if category is None:
+            category = _PHASE_CATEGORIES[phase] = category_of(None, phase)
+        sequence = self._sequence = self._sequence + 1
         self._records[key] = StorageRecord(
-            nbytes,
-            step,
-            phase,
-            category,
-            code,
-            line,
-            tensor.shape,
-            tensor.dtype,
-            self._sequence,
-            module,
+            nbytes, step, phase, category, code, line, tensor.shape, tensor.dtype, sequence, module
         )
-        reference = _StorageRef(storage, self._on_storage_freed)
+        reference = _StorageRef(storage, self._freed_callback)
         reference.key = key
         self._finalizers[key] = reference
-        self._live += nbytes
-        if self._live > self._peak:
-            self._peak = self._live
+        live = self._live = self._live + nbytes
+        if live > self._peak:
+            self._peak = live
         self._category_bytes[category] += nbytes
         if phase in _FORWARD_BACKWARD:
             table = self._forward_backward_bytes
@@ -478,9 +653,15 @@ class SimulatedBackend(Backend):
             self._forward_backward_total += nbytes
             if step > self._forward_backward_last_step:
                 self._forward_backward_last_step = step
-        if self._mark_added is not None:
-            self._mark_added.add(key)
-            self._check_mark_log()
+        added = self._mark_added
+        if added is not None:
+            added.add(key)
+            if len(added) + len(self._mark_freed) > self._mark_log_limit:
+                self._check_mark_log()
+
+    def backward_ended(self) -> None:
+        """The tracker's backward wrapper returns: let go of the engine frame."""
+        self._engine_frame = None
 
     def _resize(self, key, record: StorageRecord, nbytes: int) -> None:
         grown = nbytes - record.nbytes
@@ -509,12 +690,6 @@ class SimulatedBackend(Backend):
         if record is not None:
             self._forget(key, record)
 
-    def _on_free(self, key) -> None:
-        self._finalizers.pop(key, None)
-        record = self._records.pop(key, None)
-        if record is not None:
-            self._forget(key, record)
-
     def _forget(self, key, record: StorageRecord) -> None:
         nbytes = record.nbytes
         self._live -= nbytes
@@ -539,8 +714,12 @@ class SimulatedBackend(Backend):
     def apply_known(self, known: dict) -> None:
         """Name the storages that are parameters, gradients or optimizer
         state now ({key: category}); every other storage falls back to the
-        category of the phase it was made in. Costs O(len(known))."""
+        category of the phase it was made in. Costs O(len(known)), nothing
+        when it names what the last call named and all of it is still live."""
         applied = self._known_applied
+        if known == self._known_named and len(applied) == len(known):
+            return  # applied holds exactly these keys (a free or a new one differs in size)
+        self._known_named = known
         records = self._records
         counts = self._category_bytes
         for key, category in known.items():
@@ -658,6 +837,16 @@ class SimulatedBackend(Backend):
     def owns(self, tensor: torch.Tensor) -> bool:
         return tensor.is_cpu
 
+    def storage_table(self, tensors) -> dict:
+        # The same as Backend's, in C-level loops: it runs for the parameters
+        # and gradients at every phase boundary.
+        tensors = [tensor for tensor in tensors if tensor is not None]
+        try:
+            storages = list(map(_UNTYPED_STORAGE, compress(tensors, map(_IS_CPU, tensors))))
+        except Exception:  # a sparse tensor
+            return super().storage_table(tensors)
+        return dict(zip(map(_STORAGE_KEY, storages), map(_NBYTES, storages)))
+
     def live_storages(self):
         for key, record in list(self._records.items()):
             yield key, record.nbytes, record
@@ -671,7 +860,7 @@ def storage_sites(items) -> list[dict]:
     locations: dict = {}
     sites = []
     for key, record in items:
-        where = (record.code, record.line)
+        where = (id(record.code), record.line)  # the record keeps its code alive
         location = locations.get(where)
         if location is None and where not in locations:
             location = locations[where] = record.location

@@ -134,6 +134,9 @@ class ModuleScopes:
         self._hooks_pushed = False
         self._original_disable = None
         self.buffer_keys: set = set()
+        # owners(): the last walk over the models' modules, and what it depended on.
+        self._walk: list = []
+        self._walk_signature: tuple | None = None
 
     # ------------------------------------------------------------ naming
     def add_model(self, model: nn.Module) -> None:
@@ -368,11 +371,13 @@ class ModuleScopes:
         return True, entry[0]
 
     # ------------------------------------------------------------ owners
-    def owners(self, optimizers, key_of) -> dict:
+    def owners(self, optimizers, key_of, epoch=None) -> dict:
         """key_of(tensor) -> owning module path, for parameters, buffers,
         their gradients and the optimizer state of those parameters. The
         buffers' keys are also in `self.buffer_keys` (CUDA: a buffer saved
-        for backward is still not an activation)."""
+        for backward is still not an activation). `epoch`: a number that
+        changes whenever a module or parameter is registered anywhere; with
+        it the walk over the models' modules is kept between calls."""
         owners: dict = {}
         buffers: set = set()
         by_parameter: dict[int, str] = {}
@@ -383,25 +388,21 @@ class ModuleScopes:
                 if key is not None and key not in owners:
                     owners[key] = path
 
-        for model_ref in self._models:
-            model = model_ref()
-            if model is None:
+        for path, module_ref in self._named_modules(epoch):
+            module = module_ref()
+            if module is None:
                 continue
-            for module in model.modules():
-                path = self._paths.get(id(module))
-                if path is None:
+            for parameter in module._parameters.values():
+                if parameter is None:
                     continue
-                for parameter in module._parameters.values():
-                    if parameter is None:
-                        continue
-                    by_parameter.setdefault(id(parameter), path)
-                    own(parameter, path)
-                    if parameter.grad is not None:
-                        own(parameter.grad, path)
-                for buffer in module._buffers.values():
-                    own(buffer, path)
-                    if isinstance(buffer, _Tensor):
-                        buffers.add(key_of(buffer))
+                by_parameter.setdefault(id(parameter), path)
+                own(parameter, path)
+                if parameter.grad is not None:
+                    own(parameter.grad, path)
+            for buffer in module._buffers.values():
+                own(buffer, path)
+                if isinstance(buffer, _Tensor):
+                    buffers.add(key_of(buffer))
         for optimizer in list(optimizers):
             for parameter, per_parameter in list(optimizer.state.items()):
                 path = by_parameter.get(id(parameter))
@@ -411,6 +412,23 @@ class ModuleScopes:
                     own(value, path)
         self.buffer_keys = buffers
         return owners
+
+    def _named_modules(self, epoch) -> list:
+        """[(path, weak reference)] of the named modules of the models, in
+        the models' order; walked again unless `epoch` and the models are
+        the ones of the last walk."""
+        models = [model for reference in self._models if (model := reference()) is not None]
+        signature = (epoch, tuple(map(id, models)), len(self._paths))
+        if epoch is not None and signature == self._walk_signature:
+            return self._walk
+        walk = []
+        for model in models:
+            for module in model.modules():
+                path = self._paths.get(id(module))
+                if path is not None:
+                    walk.append((path, weakref.ref(module)))
+        self._walk, self._walk_signature = walk, signature
+        return walk
 
     # ------------------------------------------------------------ tables
     def fold(self, path: str | None) -> tuple:

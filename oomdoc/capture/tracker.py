@@ -14,6 +14,7 @@ import sys
 import time
 import weakref
 from collections import deque
+from operator import attrgetter
 from typing import Callable
 
 import torch
@@ -51,6 +52,8 @@ _DEEP_WALK_MAX_GAP = 256
 # snapshot, costly) only when it is this much above the last one read.
 _CUDA_SITES_GROWTH = 1.25
 _SAMPLED_PHASES = frozenset(("forward", "backward", "optimizer"))
+_CALL = weakref.ref.__call__  # map(_CALL, references): what they refer to, or None
+_GRAD = attrgetter("grad")
 
 
 class Tracker:
@@ -73,6 +76,10 @@ class Tracker:
         self.oom: dict | None = None
         self.modules: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self.optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        # The same, as lists of weak references: iterating a WeakSet costs
+        # more than the few models and optimizers it holds, at every boundary.
+        self._model_refs: list = []
+        self._optimizer_refs: list = []
         self.optimizer_classes: set[str] = set()
         self.models: list[dict] = []
         self._module_depth = 0
@@ -98,7 +105,12 @@ class Tracker:
         # Parameters of each model called, rebuilt only after a parameter or
         # module was registered somewhere (torch's global registration hooks).
         self._registration_epoch = 0
+        self._registration_seen = False  # install(): both registration hooks exist
         self._module_parameters: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # Weak references to every parameter of the models and optimizers,
+        # rebuilt only when the signature of what holds them changes.
+        self._all_parameters: tuple = ()
+        self._all_parameters_signature: tuple | None = None
         # Optimizer state by storage key, read again only after an optimizer
         # step or when an optimizer's state dict changed.
         self._state_table: dict | None = None
@@ -201,7 +213,9 @@ class Tracker:
             # snapshot is written, from a log of what changes from now on
             # (finish()); who owns the named storages is noted now (O(params)).
             self._fold_category_peaks(breakdown)
-            self._mark_owners = self.scopes.owners(self.optimizers, storage_key)
+            self._mark_owners = self.scopes.owners(
+                self._live_optimizers(), storage_key, self._walk_epoch
+            )
             backend.mark_peak()
             self.peak_sample = self._peak_entry(allocated, breakdown, None, None)
         elif (
@@ -298,6 +312,7 @@ class Tracker:
 
         self._handles.append(optim.register_optimizer_step_pre_hook(self._on_optimizer_pre))
         self._handles.append(optim.register_optimizer_step_post_hook(self._on_optimizer_post))
+        registration_hooks = 0
         for name in (
             "register_module_parameter_registration_hook",
             "register_module_module_registration_hook",
@@ -305,6 +320,8 @@ class Tracker:
             register = getattr(module_hooks, name, None)
             if register is not None:
                 self._handles.append(register(self._on_registration))
+                registration_hooks += 1
+        self._registration_seen = registration_hooks == 2
         self._patch(torch.autograd, "backward", self._wrap_backward(torch.autograd.backward))
         self._patch(torch.autograd, "grad", self._wrap_backward(torch.autograd.grad))
         original_init = torch.optim.Optimizer.__init__
@@ -323,8 +340,19 @@ class Tracker:
         replayed fixes reach it through the tracker they are given."""
         return checkpoint_targets(model)
 
+    @property
+    def in_backward(self) -> bool:
+        """Inside torch.autograd.backward or grad (the wrapped ones)."""
+        return self._backward_depth > 0
+
     def _on_registration(self, module, name, value):
         self._registration_epoch += 1
+
+    @property
+    def _walk_epoch(self) -> int | None:
+        """The registration epoch, when torch reports every registration
+        (else None: the models' modules are walked each time)."""
+        return self._registration_epoch if self._registration_seen else None
 
     def _patch(self, owner, name, replacement) -> None:
         self._originals.append((owner, name, getattr(owner, name)))
@@ -350,6 +378,9 @@ class Tracker:
             try:
                 return original(*args, **kwargs)
             finally:
+                ended = getattr(tracker.backend, "backward_ended", None)
+                if ended is not None:
+                    ended()
                 tracker._backward_depth -= 1
 
         wrapped.__wrapped__ = original
@@ -413,6 +444,7 @@ class Tracker:
     def _add_optimizer(self, optimizer) -> None:
         if optimizer not in self.optimizers:
             self.optimizers.add(optimizer)
+            self._optimizer_refs.append(weakref.ref(optimizer))
             self.optimizer_classes.add(type(optimizer).__name__)
 
     def _add_model(self, module) -> None:
@@ -421,6 +453,7 @@ class Tracker:
         if module in self.modules:
             return
         self.modules.add(module)
+        self._model_refs.append(weakref.ref(module))
         self.scopes.add_model(module)
         parameter_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
         self.models.append(
@@ -541,6 +574,8 @@ class Tracker:
         walked = [0]
         for frame in user_frames:
             for name, value in _frame_locals(frame):
+                if not isinstance(value, _CANDIDATE_TYPES):
+                    continue  # most locals: modules, numbers, functions
                 for tensor in _candidate_tensors(value):
                     if id(tensor) in seen_tensors:
                         continue
@@ -588,6 +623,16 @@ class Tracker:
         }
 
     # ------------------------------------------------------------ breakdown
+    def _live_models(self) -> list:
+        return [model for reference in self._model_refs if (model := reference()) is not None]
+
+    def _live_optimizers(self) -> list:
+        return [
+            optimizer
+            for reference in self._optimizer_refs
+            if (optimizer := reference()) is not None
+        ]
+
     def _parameters_of(self, module) -> list:
         """The module's parameters, from a list rebuilt only after a parameter
         or module was registered somewhere. Weak references: a parameter the
@@ -607,7 +652,7 @@ class Tracker:
         """Storage key -> bytes of the optimizers' state tensors. Read again
         only after an optimizer step or when an optimizer's state dict was
         replaced or changed size (load_state_dict)."""
-        optimizers = list(self.optimizers)
+        optimizers = self._live_optimizers()
         signature = tuple((id(o), id(o.state), len(o.state)) for o in optimizers)
         if self._state_table is not None and signature == self._state_signature:
             return self._state_table
@@ -635,28 +680,50 @@ class Tracker:
         except Exception:
             pass
 
-    def _known_tensors(self):
-        """Storage keys of parameters, gradients and optimizer state on the device."""
-        parameters: dict = {}
-        gradients: dict = {}
-        add = self._add_storage
+    def _parameter_references(self) -> tuple:
+        """Weak references to the parameters of the models called, then
+        those of the optimizers not in a model, each once. Rebuilt only when
+        a parameter or module was registered somewhere, a model or optimizer
+        came or went, or an optimizer's parameter groups changed."""
+        models = self._live_models()
+        optimizers = self._live_optimizers()
+        signature = (
+            self._registration_epoch,
+            tuple(map(id, models)),
+            tuple(
+                (id(group["params"]), len(group["params"]))
+                for o in optimizers
+                for group in o.param_groups
+            ),
+        )
+        if signature == self._all_parameters_signature:
+            return self._all_parameters
         all_parameters = []
-        for module in list(self.modules):
+        for module in models:
             all_parameters.extend(self._parameters_of(module))
         seen = set(map(id, all_parameters))
-        for optimizer in list(self.optimizers):
+        for optimizer in optimizers:
             for group in optimizer.param_groups:
                 # The optimizer's parameters are mostly the models': once each.
                 all_parameters.extend(p for p in group["params"] if id(p) not in seen)
-        for parameter in all_parameters:
-            add(parameters, parameter)
-            grad = parameter.grad
-            if grad is not None:
-                add(gradients, grad)
+        self._all_parameters = tuple(weakref.ref(parameter) for parameter in all_parameters)
+        self._all_parameters_signature = signature
+        return self._all_parameters
+
+    def _known_tensors(self):
+        """Storage keys of parameters, gradients and optimizer state on the device."""
+        alive = [p for p in map(_CALL, self._parameter_references()) if p is not None]
+        table = self.backend.storage_table
+        parameters = table(alive)
+        gradients = table(map(_GRAD, alive))
         state = self._state_tensors()
         # A storage is counted once, in the first category that claims it.
-        gradients = {k: v for k, v in gradients.items() if k not in parameters}
-        state = {k: v for k, v in state.items() if k not in parameters and k not in gradients}
+        if gradients and not gradients.keys().isdisjoint(parameters):
+            gradients = {k: v for k, v in gradients.items() if k not in parameters}
+        if state and not (
+            state.keys().isdisjoint(parameters) and state.keys().isdisjoint(gradients)
+        ):
+            state = {k: v for k, v in state.items() if k not in parameters and k not in gradients}
         self._known = (parameters, gradients, state)
         return parameters, gradients, state
 
@@ -724,7 +791,7 @@ class Tracker:
             if refresh:
                 self._breakdown()  # names parameters, gradients and state on the device
             items = [(key, record) for key, _nbytes, record in backend.live_storages()]
-            owners = self.scopes.owners(self.optimizers, storage_key)
+            owners = self.scopes.owners(self._live_optimizers(), storage_key, self._walk_epoch)
             sites, self.last_modules = self._storage_sites_and_modules(
                 items, backend.known_categories(), owners, self.phase, limit
             )
@@ -737,7 +804,7 @@ class Tracker:
             self.last_modules = None
             return None, _group_sites(sites, {}, self.phase, limit)
         addresses = self._address_categories(parameters, gradients, state)
-        owners = self.scopes.owners(self.optimizers, self._address_of)
+        owners = self.scopes.owners(self._live_optimizers(), self._address_of, self._walk_epoch)
         blocks = block_categories(sites, addresses, owners, self.scopes)
         breakdown = dict.fromkeys(CATEGORIES, 0)
         for site, (_path, category, size) in zip(sites, blocks):
@@ -781,7 +848,7 @@ class Tracker:
         inside optimizer.step(), was measured after the last step."""
         gradients: dict = {}
         add = self._add_storage
-        for module in list(self.modules):
+        for module in self._live_models():
             for parameter in self._parameters_of(module):
                 grad = parameter.grad
                 if grad is not None:
@@ -816,14 +883,14 @@ class Tracker:
             return None
 
     def _tensors_for(self, category: str):
-        for module in list(self.modules):
+        for module in self._live_models():
             for parameter in module.parameters():
                 if category == "parameters":
                     yield parameter
                 elif category == "gradients" and parameter.grad is not None:
                     yield parameter.grad
         if category == "optimizer_state":
-            for optimizer in list(self.optimizers):
+            for optimizer in self._live_optimizers():
                 for per_parameter in list(optimizer.state.values()):
                     if isinstance(per_parameter, dict):
                         for value in per_parameter.values():
@@ -988,6 +1055,9 @@ def _stamp_graph(output, step_index: int) -> None:
                 stack.extend(list(vars(item).values())[:16])
             except TypeError:
                 pass
+
+
+_CANDIDATE_TYPES = (torch.Tensor, list, tuple, dict)
 
 
 def _candidate_tensors(value):
