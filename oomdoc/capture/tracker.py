@@ -116,6 +116,15 @@ class Tracker:
         self._state_table: dict | None = None
         self._state_signature: tuple = ()
         self._known: tuple[dict, dict, dict] | None = None
+        # What a phase boundary must read again (_known_tensors(cached=True)):
+        # parameters at each step's start, gradients after a backward and
+        # around the optimizer step, the state after an optimizer step.
+        self._parameters_stale = True
+        self._gradients_stale = True
+        self._known_sources: tuple | None = None  # the parameter references read
+        self._known_state: dict | None = None  # the state table read
+        self._parameters_table: dict = {}
+        self._gradients_table: dict = {}
         # Leak walks: end-of-step growth streak and when the next deep walk may run.
         self._growth_streak = 0
         self._growth_counted_for: dict | None = None
@@ -134,6 +143,7 @@ class Tracker:
             "graph_nodes_walked": 0,
             "parameter_list_builds": 0,
             "state_table_builds": 0,
+            "known_tables_reused": 0,
         }
         # Module attribution (oomdoc.capture.modules): the running module's
         # path, and the `modules` table of the last breakdown with sites.
@@ -203,7 +213,7 @@ class Tracker:
         self.stats["boundary_samples"] += 1
         backend = self.backend
         allocated = backend.allocated_bytes()
-        breakdown = self._breakdown(allocated)
+        breakdown = self._breakdown(allocated, cached=True)
         if self.peak_sample is not None and allocated <= self._sampled_high:
             self._fold_category_peaks(breakdown)
             return
@@ -332,7 +342,23 @@ class Tracker:
             tracker._add_optimizer(optimizer)
 
         self._patch(torch.optim.Optimizer, "__init__", optimizer_init)
+        for owner in (torch.optim.Optimizer, nn.Module):
+            self._patch(owner, "zero_grad", self._wrap_zero_grad(owner.zero_grad))
         self.scopes.install(cuda=self.backend.kind == "cuda")
+
+    def _wrap_zero_grad(self, original):
+        """zero_grad frees or zeroes gradients between phase boundaries (an
+        LBFGS closure, a loop that zeroes after its forward): the next
+        boundary reads them again."""
+        tracker = self
+
+        def zero_grad(owner, *args, **kwargs):
+            tracker._gradients_stale = True
+            return original(owner, *args, **kwargs)
+
+        zero_grad.__wrapped__ = original  # type: ignore[attr-defined]
+        zero_grad.__doc__ = original.__doc__
+        return zero_grad
 
     @staticmethod
     def checkpoint_targets(model: nn.Module) -> list:
@@ -382,6 +408,7 @@ class Tracker:
                 if ended is not None:
                     ended()
                 tracker._backward_depth -= 1
+                tracker._gradients_stale = True
 
         wrapped.__wrapped__ = original
         wrapped.__name__ = getattr(original, "__name__", "backward")
@@ -416,7 +443,13 @@ class Tracker:
         self._add_model(module)
         self._set_phase("forward")
         current = self._current
+        # Gradients a script freed or set itself (`p.grad = None`) since the
+        # last boundary are read again.
+        self._gradients_stale = True
         if current["forward_calls"] == 0:
+            # A new step: a script may have swapped a parameter's data
+            # (`param.data = ...`) between steps.
+            self._parameters_stale = True
             # What is alive when the step's work begins: replays use it as the
             # batch-independent part of the step's peaks.
             current["start_allocated_bytes"] = int(self.backend.allocated_bytes())
@@ -468,7 +501,7 @@ class Tracker:
         if self.on_first_step is not None:
             self._first_step()
         self._add_optimizer(optimizer)
-        self._state_table = None  # the step may create or replace state
+        self._gradients_stale = True  # gradients a script set without a backward
         if self.unit != "optimizer":
             self._switch_to_optimizer_unit()
         with_closure = _with_phased_closure(self, args, kwargs)
@@ -487,6 +520,7 @@ class Tracker:
         # The bookkeeping of a finished step happens here rather than when the
         # next step begins: on CUDA the optimizer's kernels are still queued, so
         # this host work overlaps them instead of delaying the next forward.
+        self._state_table = None  # the step may have created or replaced state
         self._sample_peak()
         self._fold_peak()
         current = self._current
@@ -657,14 +691,15 @@ class Tracker:
         if self._state_table is not None and signature == self._state_signature:
             return self._state_table
         self.stats["state_table_builds"] += 1
-        table: dict = {}
-        add = self._add_storage
-        for optimizer in optimizers:
-            for per_parameter in list(optimizer.state.values()):
-                if isinstance(per_parameter, dict):
-                    for value in per_parameter.values():
-                        if isinstance(value, torch.Tensor):
-                            add(table, value)
+        tensors = [
+            value
+            for optimizer in optimizers
+            for per_parameter in list(optimizer.state.values())
+            if isinstance(per_parameter, dict)
+            for value in per_parameter.values()
+            if isinstance(value, torch.Tensor)
+        ]
+        table = self.backend.storage_table(tensors)
         self._state_table, self._state_signature = table, signature
         return table
 
@@ -710,13 +745,33 @@ class Tracker:
         self._all_parameters_signature = signature
         return self._all_parameters
 
-    def _known_tensors(self):
-        """Storage keys of parameters, gradients and optimizer state on the device."""
-        alive = [p for p in map(_CALL, self._parameter_references()) if p is not None]
-        table = self.backend.storage_table
-        parameters = table(alive)
-        gradients = table(map(_GRAD, alive))
+    def _known_tensors(self, cached: bool = False):
+        """Storage keys of parameters, gradients and optimizer state on the device.
+
+        `cached` (a phase boundary): tables nothing could have changed since
+        they were read are not read again: parameters are read at each step's
+        start, gradients after each backward and at the optimizer step, the
+        optimizer state after each optimizer step (see the `_stale` flags).
+        Otherwise (an OOM, the sites, the end) all are read now."""
+        references = self._parameter_references()
         state = self._state_tensors()
+        reuse = cached and self._known is not None and references is self._known_sources
+        if reuse and not self._parameters_stale and not self._gradients_stale:
+            if state is self._known_state:
+                self.stats["known_tables_reused"] += 1
+                return self._known
+        alive = [p for p in map(_CALL, references) if p is not None]
+        table = self.backend.storage_table
+        if reuse and not self._parameters_stale:
+            parameters = self._parameters_table
+        else:
+            parameters = self._parameters_table = table(alive)
+        if reuse and not self._gradients_stale:
+            gradients = self._gradients_table
+        else:
+            gradients = self._gradients_table = table(map(_GRAD, alive))
+        self._parameters_stale = self._gradients_stale = False
+        self._known_sources, self._known_state = references, state
         # A storage is counted once, in the first category that claims it.
         if gradients and not gradients.keys().isdisjoint(parameters):
             gradients = {k: v for k, v in gradients.items() if k not in parameters}
@@ -727,10 +782,10 @@ class Tracker:
         self._known = (parameters, gradients, state)
         return parameters, gradients, state
 
-    def _breakdown(self, allocated: int | None = None) -> dict:
+    def _breakdown(self, allocated: int | None = None, cached: bool = False) -> dict:
         """Live memory split into the five categories: O(parameters and
-        optimizer state), whatever else is alive."""
-        parameters, gradients, state = self._known_tensors()
+        optimizer state), whatever else is alive (`cached`: see _known_tensors)."""
+        parameters, gradients, state = self._known_tensors(cached)
         backend = self.backend
         if backend.per_storage:
             # The simulated device keeps bytes per category as storages come
@@ -846,13 +901,8 @@ class Tracker:
 
         It only sums gradients; the optimizer state, which changes only
         inside optimizer.step(), was measured after the last step."""
-        gradients: dict = {}
-        add = self._add_storage
-        for module in self._live_models():
-            for parameter in self._parameters_of(module):
-                grad = parameter.grad
-                if grad is not None:
-                    add(gradients, grad)
+        parameters = [p for module in self._live_models() for p in self._parameters_of(module)]
+        gradients = self.backend.storage_table(map(_GRAD, parameters))
         self._forward_baseline = {
             "allocated": self.backend.allocated_bytes(),
             "gradients": sum(gradients.values()),

@@ -1,0 +1,153 @@
+"""The parameter, gradient and optimizer-state tables a phase boundary reuses.
+
+On CUDA the breakdown at each phase boundary names parameters, gradients and
+optimizer state; the tracker reads a table again only when something could
+have changed it (a new step, a backward, an optimizer step). These tests run
+the CUDA code path on CPU tensors and check, at every boundary, that the
+reused tables are exactly the ones a fresh read gives."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from oomdoc.capture.backends import Backend
+from oomdoc.capture.tracker import Tracker
+
+
+class CpuAsDevice(Backend):
+    """CPU tensors presented as the device, without per-storage counters
+    (the tracker's CUDA path)."""
+
+    kind = "cuda"
+    per_storage = False
+
+    def owns(self, tensor) -> bool:
+        return tensor.is_cpu
+
+    def allocated_bytes(self) -> int:
+        return 0
+
+    def reserved_bytes(self) -> int:
+        return 0
+
+    def capacity_bytes(self) -> int:
+        return 1 << 40
+
+    def read_and_reset_peak(self) -> tuple[int, int]:
+        return 0, 0
+
+    def storage_bytes(self, nbytes: int) -> int:
+        return ((nbytes + 511) // 512) * 512 if nbytes else 0
+
+
+TABLE_STATE = (
+    "_known",
+    "_known_sources",
+    "_known_state",
+    "_parameters_table",
+    "_gradients_table",
+    "_parameters_stale",
+    "_gradients_stale",
+)
+
+
+def checked_tracker():
+    """A tracker whose boundary reads are compared with fresh reads; returns
+    (tracker, list of boundaries compared)."""
+    tracker = Tracker(CpuAsDevice())
+    compared = []
+    cached_read = tracker._known_tensors
+
+    def known_tensors(cached: bool = False):
+        result = cached_read(cached)
+        if cached:
+            # The fresh read must not refresh what later boundaries reuse.
+            saved = {name: getattr(tracker, name) for name in TABLE_STATE}
+            fresh = cached_read(False)
+            assert result == fresh, f"stale tables in phase {tracker.phase}"
+            for name, value in saved.items():
+                setattr(tracker, name, value)
+            compared.append(tracker.phase)
+        return result
+
+    tracker._known_tensors = known_tensors
+    return tracker, compared
+
+
+def net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
+def test_a_plain_loop_reuses_tables_and_they_are_never_stale():
+    tracker, compared = checked_tracker()
+    tracker.install()
+    try:
+        model = net()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for _ in range(4):
+            loss = F.mse_loss(model(torch.randn(8, 16)), torch.zeros(8, 4))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        tracker.finish()
+    finally:
+        tracker.uninstall()
+    assert {"forward", "backward", "optimizer"} <= set(compared)
+    stats = tracker.capture_stats()
+    assert stats["known_tables_reused"] >= 4  # at least once a step
+    assert stats["state_table_builds"] <= 4 + 1  # once per optimizer step
+
+
+def test_gradients_made_without_a_backward_are_seen_at_the_optimizer_step():
+    """A script that sets gradients itself (torch.func, a custom loop)."""
+    tracker, compared = checked_tracker()
+    tracker.install()
+    try:
+        model = net()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        for _ in range(3):
+            model(torch.randn(8, 16))
+            for parameter in model.parameters():
+                parameter.grad = torch.ones_like(parameter)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=False)
+        tracker.finish()
+        _parameters, gradients, _state = tracker._known_tensors()
+        assert sum(gradients.values()) > 0
+    finally:
+        tracker.uninstall()
+    assert "forward" in compared
+
+
+def test_accumulation_closure_and_swapped_parameter_data():
+    """Micro-batches (gradients grow between optimizer steps), LBFGS's
+    closure, and `param.data = ...` between steps."""
+    tracker, compared = checked_tracker()
+    tracker.install()
+    try:
+        model = net()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for _ in range(2):
+            for _micro in range(3):
+                F.mse_loss(model(torch.randn(4, 16)), torch.zeros(4, 4)).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        first = model[0]
+        first.weight.data = torch.randn(32, 16)  # no registration hook sees this
+        lbfgs = torch.optim.LBFGS(model.parameters(), max_iter=2)
+
+        def closure():
+            lbfgs.zero_grad()
+            loss = F.mse_loss(model(torch.randn(4, 16)), torch.zeros(4, 4))
+            loss.backward()
+            return loss
+
+        for _ in range(2):
+            lbfgs.step(closure)
+        tracker.finish()
+    finally:
+        tracker.uninstall()
+    assert {"forward", "backward", "optimizer"} <= set(compared)
