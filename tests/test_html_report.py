@@ -467,6 +467,55 @@ def test_view_ignores_fields_of_the_wrong_type():
     render_html(view)
 
 
+def test_prescription_with_accumulation_and_the_scripts_own_flags():
+    document = rich_document()
+    document["prescription"].update(
+        batch_size=8,
+        accumulation_steps=4,
+        accumulation_measured=True,
+        verified_by_flags={
+            "args": ["--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "4"],
+            "outcome": "fits",
+            "peak_allocated_bytes": 9 * GiB + 100 * MiB,
+        },
+    )
+    text = parse(render_html(build_view(document, analysis(document)))).find(
+        "section", id="prescription"
+    )
+    assert text is not None
+    body = text.text()
+    assert "batch size 8 x 4 accumulation steps" in body
+    assert "peak measured with the gradient accumulation running" in body
+    assert (
+        "replayed with your script's own flags (--per_device_train_batch_size 8 "
+        f"--gradient_accumulation_steps 4): fits, peak {format_bytes(9 * GiB + 100 * MiB)}"
+    ) in body
+    document["prescription"]["accumulation_measured"] = False
+    body = parse(render_html(build_view(document, analysis(document)))).text()
+    assert "peak of one micro-batch, not measured with the accumulation" in body
+
+
+def test_a_leak_prescription_says_fix_the_leak_not_use_as_it_is():
+    document = rich_document()
+    document["prescription"] = {
+        "kind": "leak",
+        "fixes": [],
+        "batch_size": None,
+        "fits": False,
+        "measured": False,
+        "detail": "total_loss keeps each step's graph; no configuration fixes a leak",
+        "snippet": "total_loss += loss.item()",
+    }
+    section = parse(render_html(build_view(document, analysis(document)))).find(
+        "section", id="prescription"
+    )
+    assert section is not None
+    body = section.text()
+    assert "Fix the leak first" in body and "total_loss keeps each step's graph" in body
+    assert "total_loss += loss.item()" in body
+    assert "as it is" not in body and "does not fit" not in body
+
+
 def test_downsampling_keeps_extremes_the_oom_and_the_peak():
     points = [[float(index), (index * 7919) % 1000, index, "forward"] for index in range(50_000)]
     points[31_337][1] = 10**6  # the peak

@@ -318,6 +318,22 @@ def _prescription(document: dict, capacity: int):
         "samples_per_second": _num(prescription.get("samples_per_second")),
         "measured": _bool(prescription.get("measured")),
         "snippet": snippet,
+        "kind": _str(prescription.get("kind"), limit=20),
+        "detail": _str(prescription.get("detail"), limit=2000),
+        "accumulation_measured": _bool(prescription.get("accumulation_measured")),
+        "verified_by_flags": _flags_replay(_dict(prescription.get("verified_by_flags"))),
+    }
+
+
+def _flags_replay(record: dict) -> dict | None:
+    """The prescription replayed with the script's own flags (or None)."""
+    if not record or not isinstance(record.get("args"), list):
+        return None
+    return {
+        "args": " ".join(_strs(record.get("args"), 40)),
+        "outcome": _str(record.get("outcome"), limit=40),
+        "peak_allocated_bytes": _int(record.get("peak_allocated_bytes")),
+        "note": _str(record.get("note"), limit=500),
     }
 
 
@@ -911,8 +927,27 @@ def _stats(view: dict) -> str:
     return f'<div class="stats">{"".join(cards)}</div>'
 
 
+def _prescription_section(body: str, prescription: dict, ids: _Ids) -> str:
+    snippet = (
+        _code_block(prescription["snippet"], ids.next("prescription"))
+        if prescription.get("snippet")
+        else ""
+    )
+    return (
+        '<section class="card prescription" id="prescription"><h2>Prescription</h2>'
+        f"{body}{snippet}</section>"
+    )
+
+
 def _prescription_html(view: dict, ids: _Ids) -> str:
     prescription = view.get("prescription")
+    if prescription and prescription.get("kind") == "leak":
+        return _prescription_section(
+            f'<p class="lead">Fix the leak first {_badge("leak", "bad")}</p>'
+            f"<p>{_esc(prescription.get('detail') or '')}</p>",
+            prescription,
+            ids,
+        )
     if prescription:
         names = " + ".join(prescription["fixes"]) or "as it is"
         facts = []
@@ -930,6 +965,16 @@ def _prescription_html(view: dict, ids: _Ids) -> str:
             facts.append(f"headroom {_fmt(prescription['headroom_bytes'])}")
         if prescription.get("samples_per_second") is not None:
             facts.append(f"{prescription['samples_per_second']:.1f} samples/s")
+        if prescription.get("accumulation_measured") is True:
+            facts.append("peak measured with the gradient accumulation running")
+        elif prescription.get("accumulation_measured") is False:
+            facts.append("peak of one micro-batch, not measured with the accumulation")
+        flags = prescription.get("verified_by_flags")
+        if flags:
+            verdict = flags.get("outcome") or "?"
+            if flags.get("peak_allocated_bytes") is not None:
+                verdict += f", peak {_fmt(flags['peak_allocated_bytes'])}"
+            facts.append(f"replayed with your script's own flags ({flags['args']}): {verdict}")
         how = {True: "measured", False: "estimated"}.get(prescription.get("measured"), "")
         fits = prescription.get("fits")
         badge = (
@@ -937,17 +982,12 @@ def _prescription_html(view: dict, ids: _Ids) -> str:
             if fits
             else (_badge("does not fit", "bad") if fits is False else "")
         )
-        snippet = (
-            _code_block(prescription["snippet"], ids.next("prescription"))
-            if prescription.get("snippet")
-            else ""
-        )
-        return (
-            '<section class="card prescription" id="prescription"><h2>Prescription</h2>'
+        return _prescription_section(
             f'<p class="lead">Use <strong>{_esc(names)}</strong> {badge} '
             f"{_badge(how, 'neutral') if how else ''}</p>"
-            f'<ul class="facts">{"".join(f"<li>{_esc(fact)}</li>" for fact in facts)}</ul>'
-            f"{snippet}</section>"
+            f'<ul class="facts">{"".join(f"<li>{_esc(fact)}</li>" for fact in facts)}</ul>',
+            prescription,
+            ids,
         )
     top = view.get("top_fixes") or []
     if not top:
