@@ -297,6 +297,9 @@ class Site:
     location: Optional[Location] = None
     shape: Optional[List[Any]] = None
     dtype: Optional[str] = None
+    # The module whose forward (or backward) made them, repeated blocks
+    # folded (`transformer.h.*.attn`); None outside modules or in old snapshots.
+    module: Optional[str] = None
     extra: Dict[str, Any] = field(default_factory=dict)
 
 

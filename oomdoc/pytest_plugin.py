@@ -53,7 +53,7 @@ class Measurement:
 
     def failure_text(self, nodeid: str, rootdir: str) -> str:
         from oomdoc.model import Site, parse
-        from oomdoc.reporters.tables import site_rows
+        from oomdoc.reporters.tables import site_table
         from oomdoc.sizes import format_bytes
 
         lines = [
@@ -74,7 +74,7 @@ class Measurement:
                     if nbytes
                 )
             )
-        rows = site_rows([parse(Site, site) for site in self.sites], rootdir, SHOWN_SITES)
+        headers, rows = site_table([parse(Site, site) for site in self.sites], rootdir, SHOWN_SITES)
         if rows:
             moment = ""
             if self.sites_at_bytes is not None and self.sites_at_bytes != self.peak_bytes:
@@ -84,8 +84,8 @@ class Measurement:
                 f"Top {len(rows)} allocation sites at the peak{moment}",
                 tabulate(
                     rows,
-                    headers=["bytes", "category", "location", "tensors"],
-                    colalign=("right", "left", "left", "left"),
+                    headers=headers,
+                    colalign=("right",) + ("left",) * (len(headers) - 1),
                     disable_numparse=True,
                 ),
             ]

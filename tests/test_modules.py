@@ -72,6 +72,11 @@ def test_paths_and_folding_of_repeated_blocks():
     assert scopes.fold("h.0") == ("h", "Block", 3, "")
     assert scopes.fold("head.1") == ("head.1", "Linear", 1, None)
     assert scopes.fold(None)[0] == OUTSIDE
+    # An allocation site shows the same folding as a path.
+    assert scopes.site_label("h.2.fc1") == "h.*.fc1"
+    assert scopes.site_label("h.0") == "h.*"
+    assert scopes.site_label("head.1") == "head.1"
+    assert scopes.site_label(None) is None
     # A module not under any known model is named by its class.
     assert scopes.path_of(nn.Dropout()) == "Dropout"
 
@@ -294,6 +299,14 @@ def test_cuda_join_one_category_per_block_and_no_tensor_kept_alive():
         for site in sites:
             by_site[site["category"]] += site["bytes"]
         assert by_site == breakdown
+        by_module: dict = {}
+        for site in sites:
+            by_module[site["module"]] = by_module.get(site["module"], 0) + site["bytes"]
+        # The batch and the backward temporary: no module (a buffer has its owner).
+        assert by_module[None] == batch.untyped_storage().nbytes() + stray.nbytes
+        assert by_module["head.1"] == out.untyped_storage().nbytes() + sum(
+            p.untyped_storage().nbytes() for p in model.head[1].parameters()
+        )
         # The input batch is not an activation (made before the forward), even
         # though the first Linear saved it; the output is head.1's activation.
         assert breakdown["other"] == batch.untyped_storage().nbytes() + model.scale.nbytes
@@ -404,5 +417,9 @@ def test_cli_hugging_face_gpt2_names_transformer_h(tmp_path):
     assert folded["transformer.h"]["blocks"] == 4
     assert folded["transformer.h"]["class"] == "GPT2Block"
     assert modules[0]["path"] == "transformer.h"
+    # The sites name the layer that allocated, its blocks folded.
+    site_modules = {site["module"] for site in document["top_allocations"]}
+    assert any(module and module.startswith("transformer.h.*.") for module in site_modules)
+    assert not any(module and ".h.0" in module for module in site_modules)
     # Tied input and output embeddings count once, with the first owner.
     assert folded["transformer.wte"]["bytes"]["parameters"] > 0

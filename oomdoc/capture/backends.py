@@ -879,6 +879,7 @@ def storage_sites(items) -> list[dict]:
                 "shape": list(record.shape),
                 "dtype": record.dtype,
                 "base_category": record.category,
+                "module": record.module,
             }
         )
     return sites

@@ -209,16 +209,25 @@ def run(config: dict, imported_at: float | None = None, preimported: dict | None
     timings["script_started"] = time.time()
     target_file = None
     try:
-        if config.get("is_module"):
-            spec = __import__("importlib.util").util.find_spec(target)
-            target_file = spec.origin if spec is not None else None
-            sys.argv = [target_file or target, *script_args]
-            runpy.run_module(target, run_name="__main__", alter_sys=True)
-        else:
-            target_file = os.path.abspath(target)
-            sys.argv = [target, *script_args]
-            sys.path[0] = os.path.dirname(target_file)
-            runpy.run_path(target, run_name="__main__")
+        try:
+            if config.get("is_module"):
+                spec = __import__("importlib.util").util.find_spec(target)
+                target_file = spec.origin if spec is not None else None
+                sys.argv = [target_file or target, *script_args]
+                runpy.run_module(target, run_name="__main__", alter_sys=True)
+            else:
+                target_file = os.path.abspath(target)
+                sys.argv = [target, *script_args]
+                sys.path[0] = os.path.dirname(target_file)
+                runpy.run_path(target, run_name="__main__")
+        finally:
+            # The script has ended, however it ended: no more signals while
+            # its traceback prints and the capture is written (a SIGTERM from
+            # the launcher, as a rank's peer died, used to cut both short).
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            if isinstance(backend, SimulatedBackend):
+                backend.enabled = False  # oomdoc's own work from here on does not count
     except StopRun:
         outcome, exit_code = "ok", 0
     except SystemExit as exc:
@@ -238,12 +247,6 @@ def run(config: dict, imported_at: float | None = None, preimported: dict | None
         outcome, exit_code, failure = "error", 1, exc
         error = {"type": type(exc).__name__, "message": str(exc)[:2000]}
         _print_user_traceback(exc, target_file)
-    finally:
-        # No more signals while the capture is written.
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        if isinstance(backend, SimulatedBackend):
-            backend.enabled = False  # oomdoc's own work from here on does not count
 
     timings["script_ended"] = time.time()
     if gate is not None:

@@ -440,6 +440,16 @@ class ModuleScopes:
             return folded
         return path, self._classes.get(path, path), 1, None
 
+    def site_label(self, path: str | None) -> str | None:
+        """An allocation site's module: its path with repeated blocks folded
+        (`transformer.h.3.attn` -> `transformer.h.*.attn`), None outside modules."""
+        if path is None:
+            return None
+        entry_path, _class, blocks, inner = self.fold(path)
+        if blocks > 1:
+            return f"{entry_path}.*" + (f".{inner}" if inner else "")
+        return entry_path
+
     def table(self, attributed, limit: int = TOP_MODULES) -> list[dict]:
         """`modules` from (path, category, bytes) triples; see module_table."""
         return module_table(attributed, self.fold, limit)

@@ -862,11 +862,12 @@ class Tracker:
         owners = self.scopes.owners(self._live_optimizers(), self._address_of, self._walk_epoch)
         blocks = block_categories(sites, addresses, owners, self.scopes)
         breakdown = dict.fromkeys(CATEGORIES, 0)
-        for site, (_path, category, size) in zip(sites, blocks):
+        for site, (path, category, size) in zip(sites, blocks):
             site["category"] = category
+            site["module"] = path
             breakdown[category] += size
         self.last_modules = self.scopes.table(blocks)
-        return breakdown, _group_sites(sites, {}, self.phase, limit)
+        return breakdown, _group_sites(sites, {}, self.phase, limit, self.scopes.site_label)
 
     def _storage_sites_and_modules(self, items, known, owners, phase, limit) -> tuple:
         """Simulated device: (sites, modules) of [(key, StorageRecord)], the
@@ -876,7 +877,12 @@ class Tracker:
                 ((key, record.nbytes, record) for key, record in items), known, owners
             )
         )
-        return _group_sites(storage_sites(items), known, phase, limit), modules
+        sites = storage_sites(items)
+        for site in sites:
+            owner = owners.get(site["key"])  # a parameter's, gradient's or state's module
+            if owner is not None:
+                site["module"] = owner
+        return _group_sites(sites, known, phase, limit, self.scopes.site_label), modules
 
     def _marked_sites(self, limit: int = 20) -> tuple[list[dict], list | None]:
         """The sites and the modules at the simulated device's peak mark (see
@@ -1124,12 +1130,16 @@ def _candidate_tensors(value):
                 yield item
 
 
-def _group_sites(sites, known: dict, phase: str, limit: int) -> list[dict]:
-    """Allocation sites grouped by category, user location, shape and dtype,
-    largest first. Simulated sites carry a storage `key`: its category is
-    `known`'s, else category_of(None, the phase it was made in), kept as
-    `base_category`. CUDA sites carry the `category` block_categories gave."""
+def _group_sites(sites, known: dict, phase: str, limit: int, label=None) -> list[dict]:
+    """Allocation sites grouped by category, user location, module, shape and
+    dtype, largest first. Simulated sites carry a storage `key`: its category
+    is `known`'s, else category_of(None, the phase it was made in), kept as
+    `base_category`. CUDA sites carry the `category` block_categories gave.
+    `label(module path)`: the module a site shows (repeated blocks folded),
+    so that one line of a script that starts a framework's training loop
+    still splits by the layers that allocated."""
     grouped: dict[tuple, dict] = {}
+    labels: dict = {}
     for site in sites:
         if "key" in site:
             category = known.get(site["key"]) or site["base_category"]
@@ -1137,7 +1147,13 @@ def _group_sites(sites, known: dict, phase: str, limit: int) -> list[dict]:
             category = site.get("category") or "other"
         location = site.get("location")
         loc_key = (location or {}).get("file"), (location or {}).get("line")
-        group_key = (category, loc_key, tuple(site.get("shape") or ()), site.get("dtype"))
+        path = site.get("module")
+        module = None
+        if label is not None and path is not None:
+            module = labels.get(path)
+            if module is None:
+                module = labels[path] = label(path)
+        group_key = (category, loc_key, module, tuple(site.get("shape") or ()), site.get("dtype"))
         entry = grouped.get(group_key)
         if entry is None:
             entry = grouped[group_key] = {
@@ -1145,6 +1161,7 @@ def _group_sites(sites, known: dict, phase: str, limit: int) -> list[dict]:
                 "count": 0,
                 "category": category,
                 "location": location,
+                "module": module,
                 "shape": site.get("shape"),
                 "dtype": site.get("dtype"),
             }

@@ -81,8 +81,11 @@ def _category_evidence(snapshot: Snapshot, category: str) -> list[str]:
     sites = [site for site in snapshot.top_allocations if site.category == category]
     for site in sites[:2]:
         description = tensor_description(site)
+        where = format_location(site.location, snapshot.cwd)
+        if site.module:
+            where = f"{where}, in `{site.module}`"
         evidence.append(
-            f"{format_bytes(site.bytes)} allocated at {format_location(site.location, snapshot.cwd)}"
+            f"{format_bytes(site.bytes)} allocated at {where}"
             + (f" ({description})" if description else "")
         )
     if category == "activations":

@@ -616,6 +616,7 @@ def _sites(sites, cwd) -> dict:
                 "count": _int(site.get("count"), 1),
                 "category": _str(site.get("category"), "?", 40),
                 "location": _location(site.get("location"), cwd),
+                "module": _str(site.get("module"), limit=200),
                 "tensors": _tensors(site),
                 "stack": _stack(site.get("stack") or site.get("frames"), cwd),
             }
@@ -1381,7 +1382,13 @@ def _sites_html(view: dict) -> str:
             f'<span class="site-bytes">{_esc(_fmt(item["bytes"]))}</span>'
             f'<span class="site-bar"><i style="width:{100.0 * item["bytes"] / scale:.2f}%;background:{color}"></i></span>'
             f'<span class="site-cat"><i class="sw" style="background:{color}"></i>{_esc(item["category"])}</span>'
-            f'<span class="site-loc"><code>{_esc(item["location"] or "(no Python location)")}</code></span>'
+            f'<span class="site-loc"><code>{_esc(item["location"] or "(no Python location)")}</code>'
+            + (
+                f' <span class="site-module">in <code>{_esc(item["module"])}</code></span>'
+                if item["module"]
+                else ""
+            )
+            + "</span>"
             f'<span class="site-tensors">{_esc(item["tensors"])}</span>'
             f"</summary>{stack}</details>"
         )
@@ -1392,7 +1399,7 @@ def _sites_html(view: dict) -> str:
     )
     return (
         '<section class="card" id="sites"><h2>Allocation sites</h2>'
-        '<p class="sub">Live memory by the line of your code that allocated it; open a row for its stack.</p>'
+        '<p class="sub">Live memory by the line of your code and the module that allocated it; open a row for its stack.</p>'
         '<div class="site-head"><span>bytes</span><span></span><span>category</span><span>location</span><span>tensors</span></div>'
         f"{''.join(rows)}{more}</section>"
     )

@@ -49,10 +49,10 @@ class MarkdownReporter:
         if module_rows:
             lines += ["", f"### Top modules {snapshot.moment_label} (repeated blocks folded)"]
             lines.append(tabulate(module_rows, headers=tables.MODULE_HEADERS, tablefmt="github"))
-        sites = tables.site_rows(snapshot.top_allocations, snapshot.cwd, analysis.top)
+        headers, sites = tables.site_table(snapshot.top_allocations, snapshot.cwd, analysis.top)
         if sites:
             lines += ["", "### Top allocation sites"]
-            lines.append(tabulate(sites, headers=tables.SITE_HEADERS, tablefmt="github"))
+            lines.append(tabulate(sites, headers=headers, tablefmt="github"))
         trace = tables.trace_rows(snapshot)
         if trace:
             lines += ["", "### Allocator events before the OOM"]

@@ -37,15 +37,32 @@ def breakdown_rows(snapshot: Snapshot) -> list[list[str]]:
 
 
 def site_rows(sites: list[Site], relative_to: str | None, limit: int = 5) -> list[list[str]]:
-    return [
-        [
+    return site_table(sites, relative_to, limit, modules=False)[1]
+
+
+def site_table(
+    sites: list[Site], relative_to: str | None, limit: int = 5, modules: bool = True
+) -> tuple[list[str], list[list[str]]]:
+    """(headers, rows) of the largest sites; with `modules`, a module column
+    when the capture named them: one line of a script that calls a
+    framework's training loop is every site's location, its layers are not."""
+    shown = sites[:limit]
+    with_module = modules and any(site.module for site in shown)
+    headers = list(SITE_HEADERS)
+    if with_module:
+        headers.insert(2, "module")
+    rows = []
+    for site in shown:
+        row = [
             format_bytes(site.bytes),
             site.category,
             format_location(site.location, relative_to),
             tensor_description(site),
         ]
-        for site in sites[:limit]
-    ]
+        if with_module:
+            row.insert(2, site.module or "(outside modules)")
+        rows.append(row)
+    return headers, rows
 
 
 def trace_rows(snapshot: Snapshot) -> list[list[str]]:

@@ -49,14 +49,11 @@ class TextReporter:
         lead = tables.modules_lead(snapshot)
         if lead:
             lines += modules
-        sites = tables.site_rows(snapshot.top_allocations, snapshot.cwd, analysis.top)
+        headers, sites = tables.site_table(snapshot.top_allocations, snapshot.cwd, analysis.top)
         if sites:
             lines += ["", f"Top {len(sites)} allocation sites"]
-            lines.append(
-                tabulate(
-                    sites, headers=tables.SITE_HEADERS, colalign=("right", "left", "left", "left")
-                )
-            )
+            colalign = ("right",) + ("left",) * (len(headers) - 1)
+            lines.append(tabulate(sites, headers=headers, colalign=colalign))
         if not lead:
             lines += modules
         trace = tables.trace_rows(snapshot)
