@@ -10,7 +10,7 @@ import pytest
 
 from oomdoc.model import Snapshot
 from oomdoc.replay.orchestrate import Replay, ReplaysInterrupted, ReplayState, measured_choice
-from oomdoc.replay.prescribe import Candidate, choose, is_no_op
+from oomdoc.replay.prescribe import Candidate, choose, is_no_op, plan_limits
 
 MiB = 1024**2
 
@@ -137,3 +137,45 @@ def test_a_failed_replay_with_accumulation_says_the_peak_is_the_micro_batchs(out
     assert chosen.fits and chosen.peak_allocated_bytes == 60 * MiB
     assert chosen.accumulation_measured is False
     assert "the peak is batch 32's without accumulation" in chosen.detail
+
+
+def test_plan_limits_interpolate_toward_the_next_batch_over_the_margin():
+    """Batch 10 peaks at 40 MiB, 20 at 100 MiB (over a 95 MiB limit): about
+    6 MiB a sample, so batches up to 19 are predicted to stay within it."""
+    ten = Candidate([], 10, 40 * MiB, 1.0, "b10")
+    other_fixes = Candidate(["autocast"], 10, 40 * MiB, 1.0, "a10")
+    alone = Candidate([], 5, 30 * MiB, 1.0, "b5")
+    points = [((), 5, 30 * MiB), ((), 10, 40 * MiB), ((), 20, 100 * MiB), ((), 21, 104 * MiB)]
+    plan_limits([ten, other_fixes], points, 95 * MiB)
+    assert ten.plan_limit == 19  # 10 + (95 - 40) / 6
+    assert other_fixes.plan_limit is None  # nothing measured with autocast above 10
+    plan_limits([alone], points, 95 * MiB)
+    assert alone.plan_limit is None  # batch 10 is within the limit: a candidate of its own
+    # The planned micro-batch is the largest divisor-friendly one up to it.
+    chosen = choose([ten], 64, 100 * MiB, 0.05, reference=None)
+    assert (chosen.batch_size, chosen.accumulation_steps) == (16, 4)
+
+
+def test_a_planned_micro_batch_is_prescribed_only_as_measured():
+    """Planned 16 x 4 from batch 10's measurements: measured within the
+    margin, it is prescribed; over it, 8 x 8 (within batch 10) is measured
+    and prescribed instead."""
+
+    def planned():
+        candidate = Candidate([], 10, 40 * MiB, 1.0, "b10")
+        candidate.plan_limit = 19
+        return candidate
+
+    replayer = ScriptedReplayer([("fits", 90 * MiB)])
+    chosen = prescribe_with(replayer, [planned()])
+    assert (chosen.batch_size, chosen.accumulation_steps) == (16, 4)
+    assert chosen.accumulation_measured is True and chosen.peak_allocated_bytes == 90 * MiB
+    over = ScriptedReplayer([("fits", 97 * MiB), ("fits", 60 * MiB)])
+    chosen = prescribe_with(over, [planned()])
+    assert [call[0]["batch_size"] for call in over.calls] == [16, 8]
+    assert (chosen.batch_size, chosen.accumulation_steps) == (8, 8)
+    assert chosen.peak_allocated_bytes == 60 * MiB and "batch 16 x 4" in chosen.detail
+    failed = ScriptedReplayer([("error", None), ("fits", 60 * MiB)])
+    chosen = prescribe_with(failed, [planned()])
+    assert (chosen.batch_size, chosen.accumulation_steps) == (8, 8)
+    assert chosen.accumulation_measured is True

@@ -1164,6 +1164,10 @@ def prescription_for(
                         run.replay.label,
                     )
                 )
+    if original is not None:
+        capacity = snapshot.device.capacity_bytes
+        margin = float(getattr(replayer.options, "margin_fraction", 0.05))
+        prescribe.plan_limits(candidates, measured_points(state), capacity - int(margin * capacity))
     chosen, interrupted = measured_choice(
         replayer, snapshot, state, candidates, original, reference
     )
@@ -1176,6 +1180,23 @@ def prescription_for(
         except ReplaysInterrupted:
             pass  # Ctrl-C during the check: the prescription stands without it
     return chosen
+
+
+def measured_points(state: ReplayState) -> list[tuple[tuple, int, int]]:
+    """(fixes, batch, peak) of every batch the searches ran; for a batch that
+    ran out of memory, the most it was seen to need."""
+    points = []
+    searches: list[tuple[tuple, Optional[batch_model.SearchResult]]] = [((), state.search)]
+    if state.saver_search is not None and state.saver_fix is not None:
+        searches.append((tuple(part.name for part in state.saver_fix.parts), state.saver_search))
+    for fixes, search in searches:
+        for run in search.trials if search is not None else []:
+            peak = run.peak_allocated_bytes
+            if not run.fits:
+                peak = max([*run.lower_bounds.values(), peak or 0])
+            if peak:
+                points.append((fixes, run.batch_size, int(peak)))
+    return points
 
 
 # At most this many replays measure a prescription with gradient
@@ -1197,7 +1218,9 @@ def measured_choice(
     configuration, accumulation included (the later micro-batches' forward
     runs with the earlier ones' gradients alive, which can peak higher): its
     peak is the prescription's. One that then leaves the margin no longer
-    free gives way to the next candidate."""
+    free gives way to a smaller micro-batch or the next candidate. A
+    micro-batch larger than the candidate's (planned from its `plan_limit`)
+    is prescribed only as that replay measured it."""
     capacity = snapshot.device.capacity_bytes
     margin = float(getattr(replayer.options, "margin_fraction", 0.05))
     limit = capacity - int(margin * capacity)
@@ -1217,6 +1240,11 @@ def measured_choice(
             chosen.batch_size, chosen.accumulation_steps = None, 1
         if chosen.accumulation_steps <= 1 or chosen.batch_size is None:
             break
+        micro = chosen.batch_size
+        planned = micro > candidate.batch_size
+        if planned and (not fits or replays >= PRESCRIPTION_REPLAYS):
+            candidate.plan_limit = None  # not measured: only the batch it ran
+            continue
         without = f"the peak is batch {candidate.batch_size}'s without accumulation"
         if not fits or replays >= PRESCRIPTION_REPLAYS:
             chosen.accumulation_measured = False
@@ -1226,11 +1254,19 @@ def measured_choice(
         try:
             replay = replay_prescription(replayer, snapshot, state, chosen)
         except ReplaysInterrupted:
+            if planned:
+                candidate.plan_limit = None
+                chosen = prescribe.prescription_from(
+                    candidate, fits, original or 1, capacity, margin, reference
+                )
             interrupted, chosen.accumulation_measured = True, False
             chosen.detail = (
                 f"{chosen.detail}; its replay with accumulation was interrupted: {without}"
             )
             break
+        if replay.outcome in ("timeout", "error") and planned:
+            candidate.plan_limit = None  # measure the batch it ran instead
+            continue
         if replay.outcome in ("timeout", "error"):
             chosen.accumulation_measured = False
             chosen.detail = (
@@ -1246,14 +1282,17 @@ def measured_choice(
             f"{' + '.join(chosen.fixes) or 'no fix'} at batch {chosen.batch_size} x "
             f"{chosen.accumulation_steps} accumulation steps: {summarise(replay)}, over the margin"
         )
+        if planned:
+            # Plan below the micro-batch that went over, down to the batch it ran.
+            below = micro - 1
+            candidate.plan_limit = below if below > candidate.batch_size else None
         # With the same fixes, accumulating over a micro-batch at least as
         # large would not fit either (the user's own batch, measured without
         # accumulation, stays a candidate).
         remaining = [
             other
             for other in remaining
-            if other.fixes != candidate.fixes
-            or not chosen.batch_size <= other.batch_size < (original or 1)
+            if other.fixes != candidate.fixes or not micro <= other.batch_size < (original or 1)
         ]
     if rejected:
         chosen.detail = (

@@ -10,6 +10,11 @@ savers at the failing batch and, when that does not fit, at the batches a
 second search tried. The prescription is the candidate with the highest
 measured training throughput (samples per second at the user's effective
 batch) whose peak leaves the safety margin free.
+
+Its micro-batch may be larger than the batch the candidate ran: up to the
+largest batch that the candidate's peak and the next batch measured with the
+same fixes predict to leave the margin free (`plan_limit`). The replay of the
+prescription with its gradient accumulation then measures exactly that.
 """
 
 from __future__ import annotations
@@ -35,6 +40,9 @@ class Candidate:
     step_s: Optional[float]
     label: str = ""
     notes: list[str] = field(default_factory=list)
+    # The largest micro-batch a prescription from this candidate may plan
+    # (see plan_limits); None: the batch it ran.
+    plan_limit: Optional[int] = None
 
     @property
     def samples_per_second(self) -> Optional[float]:
@@ -58,6 +66,35 @@ def is_no_op(
     return (step, phase, requested) == (f_step, f_phase, f_requested) and abs(
         allocated - f_allocated
     ) <= NO_OP_SHARE * max(allocated, f_allocated, 1)
+
+
+def plan_limits(
+    candidates: list[Candidate], points: list[tuple[tuple, int, int]], limit_bytes: int
+) -> None:
+    """Set each candidate's `plan_limit`: between its batch and the next larger
+    batch measured with the same fixes (`points`: (fixes, batch, peak, or the
+    need a batch that ran out of memory showed)) whose peak goes past
+    `limit_bytes`, the largest batch whose linearly interpolated peak stays
+    within it. Peaks grow about linearly with the batch between two measured
+    batches; the prescription's own replay checks the one planned."""
+    for candidate in candidates:
+        if candidate.peak_allocated_bytes > limit_bytes:
+            continue
+        larger = [
+            (batch, peak)
+            for fixes, batch, peak in points
+            if tuple(fixes) == tuple(candidate.fixes) and batch > candidate.batch_size
+        ]
+        if not larger:
+            continue
+        batch, peak = min(larger)
+        if peak <= limit_bytes or peak <= candidate.peak_allocated_bytes:
+            continue  # that batch is a candidate of its own, or no slope to go by
+        per_sample = (peak - candidate.peak_allocated_bytes) / (batch - candidate.batch_size)
+        planned = candidate.batch_size + int(
+            (limit_bytes - candidate.peak_allocated_bytes) // per_sample
+        )
+        candidate.plan_limit = max(candidate.batch_size, min(planned, batch - 1))
 
 
 def choose(
@@ -108,8 +145,9 @@ def prescription_from(
     """The prescription of one candidate: its micro-batch and accumulation
     keep the user's effective batch."""
     margin = int(margin_fraction * capacity_bytes)
+    largest = max(best.batch_size, best.plan_limit or 0)
     micro, steps = batch_model.accumulation_plan(
-        original_batch_size, min(best.batch_size, original_batch_size)
+        original_batch_size, min(largest, original_batch_size)
     )
     ratio = None
     if reference is not None and best.samples_per_second and reference.samples_per_second:
@@ -119,7 +157,7 @@ def prescription_from(
     )
     if not fits:
         detail += f"; no measured configuration leaves the {margin_fraction:.0%} safety margin free"
-    return Prescription(
+    prescription = Prescription(
         fixes=list(best.fixes),
         batch_size=micro,
         accumulation_steps=steps,
@@ -133,3 +171,7 @@ def prescription_from(
         throughput_ratio=ratio,
         detail=detail + "".join(f"; {note}" for note in best.notes),
     )
+    if best.samples_per_second and micro != best.batch_size:
+        # The throughput is the batch the candidate ran, not the micro-batch.
+        prescription.extra["throughput_batch_size"] = best.batch_size
+    return prescription

@@ -245,6 +245,9 @@ def prescription_lines(analysis: Analysis) -> list[str]:
             lines.append("    (it ended before an optimizer step and two more micro-batches)")
     if prescription.samples_per_second:
         text = f"  throughput {prescription.samples_per_second:.1f} samples/s"
+        measured_at = prescription.extra.get("throughput_batch_size")
+        if isinstance(measured_at, int) and measured_at != prescription.batch_size:
+            text += f" (measured at batch {measured_at})"
         if prescription.throughput_ratio:
             text += f", {prescription.throughput_ratio:.2f}x the failing configuration at its largest fitting batch"
         lines.append(text)
