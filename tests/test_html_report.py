@@ -485,14 +485,17 @@ def test_prescription_with_accumulation_and_the_scripts_own_flags():
     assert text is not None
     body = text.text()
     assert "batch size 8 x 4 accumulation steps" in body
+    assert "412.5 samples/s" in body and "measured at batch" not in body
     assert "peak measured with the gradient accumulation running" in body
     assert (
         "replayed with your script's own flags (--per_device_train_batch_size 8 "
         f"--gradient_accumulation_steps 4): fits, peak {format_bytes(9 * GiB + 100 * MiB)}"
     ) in body
     document["prescription"]["accumulation_measured"] = False
+    document["prescription"]["throughput_batch_size"] = 10
     body = parse(render_html(build_view(document, analysis(document)))).text()
     assert "peak of one micro-batch, not measured with the accumulation" in body
+    assert "412.5 samples/s (measured at batch 10)" in body
 
 
 def test_a_leak_prescription_says_fix_the_leak_not_use_as_it_is():

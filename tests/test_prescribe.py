@@ -170,6 +170,7 @@ def test_a_planned_micro_batch_is_prescribed_only_as_measured():
     chosen = prescribe_with(replayer, [planned()])
     assert (chosen.batch_size, chosen.accumulation_steps) == (16, 4)
     assert chosen.accumulation_measured is True and chosen.peak_allocated_bytes == 90 * MiB
+    assert chosen.extra["throughput_batch_size"] == 10  # the throughput is batch 10's
     over = ScriptedReplayer([("fits", 97 * MiB), ("fits", 60 * MiB)])
     chosen = prescribe_with(over, [planned()])
     assert [call[0]["batch_size"] for call in over.calls] == [16, 8]

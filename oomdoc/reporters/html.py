@@ -316,6 +316,7 @@ def _prescription(document: dict, capacity: int):
         "headroom_bytes": capacity - peak if peak is not None and capacity else None,
         "fits": _bool(prescription.get("fits")),
         "samples_per_second": _num(prescription.get("samples_per_second")),
+        "throughput_batch_size": _int(prescription.get("throughput_batch_size")),
         "measured": _bool(prescription.get("measured")),
         "snippet": snippet,
         "kind": _str(prescription.get("kind"), limit=20),
@@ -965,7 +966,11 @@ def _prescription_html(view: dict, ids: _Ids) -> str:
         if prescription.get("headroom_bytes") is not None:
             facts.append(f"headroom {_fmt(prescription['headroom_bytes'])}")
         if prescription.get("samples_per_second") is not None:
-            facts.append(f"{prescription['samples_per_second']:.1f} samples/s")
+            throughput = f"{prescription['samples_per_second']:.1f} samples/s"
+            measured_at = prescription.get("throughput_batch_size")
+            if measured_at is not None and measured_at != prescription.get("batch_size"):
+                throughput += f" (measured at batch {measured_at})"
+            facts.append(throughput)
         if prescription.get("accumulation_measured") is True:
             facts.append("peak measured with the gradient accumulation running")
         elif prescription.get("accumulation_measured") is False:
