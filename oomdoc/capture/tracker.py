@@ -703,18 +703,6 @@ class Tracker:
         self._state_table, self._state_signature = table, signature
         return table
 
-    def _add_storage(self, table: dict, tensor) -> None:
-        """table[storage key] = device bytes, for a tensor on this device."""
-        if not self.backend.owns(tensor):
-            return
-        try:
-            storage = tensor.untyped_storage()
-            key = storage._cdata
-            if key not in table:
-                table[key] = self.backend.storage_bytes(storage.nbytes())
-        except Exception:
-            pass
-
     def _parameter_references(self) -> tuple:
         """Weak references to the parameters of the models called, then
         those of the optimizers not in a model, each once. Rebuilt only when
