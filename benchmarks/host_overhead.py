@@ -48,7 +48,7 @@ import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from tabulate import tabulate  # noqa: E402
 
-from oomdoc.capture.backends import Backend  # noqa: E402
+from oomdoc.capture.backends import Backend, CudaBackend  # noqa: E402
 from oomdoc.capture.tracker import Tracker  # noqa: E402
 
 _IS_CPU = attrgetter("is_cpu")
@@ -56,10 +56,13 @@ _IS_CPU = attrgetter("is_cpu")
 
 class HostBackend(Backend):
     """CPU tensors presented as the device: the tracker takes its CUDA path
-    (no per-storage counters), and its allocator reads cost nothing."""
+    (no per-storage counters, storages rounded as the caching allocator
+    rounds them), and its allocator reads cost nothing. The tests of that
+    path use it too (tests/test_known_tables.py)."""
 
     kind = "cuda"
     per_storage = False
+    storage_bytes = CudaBackend.storage_bytes
 
     def owns(self, tensor) -> bool:
         return tensor.is_cpu

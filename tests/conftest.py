@@ -6,6 +6,7 @@ with this checkout first on PYTHONPATH so the code under test is what runs.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -16,6 +17,20 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = REPO_ROOT / "tests" / "scripts"
+
+
+def benchmark_module(name: str):
+    """benchmarks/<name>.py, imported once (benchmarks are scripts, not a package)."""
+    module = sys.modules.get(name)
+    if module is None:
+        spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "benchmarks" / f"{name}.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return module
+
+
 EXAMPLES = REPO_ROOT / "examples"
 
 

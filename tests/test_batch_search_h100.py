@@ -5,26 +5,14 @@ the search reads only the recorded captures."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-
 import pytest
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, benchmark_module
 
 from oomdoc.replay.batch import first_probe_for, observe, search_max_batch
 
 
 def recorded(case: str):
-    name = "batch_grid"
-    module = sys.modules.get(name)
-    if module is None:
-        spec = importlib.util.spec_from_file_location(
-            name, REPO_ROOT / "benchmarks" / "batch_grid.py"
-        )
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
+    module = benchmark_module("batch_grid")
     return module.RecordedGrid.load(REPO_ROOT / "tests" / "data" / "batch_grid" / f"{case}.json")
 
 

@@ -11,35 +11,12 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from conftest import benchmark_module
 
-from oomdoc.capture.backends import Backend
 from oomdoc.capture.tracker import Tracker
 
-
-class CpuAsDevice(Backend):
-    """CPU tensors presented as the device, without per-storage counters
-    (the tracker's CUDA path)."""
-
-    kind = "cuda"
-    per_storage = False
-
-    def owns(self, tensor) -> bool:
-        return tensor.is_cpu
-
-    def allocated_bytes(self) -> int:
-        return 0
-
-    def reserved_bytes(self) -> int:
-        return 0
-
-    def capacity_bytes(self) -> int:
-        return 1 << 40
-
-    def read_and_reset_peak(self) -> tuple[int, int]:
-        return 0, 0
-
-    def storage_bytes(self, nbytes: int) -> int:
-        return ((nbytes + 511) // 512) * 512 if nbytes else 0
+# CPU tensors as the device, as benchmarks/host_overhead.py runs the CUDA path.
+CpuAsDevice = benchmark_module("host_overhead").HostBackend
 
 
 TABLE_STATE = (

@@ -36,18 +36,14 @@ def breakdown_rows(snapshot: Snapshot) -> list[list[str]]:
     return rows
 
 
-def site_rows(sites: list[Site], relative_to: str | None, limit: int = 5) -> list[list[str]]:
-    return site_table(sites, relative_to, limit, modules=False)[1]
-
-
 def site_table(
-    sites: list[Site], relative_to: str | None, limit: int = 5, modules: bool = True
+    sites: list[Site], relative_to: str | None, limit: int = 5
 ) -> tuple[list[str], list[list[str]]]:
-    """(headers, rows) of the largest sites; with `modules`, a module column
-    when the capture named them: one line of a script that calls a
-    framework's training loop is every site's location, its layers are not."""
+    """(headers, rows) of the largest sites, with a module column when the
+    capture named them: one line of a script that calls a framework's
+    training loop is every site's location, its layers are not."""
     shown = sites[:limit]
-    with_module = modules and any(site.module for site in shown)
+    with_module = any(site.module for site in shown)
     headers = list(SITE_HEADERS)
     if with_module:
         headers.insert(2, "module")
