@@ -120,8 +120,16 @@ def slim(capture: dict, wall_s: float) -> dict:
     }
 
 
-def record(case: str, device: str, capacity: int, out: Path, progress: Progress) -> None:
+def record(
+    case: str,
+    device: str,
+    capacity: int,
+    out: Path,
+    progress: Progress,
+    sizes: list[int] | None = None,
+) -> None:
     script, _head, _flag, failing, grid = CASES[case]
+    grid = sizes or grid
     target = str(ROOT / script)
     request = ChildRequest(
         target=target,
@@ -168,14 +176,18 @@ def main() -> None:
     parser.add_argument("--cases", default="gpt,resnet,hf,lightning")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--device-memory", default=None, help="16GiB on CUDA, 192MiB on the CPU")
+    parser.add_argument(
+        "--sizes", default="", help="batch sizes instead of the case's grid, e.g. 23,25 (one case)"
+    )
     args = parser.parse_args()
+    sizes = [int(size) for size in args.sizes.split(",") if size.strip()]
     memory = args.device_memory or ("16GiB" if args.device == "cuda" else "192MiB")
     args.out.mkdir(parents=True, exist_ok=True)
     progress = Progress(sys.stderr)
     for case in [name.strip() for name in args.cases.split(",") if name.strip()]:
         if case not in CASES:
             sys.exit(f"unknown case {case!r} (one of {', '.join(CASES)})")
-        record(case, args.device, parse_size(memory), args.out, progress)
+        record(case, args.device, parse_size(memory), args.out, progress, sizes)
 
 
 if __name__ == "__main__":

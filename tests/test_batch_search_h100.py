@@ -72,3 +72,20 @@ def test_an_off_grid_batch_is_interpolated_between_recorded_ones():
             assert values[0] < values[1] < values[2]
     above = grid.capture(grid.true_max + 5)
     assert above["outcome"] == "oom"
+
+
+def test_a_second_backward_that_never_ran_is_the_first_moved_up_by_the_optimizer_state():
+    """Batch 23 ran out of memory at the first request of its second backward:
+    the need there (15.43 GiB) says little about that backward's peak. The
+    first step's backward line moved up by what the second forward held more
+    predicts it: batch 22's second backward needed 16.21 GiB."""
+    from oomdoc.replay.batch import STEADY, fit_model
+
+    grid = recorded("gpt")
+    run = grid.trial(23)
+    assert not run.fits and (STEADY, "backward") in run.lower_bounds
+    model = fit_model([observe(grid.failing, grid.original), run])
+    need_at_22 = grid.runs[22]["oom"]["allocated_bytes"] + grid.runs[22]["oom"]["requested_bytes"]
+    predicted = model.lines[(STEADY, "backward")].at(22)
+    assert abs(predicted - need_at_22) <= 0.01 * need_at_22
+    assert run.lower_bounds[(STEADY, "backward")] < 0.97 * model.lines[(STEADY, "backward")].at(23)

@@ -213,7 +213,17 @@ def fit_model(runs: list[BatchRun]) -> BatchModel:
                 slope = start.slope
             line = Line(v1 - (slope or 0.0) * b1, slope or 0.0)
         lines[key] = line
+    shifted = _steady_from_first(points, lines)
     for key, observed in bounds.items():
+        if key not in lines and key in shifted:
+            # The steady phase never completed: its first-step line moved up
+            # by what the steady step holds more, or the bound, whichever is higher.
+            lines[key] = max(
+                [shifted[key]]
+                + [line_through_bound(shifted[key].slope, b, need) for b, need in observed],
+                key=lambda line: line.at(max(b for b, _need in observed)),
+            )
+            continue
         if key not in lines:
             # Only ever ran out of memory in this phase: a line through the
             # need at the OOM (a lower bound) with the phase's slope in the
@@ -241,7 +251,36 @@ def fit_model(runs: list[BatchRun]) -> BatchModel:
                 continue
             anchor = max(anchors)
             lines[key] = Line.through(anchor, points[key][anchor], batch_size, need)
+    for key, line in shifted.items():
+        lines.setdefault(key, line)
     return BatchModel(lines=lines, start=start, points={key: len(v) for key, v in points.items()})
+
+
+def line_through_bound(slope: float, batch_size: int, need: float) -> Line:
+    return Line(need - slope * batch_size, slope)
+
+
+def _steady_from_first(points: dict, lines: dict) -> dict:
+    """Lines for the steady forward/backward phases that never completed, from
+    the first step's line of the same phase moved up by what the steady step
+    holds more (optimizer state, kept gradients): measured as the difference
+    between the steady and first peaks of the other phase at one batch size.
+    (A replay that ran out of memory at the start of its second backward
+    measured the second forward but not the backward, and the need at that
+    OOM, its first request, says little about the backward's peak.)"""
+    shifted = {}
+    for phase in FORWARD_BACKWARD:
+        key, first = (STEADY, phase), (FIRST, phase)
+        if key in points or first not in lines:
+            continue
+        for other in FORWARD_BACKWARD:
+            common = set(points.get((STEADY, other), {})) & set(points.get((FIRST, other), {}))
+            if other == phase or not common:
+                continue
+            batch_size = max(common)
+            offset = points[(STEADY, other)][batch_size] - points[(FIRST, other)][batch_size]
+            shifted[key] = Line(lines[first].intercept + max(0.0, offset), lines[first].slope)
+    return shifted
 
 
 def _line_from_points(measured: dict) -> Line:
@@ -437,7 +476,12 @@ def search_max_batch(
             candidate = min(max(1, probe), hi - 1)
         elif lo == 0 and prediction is not None and _measured_a_step(runs, hi):
             # Nothing fits yet, but the smallest OOM came in a later step:
-            # the model has the first step's lines and the fragmentation.
+            # the model has the first step's lines and the fragmentation. The
+            # fragmentation at that OOM bounds what the allocator loses at the
+            # limit from above (it lost nothing at a fit): go halfway.
+            whole = model.largest_fitting(capacity_bytes)
+            if whole is not None and whole > prediction:
+                prediction = (prediction + whole + 1) // 2
             candidate = min(max(prediction, 1), hi - 1)
         elif lo == 0:
             # Nothing fits yet, so the model knows no steady step.
