@@ -152,6 +152,12 @@ def test_plan_skips_what_cannot_help_with_a_reason():
     assert chosen == ["smaller_batch", "autocast", "checkpointing"]
     reasons = {s["name"]: s["reason"] for s in skipped}
     assert "CUDA only" in reasons["empty_cache"] and "CUDA only" in reasons["expandable_segments"]
+    assert "before the first optimizer step" in reasons["lighter_optimizer"]
+    later = failing_document(
+        oom={**failing_document()["oom"], "step": 1},
+        steps=[{"index": 0, "optimizer_steps": 1}, {"index": 1}],
+    )
+    reasons = {entry["name"]: entry["reason"] for entry in plan(later, None)[1]}
     assert "small share" in reasons["lighter_optimizer"]
     # Asked for by name, a lighter optimizer is measured anyway.
     assert plan(failing_document(), ["lighter_optimizer"])[0] == ["lighter_optimizer"]
@@ -160,20 +166,30 @@ def test_plan_skips_what_cannot_help_with_a_reason():
         device={"kind": "cuda", "capacity_bytes": 16 * 1024 * MiB, "supports_bf16": True},
         breakdown={
             "parameters": 900 * MiB,
-            "gradients": 0,
-            "optimizer_state": 0,
+            "gradients": 900 * MiB,
+            "optimizer_state": 1800 * MiB,
             "activations": 0,
             "other": 0,
         },
         oom={
-            "step": 0,
+            "step": 1,
             "phase": "forward",
             "allocated_bytes": 15 * 1024 * MiB,
             "requested_bytes": 2 * MiB,
             "reserved_bytes": 15 * 1024 * MiB + 900 * MiB,
         },
+        steps=[{"index": 0, "optimizer_steps": 1}, {"index": 1}],
     )
     assert len(plan(cuda, None)[0]) == 6
+    # The same OOM in the first forward, before the optimizer held any state:
+    # a lighter optimizer's replay would fail at the same point.
+    first_forward = {**cuda, "oom": {**cuda["oom"], "step": 0}, "steps": [{"index": 0}]}
+    first_forward["breakdown"] = {**cuda["breakdown"], "gradients": 0, "optimizer_state": 0}
+    chosen, skipped = plan(first_forward, None)
+    assert "lighter_optimizer" not in chosen
+    reason = {entry["name"]: entry["reason"] for entry in skipped}["lighter_optimizer"]
+    assert "before the first optimizer step" in reason
+    assert "lighter_optimizer" in plan(first_forward, ["lighter_optimizer"])[0]
     no_blocks = failing_document(
         models=[{"class": "Net", "parameters_bytes": 1, "repeated_blocks": []}]
     )

