@@ -53,9 +53,9 @@ def test_replay_jobs_from_the_option_else_the_machine():
     assert replay_jobs(snapshot, Options()) == 1
     Options.distributed, Options.replay_jobs = None, None
     assert replay_jobs(snapshot, Options()) == default_jobs("simulated")
-    # On CUDA, one unless asked (see CUDA_SIDE_BY_SIDE_BY_DEFAULT), whatever the machine.
+    # On CUDA too: one lane per core beyond the first, at most MAX_JOBS.
     cuda = Snapshot.from_dict({"device": {"kind": "cuda", "capacity_bytes": 1}})
-    assert replay_jobs(cuda, Options()) == 1
+    assert replay_jobs(cuda, Options()) == default_jobs("cuda")
     Options.replay_jobs = 3
     assert replay_jobs(cuda, Options()) == 3
 
