@@ -787,3 +787,25 @@ def test_lightning_phases_inside_the_closure_and_the_exact_max_batch(tmp_path):
     trials = dict(map(tuple, search["trials"]))
     assert trials[maximum] is True and trials[maximum + 1] is False
     assert len(search["trials"]) <= 4
+
+
+def test_checkpointing_snippets_loop_over_every_run_of_blocks_wrapped():
+    """A ResNet's replay wraps its four stages: the snippet shows all four, in
+    order, not the first alone."""
+    stages = [
+        {"path": f"layer{index}", "class": "Bottleneck", "count": count}
+        for index, count in ((1, 3), (2, 4), (3, 6), (4, 3))
+    ]
+    context = {"blocks_path": "layer1", "blocks_class": "Bottleneck", "blocks_count": 3}
+    context["blocks_groups"] = stages
+    text = Plain().snippet("checkpointing", context)
+    loops = [line for line in text.splitlines() if line.startswith("for block in")]
+    assert loops == [
+        "for block in model.layer1:  # Bottleneck x 3",
+        "for block in model.layer2:  # Bottleneck x 4",
+        "for block in model.layer3:  # Bottleneck x 6",
+        "for block in model.layer4:  # Bottleneck x 3",
+    ]
+    assert text.count("x = checkpoint(block, x, use_reentrant=False)") == 4
+    inside = Lightning().snippet("checkpointing", {**context, "entry": "Trainer"})
+    assert "        for block in self.layer4:  # Bottleneck x 3" in inside

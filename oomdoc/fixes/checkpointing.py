@@ -44,7 +44,13 @@ class Checkpointing(Fix):
         if wrapped:
             first = wrapped[0]
             request.context.update(
-                blocks_path=first["path"], blocks_class=first["class"], blocks_count=first["count"]
+                blocks_path=first["path"],
+                blocks_class=first["class"],
+                blocks_count=first["count"],
+                # Every run of blocks it wrapped (a ResNet's four stages), in order.
+                blocks_groups=[
+                    {"path": w["path"], "class": w["class"], "count": w["count"]} for w in wrapped
+                ],
             )
         return "checkpointed " + ", ".join(
             f"{w['count']} x {w['class']} in {w['path']}" for w in wrapped
@@ -54,20 +60,7 @@ class Checkpointing(Fix):
         """`context`: blocks_path, blocks_class, blocks_count; `owner`, the
         expression the path starts from (default `model`)."""
         owner = context.get("owner", "model")
-        path = context.get("blocks_path")
-        if not path:
-            path, comment = "blocks", ""
-        else:
-            comment = (
-                f"  # {context.get('blocks_class', 'block')} x {context.get('blocks_count', '?')}"
-            )
-        # The root itself is the container (a top-level nn.Sequential).
-        blocks = owner if path == "(root)" else f"{owner}.{path}"
-        return (
-            "from torch.utils.checkpoint import checkpoint\n"
-            f"for block in {blocks}:{comment}\n"
-            "    x = checkpoint(block, x, use_reentrant=False)"
-        )
+        return "\n".join(["from torch.utils.checkpoint import checkpoint", *loops(context, owner)])
 
     def estimate(self, snapshot: Snapshot) -> Optional[Effect]:
         activations = snapshot.breakdown.bytes_of("activations")
@@ -160,3 +153,26 @@ class Checkpointing(Fix):
                 )
 
         tracker.forward_start_callbacks.append(wrap)
+
+
+def loops(context: dict, owner: str) -> list[str]:
+    """One checkpointed loop per run of blocks the replay wrapped, in order
+    (a ResNet's four stages), over `owner.path`; the blocks' class and count
+    as a comment."""
+    groups = context.get("blocks_groups") or [
+        {
+            "path": context.get("blocks_path"),
+            "class": context.get("blocks_class", "block"),
+            "count": context.get("blocks_count", "?"),
+        }
+    ]
+    lines = []
+    for group in groups:
+        path = group.get("path")
+        comment = f"  # {group.get('class')} x {group.get('count')}" if path else ""
+        path = path or "blocks"
+        # The root itself is the container (a top-level nn.Sequential).
+        blocks = owner if path == "(root)" else f"{owner}.{path}"
+        lines.append(f"for block in {blocks}:{comment}")
+        lines.append("    x = checkpoint(block, x, use_reentrant=False)")
+    return lines

@@ -12,7 +12,8 @@ The `context` every method takes is a plain dict; each key is optional:
 | `micro_batch`, `accumulation_steps` | smaller_batch: the batch that fits, and the steps that keep the effective batch |
 | `how` | smaller_batch: the batch-size flag (`--batch-size`), or `batch_size` for a DataLoader |
 | `device_type`, `dtype` | autocast: `cuda`/`cpu`, `bfloat16`/`float16` |
-| `blocks_path`, `blocks_class`, `blocks_count` | checkpointing: the repeated blocks, relative to the model called |
+| `blocks_path`, `blocks_class`, `blocks_count` | checkpointing: the (first) repeated blocks, relative to the model called |
+| `blocks_groups` | checkpointing: every run of blocks wrapped, in order (`path`, `class`, `count`) |
 | `optimizer` | lighter_optimizer: the optimizer measured (`Adafactor`) |
 | `entry`, `module`, `version` | the snapshot's `framework.entry` (`Trainer`, `Fabric`, ...), import name and version |
 | `command` | the snapshot's `command`: `[SCRIPT, *ARGS]` or `["-m", MODULE, *ARGS]` |

@@ -4,6 +4,7 @@ the DataModule; or, for Fabric, `Fabric(precision=...)` and its loop."""
 
 from __future__ import annotations
 
+from oomdoc.fixes import checkpointing
 from oomdoc.frameworks.base import EXPANDABLE_ENV, Framework, effective_batch_comment
 from oomdoc.frameworks.plain import (
     DEFAULT_SNIPPETS,
@@ -31,18 +32,12 @@ def _precision(context: dict) -> str:
 
 def _module_checkpointing(context: dict) -> str:
     """Checkpointing written inside the LightningModule's forward."""
-    path = context.get("blocks_path") or "blocks"
-    what = (
-        f"  # {context.get('blocks_class', 'block')} x {context.get('blocks_count', '?')}"
-        if context.get("blocks_path")
-        else ""
-    )
+    body = "".join(f"        {line}\n" for line in checkpointing.loops(context, "self"))
     return (
         "from torch.utils.checkpoint import checkpoint\n\n"
         f"class LitModel({_alias(context)}.LightningModule):\n"
         "    def forward(self, x):\n"
-        f"        for block in self.{path}:{what}\n"
-        "            x = checkpoint(block, x, use_reentrant=False)\n"
+        f"{body}"
         "        ...\n"
         "# a Hugging Face model inside the module: self.model.gradient_checkpointing_enable()"
     )
