@@ -529,3 +529,33 @@ def test_an_oom_read_without_a_batch_size_has_no_estimate():
     run = observe(workload.capture(batch), 0)
     assert run.estimated_max is None and run.oom_signature is not None
     assert observe(workload.capture(batch), batch).estimated_max is not None
+
+
+@pytest.mark.parametrize("probe", [120, 90])
+def test_large_fragmentation_at_later_step_ooms_still_finds_a_fit_in_four_replays(probe):
+    """As the Lightning run's autocast+checkpointing search on the H100: every
+    OOM in a later step, the allocator losing 2.6 GiB of 16 to fragmentation.
+    Halfway into that fragmentation is tried once; when it runs out of memory
+    too, the next batch allows for all of it, so the prescription's search
+    (4 replays) ends with a batch that fits instead of 85, 84, 83 all failing."""
+    workload = Workload(
+        params=1000 * MiB,
+        opt_state=2000 * MiB,
+        opt_temp=1000 * MiB,
+        act_forward=100 * MiB,
+        act_backward=40 * MiB,
+        leftover=10 * MiB,
+        granule=2 * MiB,
+        slack_bytes=2600 * MiB,
+    )
+    calls = []
+
+    def trial(b):
+        calls.append(b)
+        return observe(workload.capture(b), b)
+
+    failing = observe(workload.capture(256), 256)
+    result = search_max_batch(256, workload.capacity, [failing], trial, probe=probe, max_trials=4)
+    truth = workload.true_max(256)
+    assert result.max_batch_size is not None and result.max_batch_size <= truth, calls
+    assert result.max_batch_size >= 0.95 * truth, calls

@@ -465,7 +465,11 @@ def search_max_batch(
     result = SearchResult(original_batch_size, lo or None, False, [], [], trial=trial)
     guided = 0
     optimistic = False
+    # A batch halfway into the fragmentation ran out of memory: the allocator
+    # does lose about that much here.
+    halfway_failed = False
     while hi - lo > 1 and len(result.trials) < max_trials:
+        halfway = False
         model = fit_model(runs)
         # Fragmentation seen at the nearest OOM makes the device smaller
         # where that OOM's phase is the one that decides the limit, unless
@@ -478,9 +482,10 @@ def search_max_batch(
             # Nothing fits yet, but the smallest OOM came in a later step:
             # the model has the first step's lines and the fragmentation. The
             # fragmentation at that OOM bounds what the allocator loses at the
-            # limit from above (it lost nothing at a fit): go halfway.
+            # limit from above (it lost nothing at a fit): go halfway, once.
             whole = model.largest_fitting(capacity_bytes)
-            if whole is not None and whole > prediction:
+            halfway = not halfway_failed and whole is not None and whole > prediction
+            if halfway:
                 prediction = (prediction + whole + 1) // 2
             candidate = min(max(prediction, 1), hi - 1)
         elif lo == 0:
@@ -529,6 +534,7 @@ def search_max_batch(
             optimistic = optimistic or (prediction is not None and candidate > prediction)
             lo = max(lo, candidate)
         else:
+            halfway_failed = halfway_failed or halfway
             if candidate < hi:
                 optimistic = False  # a new OOM nearer the limit: its fragmentation counts
             hi = min(hi, candidate)
