@@ -538,7 +538,8 @@ def test_large_fragmentation_at_later_step_ooms_still_finds_a_fit_in_four_replay
     Halfway into that fragmentation is tried once; when it runs out of memory
     too, the next batch allows for all of it, so the prescription's search
     (4 replays) ends with a batch that fits instead of 85, 84, 83 all failing."""
-    workload = Workload(
+    workload = replace(
+        GPT_LIKE,
         params=1000 * MiB,
         opt_state=2000 * MiB,
         opt_temp=1000 * MiB,
@@ -548,14 +549,15 @@ def test_large_fragmentation_at_later_step_ooms_still_finds_a_fit_in_four_replay
         granule=2 * MiB,
         slack_bytes=2600 * MiB,
     )
-    calls = []
-
-    def trial(b):
-        calls.append(b)
-        return observe(workload.capture(b), b)
-
-    failing = observe(workload.capture(256), 256)
-    result = search_max_batch(256, workload.capacity, [failing], trial, probe=probe, max_trials=4)
+    calls: list[int] = []
+    result = search_max_batch(
+        256,
+        workload.capacity,
+        [observe(workload.capture(256), 256)],
+        lambda b: calls.append(b) or observe(workload.capture(b), b),
+        probe=probe,
+        max_trials=4,
+    )
     truth = workload.true_max(256)
     assert result.max_batch_size is not None and result.max_batch_size <= truth, calls
     assert result.max_batch_size >= 0.95 * truth, calls

@@ -485,7 +485,7 @@ def search_max_batch(
             # limit from above (it lost nothing at a fit): go halfway, once.
             whole = model.largest_fitting(capacity_bytes)
             halfway = not halfway_failed and whole is not None and whole > prediction
-            if halfway:
+            if halfway and whole is not None:
                 prediction = (prediction + whole + 1) // 2
             candidate = min(max(prediction, 1), hi - 1)
         elif lo == 0:
