@@ -138,6 +138,10 @@ class Line:
         return self.intercept + self.slope * batch_size
 
     @staticmethod
+    def through_point(batch_size: float, value: float, slope: float) -> Line:
+        return Line(value - slope * batch_size, slope)
+
+    @staticmethod
     def through(b1: float, v1: float, b2: float, v2: float) -> Line:
         slope = (v2 - v1) / (b2 - b1)
         return Line(v1 - slope * b1, slope)
@@ -220,7 +224,7 @@ def fit_model(runs: list[BatchRun]) -> BatchModel:
             # by what the steady step holds more, or the bound, whichever is higher.
             lines[key] = max(
                 [shifted[key]]
-                + [line_through_bound(shifted[key].slope, b, need) for b, need in observed],
+                + [Line.through_point(b, need, shifted[key].slope) for b, need in observed],
                 key=lambda line: line.at(max(b for b, _need in observed)),
             )
             continue
@@ -238,7 +242,7 @@ def fit_model(runs: list[BatchRun]) -> BatchModel:
             )
             if slope is not None:
                 lines[key] = max(
-                    (Line(need - slope * batch_size, slope) for batch_size, need in observed),
+                    (Line.through_point(batch_size, need, slope) for batch_size, need in observed),
                     key=lambda line: line.intercept,
                 )
             continue
@@ -254,10 +258,6 @@ def fit_model(runs: list[BatchRun]) -> BatchModel:
     for key, line in shifted.items():
         lines.setdefault(key, line)
     return BatchModel(lines=lines, start=start, points={key: len(v) for key, v in points.items()})
-
-
-def line_through_bound(slope: float, batch_size: int, need: float) -> Line:
-    return Line(need - slope * batch_size, slope)
 
 
 def _steady_from_first(points: dict, lines: dict) -> dict:
