@@ -9,6 +9,9 @@ TORCH ?= torch>=2.4
 install:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install "$(TORCH)"
 	$(PIP) install -q -e ".[dev]"
+	@# The simulated device's compiled op check, built once per torch install
+	@# (without a C++ compiler the device counts the same, more slowly).
+	@$(PYTHON) -m oomdoc.capture.native >/dev/null || true
 
 # Runs oomdoc on an example that runs out of memory: on a GPU, the GPT example
 # on a card capped to 16 GiB; without one, a small GPT on a 192 MiB simulated device.

@@ -3,15 +3,18 @@ the simulated device's per-step overhead.
 
     python benchmarks/dispatch_floor.py [--steps 300] [--runs 3]
 
-The simulated device counts storages in a `TorchDispatchMode`: a Python call
-per op. This runs benchmarks/scripts/keep_features.py (a small MLP and AdamW:
-about 2 ms and 130 ops per step on one CPU thread) three ways, interleaved:
+The simulated device counts storages at the Python dispatch key. This runs
+benchmarks/scripts/keep_features.py (a small MLP and AdamW: about 2 ms and
+130 ops per step on one CPU thread) four ways, interleaved:
 
   plain          python keep_features.py
   no-op mode     under a dispatch mode that does nothing but call the op
                  (`func._op(*args)`): the cost of seeing every op in Python
-  oomdoc         oomdoc run --device cpu --no-replay (it lets views,
-                 `.item()` and some in-place ops through without the mode)
+  oomdoc, mode   oomdoc run --device cpu --no-replay with OOMDOC_NATIVE=0:
+                 every op but views, `.item()` and some in-place updates
+                 goes through the dispatch mode in Python
+  oomdoc         the same with the compiled op check (oomdoc.capture.native):
+                 Python runs only for a new or resized storage
 
 and prints the median CPU time per step of each, relative to plain, and the
 median of the last 50 steps over the first 50 (flat: the cost does not grow
@@ -64,7 +67,12 @@ def main() -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     script = [str(SCRIPT), "--steps", str(args.steps)]
-    medians: dict[str, list[float]] = {"plain": [], "no-op mode": [], "oomdoc": []}
+    medians: dict[str, list[float]] = {
+        "plain": [],
+        "no-op mode": [],
+        "oomdoc, mode": [],
+        "oomdoc": [],
+    }
     flat: list[float] = []
     plain_flat: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -74,8 +82,12 @@ def main() -> None:
             plain_flat.append(statistics.median(steps[-50:]) / statistics.median(steps[:50]))
             noop = [sys.executable, "-c", NO_OP_MODE, *script]
             medians["no-op mode"].append(statistics.median(step_cpu_ms(noop, env)))
-            snapshot = Path(tmp) / f"run{run}.json"
             oomdoc = [sys.executable, "-m", "oomdoc", "run", "--device", "cpu", "--no-replay"]
+            snapshot = Path(tmp) / f"mode{run}.json"
+            mode_only = dict(env, OOMDOC_NATIVE="0")
+            steps = step_cpu_ms([*oomdoc, "-o", str(snapshot), *script], mode_only)
+            medians["oomdoc, mode"].append(statistics.median(steps))
+            snapshot = Path(tmp) / f"run{run}.json"
             steps = step_cpu_ms([*oomdoc, "-o", str(snapshot), *script], env)
             medians["oomdoc"].append(statistics.median(steps))
             flat.append(statistics.median(steps[-50:]) / statistics.median(steps[:50]))

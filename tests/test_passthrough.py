@@ -14,11 +14,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
+from simulated_training import Net, train
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from oomdoc.capture.backends import SimulatedBackend
 from oomdoc.capture.passthrough import PASS_THROUGH_OPS
-from oomdoc.capture.tracker import Tracker
 
 
 def _record_function():
@@ -113,60 +113,9 @@ def test_a_pass_through_op_skips_the_mode_and_calls_back_with_nothing_to_count(d
     assert op in [func for func, _args in seen]
 
 
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.body = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU())
-        self.head = nn.Linear(64, 4)
-
-    def forward(self, x):
-        features = self.body(x).view(x.shape[0], 8, 8).transpose(1, 2).reshape(x.shape[0], 64)
-        return self.head(features)
-
-
-def _train(pass_through: bool) -> dict:
-    backend = SimulatedBackend(1 << 30, pass_through=pass_through)
-    tracker = Tracker(backend)
-    tracker.install()
-    backend.install(tracker)
-    try:
-        torch.manual_seed(0)
-        model = Net()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        kept = []
-        for _step in range(4):
-            x = torch.randn(32, 16)
-            loss = model(x).square().mean()
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            kept.append(loss.item())
-        tracker.finish()
-        sample = tracker.peak_sample
-        return {
-            "pass_through": backend.pass_through_active,
-            "steps": tracker.steps,
-            "category_peaks": dict(tracker.category_peaks),
-            "peak": {key: sample[key] for key in ("allocated_bytes", "step", "phase", "breakdown")},
-            "sites": sample["top_allocations"],
-            "modules": sample["modules"],
-            "registered": backend.capture_stats()["storages_registered"],
-            "end": backend.allocated_bytes(),
-        }
-    finally:
-        backend.uninstall()
-        tracker.uninstall()
-
-
-def _without_durations(steps):
-    return [{k: v for k, v in step.items() if k != "duration_s"} for step in steps]
-
-
 def test_a_training_loop_counts_the_same_with_and_without_the_pass_through():
-    fast, slow = _train(True), _train(False)
+    fast, slow = train(Net, native=False), train(Net, pass_through=False, native=False)
     assert fast.pop("pass_through") and not slow.pop("pass_through")
-    assert _without_durations(fast.pop("steps")) == _without_durations(slow.pop("steps"))
     assert fast == slow
     assert fast["peak"]["allocated_bytes"] > 0 and fast["sites"]
 
@@ -176,6 +125,7 @@ def test_uninstall_removes_the_fallthroughs(device):
     assert torch._C._dispatch_has_kernel_for_dispatch_key("aten::view", "Python")
     backend.uninstall()
     assert not torch._C._dispatch_has_kernel_for_dispatch_key("aten::view", "Python")
+    assert not torch._C._dispatch_has_kernel_for_dispatch_key("aten::add.Tensor", "Python")
     assert "_make_wrapper_subclass" not in vars(torch.Tensor)
     assert torch.compile.__module__ == "torch"
 
@@ -210,11 +160,15 @@ class Wrapper(torch.Tensor):
 def test_another_mode_removes_the_fallthroughs_and_sees_every_op(device):
     backend, _seen = device()
     assert backend.pass_through_active
+    native = backend.native_active  # the compiled check's kernels go too (oomdoc.capture.native)
+    assert native == torch._C._dispatch_has_kernel_for_dispatch_key("aten::add.Tensor", "Python")
     with Recording() as recording:
-        torch.rand(4, 4).t()
+        torch.rand(4, 4).t() + 1
     assert torch.ops.aten.t.default in recording.seen
-    assert not backend.pass_through_active
+    assert torch.ops.aten.add.Tensor in recording.seen
+    assert not backend.pass_through_active and not backend.native_active
     assert not torch._C._dispatch_has_kernel_for_dispatch_key("aten::t", "Python")
+    assert not torch._C._dispatch_has_kernel_for_dispatch_key("aten::add.Tensor", "Python")
 
 
 def test_a_subclass_with_its_own_dispatch_removes_the_fallthroughs(device):

@@ -430,11 +430,14 @@ class SimulatedBackend(Backend):
     kind = "simulated"
     per_storage = True
 
-    def __init__(self, capacity_bytes: int, pass_through: bool = True):
+    def __init__(self, capacity_bytes: int, pass_through: bool = True, native: bool = True):
         self._capacity = int(capacity_bytes)
-        # Let the ops that cannot make a storage skip the mode
-        # (oomdoc.capture.passthrough); tests compare with and without.
+        # Let the ops that cannot make a storage skip the mode, and check the
+        # others in C++ where the compiled check can be had
+        # (oomdoc.capture.passthrough, oomdoc.capture.native); tests compare
+        # with and without.
         self._use_pass_through = pass_through
+        self._use_native = native and pass_through
         self._records: dict[int, StorageRecord] = {}
         self._finalizers: dict[int, _StorageRef] = {}
         self._freed_callback = self._on_storage_freed  # one bound method, made once
@@ -444,7 +447,7 @@ class SimulatedBackend(Backend):
         self._engine_frame: tuple | None = None
         self._live = 0
         self._peak = 0
-        self.enabled = False
+        self._enabled = False
         self._mode = None
         self._pass_through: PassThrough | None = None
         self._rule_lookup: _RuleLookup | None = None
@@ -480,14 +483,35 @@ class SimulatedBackend(Backend):
         if self._use_pass_through:
             self._pass_through = PassThrough(self._mode)
             self._pass_through.install()
+            if self._use_native:
+                self._pass_through.install_native(
+                    self._records, self._native_inputs, self._native_outputs
+                )
         self.enabled = True
         # DataLoader workers fork from this process: they must not count (or
         # raise) against the parent's device.
         os.register_at_fork(after_in_child=self._disable_in_child)
 
     @property
+    def enabled(self) -> bool:
+        """Whether ops count now: off while oomdoc does its own work, and
+        in processes forked from the script's (DataLoader workers)."""
+        return self._enabled
+
+    @enabled.setter
+    def enabled(self, value: bool) -> None:
+        self._enabled = value
+        if self._pass_through is not None:
+            self._pass_through.set_native_enabled(value)
+
+    @property
     def pass_through_active(self) -> bool:
         return self._pass_through is not None and self._pass_through.active
+
+    @property
+    def native_active(self) -> bool:
+        """Whether the compiled check runs (oomdoc.capture.native)."""
+        return self._pass_through is not None and self._pass_through.native_active
 
     @property
     def pass_through_ops(self) -> list[str]:
@@ -518,7 +542,7 @@ class SimulatedBackend(Backend):
         if entry is None:
             entry = _op_entry(func)
         call, kind, _func = entry
-        if not self.enabled:
+        if not self._enabled:
             return call(*args, **kwargs) if kwargs else call(*args)
         records = self._records
         for item in args:
@@ -547,7 +571,7 @@ class SimulatedBackend(Backend):
             out = call(*args, **kwargs)
         else:
             out = call(*args)
-        if kind is _VIEW or kind is _IN_PLACE or not self.enabled:
+        if kind is _VIEW or kind is _IN_PLACE or not self._enabled:
             return out  # its outputs are its inputs' storages, looked at above
         if isinstance(out, _Tensor):
             self.register_output(out)
@@ -617,13 +641,52 @@ class SimulatedBackend(Backend):
             elif nbytes and key not in pending:
                 # Storages shared between several outputs are counted once.
                 pending[key] = (storage, item)
+        self._register_pending(pending, 4)
+
+    def _register_pending(self, pending: dict, depth: int) -> None:
+        """Count an op's new output storages ({key: (storage, tensor)}), or
+        raise the device's OOM when together they do not fit. `depth`: as
+        _register's, from the caller."""
         if not pending:
             return
         requested = sum(storage.nbytes() for storage, _ in pending.values())
         if self._live + requested > self._capacity:
             self.raise_oom(requested)
         for key, (storage, tensor) in pending.items():
-            self._register(key, storage, tensor, 4)
+            self._register(key, storage, tensor, depth + 1)
+
+    # the compiled check's callbacks (oomdoc.capture.native): each gets the
+    # tensors whose storage is new or resized; the op's caller is 2 frames up
+    def _native_inputs(self, tensors: list) -> None:
+        """Before an op: count its input storages made outside dispatch."""
+        if not self._enabled:
+            return
+        records = self._records
+        for tensor in tensors:
+            storage = tensor.untyped_storage()
+            key = storage._cdata
+            record = records.get(key)
+            if record is None:
+                self._register(key, storage, tensor, 2)
+            elif storage.nbytes() != record.nbytes:  # resized in place
+                self._resize(key, record, storage.nbytes())
+
+    def _native_outputs(self, tensors: list) -> None:
+        """After an op: count its new output storages, as register_outputs."""
+        if not self._enabled:
+            return
+        records = self._records
+        pending: dict = {}
+        for tensor in tensors:
+            storage = tensor.untyped_storage()
+            key = storage._cdata
+            record = records.get(key)
+            if record is not None:
+                if storage.nbytes() != record.nbytes:
+                    self._resize(key, record, storage.nbytes())
+            elif key not in pending:
+                pending[key] = (storage, tensor)
+        self._register_pending(pending, 2)
 
     def _register(self, key, storage, tensor, depth: int = 1) -> None:
         """Count a new storage. `depth`: how many frames above this one are
@@ -752,7 +815,8 @@ class SimulatedBackend(Backend):
             counts[record.category] += record.nbytes
 
     def capture_stats(self) -> dict:
-        return {"storages_registered": self._sequence, **self.stats}
+        native_ops = self._pass_through.native_ops if self.native_active else 0
+        return {"storages_registered": self._sequence, "native_ops": native_ops, **self.stats}
 
     def known_categories(self) -> dict:
         """{key: category} of the live storages named by the last apply_known."""

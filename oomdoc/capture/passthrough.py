@@ -78,10 +78,16 @@ class PassThrough:
         self._libraries: list = []
         self._patched: list[tuple[object, str, object, bool]] = []
         self.ops: list[str] = []
+        self._native = None  # the compiled check's module while its kernels are in
+        self.native_ops = 0
 
     @property
     def active(self) -> bool:
-        return bool(self._libraries)
+        return bool(self._libraries) or self._native is not None
+
+    @property
+    def native_active(self) -> bool:
+        return self._native is not None
 
     def install(self) -> None:
         has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
@@ -102,8 +108,42 @@ class PassThrough:
         if self._libraries:
             self._install_watch()
 
+    def install_native(self, records: dict, on_inputs, on_outputs) -> bool:
+        """Give every other op that reaches the Python key (none made of
+        others: CompositeImplicitAutograd ops never get there with autograd
+        on) the compiled check of oomdoc.capture.native, where it can be had.
+        `records` is the device's table of storages; the callbacks get the
+        tensors whose storage it lacks or holds at another size."""
+        from oomdoc.capture import native
+
+        module = native.load()
+        if module is None:
+            return False
+        has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
+        names = [
+            name
+            for name in torch._C._dispatch_get_all_op_names()
+            if not has_kernel(name, "Python") and not has_kernel(name, "CompositeImplicitAutograd")
+        ]
+        try:
+            self.native_ops = len(module.install(records, on_inputs, on_outputs, names))
+        except Exception:  # the mode alone still counts every op
+            module.uninstall()
+            return False
+        self._native = module
+        if not self._patched:
+            self._install_watch()
+        return True
+
+    def set_native_enabled(self, enabled: bool) -> None:
+        if self._native is not None:
+            self._native.set_enabled(enabled)
+
     def remove(self) -> None:
         """Let every op reach the mode again (for good)."""
+        native, self._native = self._native, None
+        if native is not None:
+            native.uninstall()
         libraries, self._libraries = self._libraries, []
         for owner, name, original, own in reversed(self._patched):
             if own:

@@ -1,0 +1,5 @@
+import sys
+
+from oomdoc.capture.native import main
+
+sys.exit(main())

@@ -1,0 +1,84 @@
+"""The simulated device's compiled op check (oomdoc.capture.native).
+
+It must count exactly what the dispatch mode counts: the same storages,
+sites, steps, peaks and OOM, on a training loop with ops that take tensor
+lists, resize a storage in place, and take Python numbers. Where it cannot
+be built the device falls back to the mode; under CI=true the compiler is
+there and these tests must run.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from simulated_training import Net, train
+
+from oomdoc.capture import native
+from oomdoc.capture.backends import SimulatedBackend
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    module = native.load()
+    if module is None:
+        if os.environ.get("CI"):
+            pytest.fail(f"the native op check did not build: {native.unavailable_reason()}")
+        pytest.skip(f"no native op check here: {native.unavailable_reason()}")
+    return module
+
+
+def test_a_training_loop_counts_the_same_with_the_native_check_and_without(compiled):
+    with_native = train(Net, grow_a_buffer=True)
+    mode_only = train(Net, native=False, grow_a_buffer=True)
+    no_pass_through = train(Net, pass_through=False, native=False, grow_a_buffer=True)
+    assert with_native.pop("native") and not mode_only.pop("native")
+    assert not no_pass_through.pop("native")
+    for result in (with_native, mode_only, no_pass_through):
+        result.pop("pass_through")
+    assert with_native == mode_only == no_pass_through
+    assert with_native["peak"]["allocated_bytes"] > 0 and with_native["sites"]
+    assert any("simulated_training.py" in str(site) for site in with_native["sites"])
+
+
+@pytest.mark.parametrize("capacity", [60_000, 100_000])
+def test_the_device_runs_out_of_memory_at_the_same_op_with_the_native_check(compiled, capacity):
+    # In the first backward, and in the first optimizer step (its state).
+    assert train(Net, grow_a_buffer=True)["peak"]["allocated_bytes"] > capacity
+    with_native = train(Net, capacity=capacity, grow_a_buffer=True)
+    mode_only = train(Net, native=False, capacity=capacity, grow_a_buffer=True)
+    assert "oom" in with_native and with_native.pop("native") and not mode_only.pop("native")
+    assert with_native == mode_only
+
+
+def test_python_numbers_and_known_storages_call_nothing(compiled):
+    backend = SimulatedBackend(1 << 30)
+    backend.install(None)
+    try:
+        assert backend.native_active
+        x = torch.rand(64)
+        x.add_(1.0)  # x is counted here, the number never
+        registered = backend.capture_stats()["storages_registered"]
+        x.mul_(0.5)
+        x.view(8, 8).t()
+        assert backend.capture_stats()["storages_registered"] == registered
+        y = x * 2.0
+        assert backend.capture_stats()["storages_registered"] == registered + 1
+        assert (
+            backend.allocated_bytes() == x.untyped_storage().nbytes() + y.untyped_storage().nbytes()
+        )
+    finally:
+        backend.uninstall()
+
+
+def test_native_off_by_environment(monkeypatch):
+    monkeypatch.setenv(native.DISABLE_ENV, "0")
+    monkeypatch.setattr(native, "_loaded", {})
+    assert native.load() is None and native.DISABLE_ENV in native.unavailable_reason()
+    backend = SimulatedBackend(1 << 30)
+    backend.install(None)
+    try:
+        assert not backend.native_active and backend.pass_through_active
+    finally:
+        backend.uninstall()
