@@ -561,3 +561,38 @@ def test_large_fragmentation_at_later_step_ooms_still_finds_a_fit_in_four_replay
     truth = workload.true_max(256)
     assert result.max_batch_size is not None and result.max_batch_size <= truth, calls
     assert result.max_batch_size >= 0.95 * truth, calls
+
+
+def test_a_search_ends_once_enough_says_its_answer_cannot_change():
+    """The search under the memory savers is for the prescription's
+    micro-batch: the first fit that decides it ends the search (on the H100,
+    HF GPT-2-medium at 32: 19 fit and 32 did not, and 25, 26 and 31 followed
+    for the same 16 x 2 accumulation steps)."""
+    workload = GPT_LIKE
+    original = 2 * workload.true_max(256) - 2  # OOMs; half of it fits
+    calls: list[int] = []
+
+    def trial(batch: int):
+        calls.append(batch)
+        return observe(workload.capture(batch), batch)
+
+    def enough(fit: int, oom: int):
+        plan = accumulation_plan(original, fit)
+        return "decided" if plan == accumulation_plan(original, oom - 1) else None
+
+    baseline = [observe(workload.capture(original), original)]
+    probe = original // 2  # fits: it and every batch up to original - 1 give 2 steps
+    full = search_max_batch(original, workload.capacity, baseline, trial, probe=probe)
+    assert len(full.trials) > 1 and full.exact
+    calls.clear()
+    ended = search_max_batch(
+        original, workload.capacity, baseline, trial, probe=probe, enough=enough
+    )
+    assert calls == [probe] and ended.stopped == "decided"
+    assert ended.max_batch_size == probe and not ended.exact
+    # Without a fit yet, enough is never asked: the search goes on.
+    calls.clear()
+    search_max_batch(
+        original, workload.capacity, baseline, trial, probe=original - 1, enough=enough
+    )
+    assert len(calls) > 1

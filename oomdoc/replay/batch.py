@@ -445,6 +445,7 @@ def search_max_batch(
     trial: Callable[[int], BatchRun],
     probe: int | None = None,
     max_trials: int = 10,
+    enough: Callable[[int, int], str | None] | None = None,
 ) -> SearchResult:
     """Find the largest batch size that fits, exactly when the trials allow.
 
@@ -453,7 +454,9 @@ def search_max_batch(
     is the first (first_probe_for). Each trial goes where the model predicts
     the limit (clamped inside the bracket of known fit and known OOM), or,
     within the allocator's fragmentation of a fit, halfway there; when the
-    model stalls, the bracket is bisected.
+    model stalls, the bracket is bisected. `enough(fit, oom)`: why a batch
+    that fits and a larger one that does not already answer what the search
+    is for (None: they do not), which ends it there.
     """
     runs = list(runs)
     known = [run for run in runs if not run.inconclusive]
@@ -469,6 +472,10 @@ def search_max_batch(
     # does lose about that much here.
     halfway_failed = False
     while hi - lo > 1 and len(result.trials) < max_trials:
+        answered = enough(lo, hi) if enough is not None and lo > 0 else None
+        if answered:
+            result.stopped = answered
+            break
         halfway = False
         model = fit_model(runs)
         # Fragmentation seen at the nearest OOM makes the device smaller

@@ -777,12 +777,24 @@ def search_under_savers(
         label = f"{fix.name} (DataLoader batch {batch_size})"
         return to_batch_run(replayer.run(payload, label, extra_env=request.env), batch_size)
 
+    def enough(fit: int, oom: int) -> str | None:
+        # The search is for the prescription, whose gradient accumulation
+        # makes up the user's batch: once every batch from the fit to below
+        # the OOM gives the same micro-batch, no probe can change it.
+        plan = batch_model.accumulation_plan(original, fit)
+        if plan != batch_model.accumulation_plan(original, oom - 1):
+            return None
+        return (
+            f"any largest batch from {fit} to {oom - 1} gives the same prescription, "
+            f"{plan[0]} x {plan[1]} accumulation steps"
+        )
+
     plain_max = state.search.max_batch_size or 0
     probe = min(original - 1, max(plain_max + 1, (plain_max + original) // 2))
     if probe < 1:
         return
     state.saver_search = batch_model.search_max_batch(
-        original, capacity, [at_original], trial, probe=probe, max_trials=4
+        original, capacity, [at_original], trial, probe=probe, max_trials=4, enough=enough
     )
     state.saver_fix = fix
 
