@@ -254,6 +254,10 @@ def run(config: dict, imported_at: float | None = None, preimported: dict | None
     tracker.imported_packages = imported_packages(loaded_before)
     parallel.finish(failure)  # blocks when its signal watcher writes the capture
     write_capture(config, backend, tracker, outcome, exit_code, error, timings)
+    if gate is not None and gate.shared:
+        # The card has room for every lane: the others need not wait for
+        # this process to exit (its queued device work is finished first).
+        gate.release()
     detector.uninstall()
     tracker.uninstall()
     backend.uninstall()
