@@ -1,7 +1,9 @@
 """Replays side by side that share the device (oomdoc.capture.gate): their
 untimed device work holds the lock shared and overlaps, the steps whose
-times are used hold it alone, and a child waiting for it alone goes before
-new shared holders."""
+times are used hold it alone, a child waiting for it alone goes before new
+shared holders, and the parent shares only when the card has room for every
+lane's capped process. The numbers do not change: a replay whose step time
+came from a step timed while shared is timed again, alone."""
 
 from __future__ import annotations
 
@@ -13,10 +15,12 @@ import time
 import pytest
 import torch
 import torch.nn as nn
-from conftest import oomdoc_env
+from conftest import SCRIPTS, load_json, oomdoc_env, run_oomdoc
 
 from oomdoc.capture.backends import SimulatedBackend
 from oomdoc.capture.tracker import StopRun, Tracker
+from oomdoc.model import Snapshot
+from oomdoc.replay import lanes, orchestrate
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB
@@ -195,3 +199,71 @@ def test_the_steps_whose_times_are_used_have_the_device_alone(tracker, autotunes
     # chosen by timing them, from the first step on), until the last step's.
     assert calls == [("alone", 0), ("done", 3)]
     assert [step.get("device_shared", False) for step in tracker.steps] == [True, False, False]
+
+
+# ---------------------------------------------------------- the parent
+
+
+def test_replays_share_the_device_only_when_it_has_room_for_every_lane(monkeypatch):
+    assert lanes.room_to_share(3, 16 * GiB, 64 * GiB, lanes.CUDA_CONTEXT_BYTES)
+    assert not lanes.room_to_share(3, 16 * GiB, 48 * GiB, lanes.CUDA_CONTEXT_BYTES)
+    assert not lanes.room_to_share(3, None, 640 * GiB, 0)  # no cap: each may take it all
+    assert not lanes.room_to_share(3, 16 * GiB, None, 0)  # what is free is unknown
+    assert not lanes.room_to_share(1, 16 * GiB, 64 * GiB, 0)  # one lane: nothing to share
+    monkeypatch.setenv(lanes.OVERLAP_ENV, "0")
+    assert not lanes.room_to_share(3, 16 * GiB, 64 * GiB, 0)
+
+
+def test_the_room_is_read_now_else_from_the_failing_run(monkeypatch):
+    device_has_room = orchestrate.device_has_room
+    cuda = Snapshot.from_dict(
+        {"device": {"kind": "cuda", "capacity_bytes": 16 * GiB, "nvml_free_bytes": 60 * GiB}}
+    )
+    monkeypatch.setattr(orchestrate, "cuda_free_bytes", lambda index: 80 * GiB, raising=False)
+    assert device_has_room(cuda, 16 * GiB, 3)
+    assert not device_has_room(cuda, 32 * GiB, 3)
+    # NVML unreadable now: what the failing run saw free, its own memory still held.
+    monkeypatch.setattr(orchestrate, "cuda_free_bytes", lambda index: None)
+    assert device_has_room(cuda, 16 * GiB, 3)
+    assert not device_has_room(cuda, 16 * GiB, 4)
+    simulated = Snapshot.from_dict(
+        {"device": {"kind": "simulated"}, "host": {"process_rss_bytes": GiB}}
+    )
+    monkeypatch.setattr(orchestrate, "host_available_bytes", lambda: 8 * GiB)
+    assert device_has_room(simulated, GiB, 2)
+    assert not device_has_room(simulated, 4 * GiB, 2)
+
+
+# ---------------------------------------------------------- end to end
+
+
+def replay_run(tmp_path, name, jobs):
+    snapshot = tmp_path / f"{name}.json"
+    result = run_oomdoc(
+        [
+            *("run", "--device", "cpu", "--device-memory", "40MiB", "-o", snapshot),
+            *("--replay-jobs", jobs, "--fixes", "autocast,checkpointing"),
+            *(SCRIPTS / "replay_mlp_train.py", "--batch-size", "2048", "--steps", "1"),
+        ],
+        cwd=tmp_path,
+    )
+    assert result.returncode == 1, result.stderr[-3000:]
+    return load_json(snapshot)
+
+
+def test_a_replay_timed_only_while_sharing_is_timed_again_alone(tmp_path):
+    """With --steps 1 a replay's only step is its first, timed while the
+    device was shared: it runs again with the device to itself, and the
+    peaks are those of replays run one after another."""
+    shared = replay_run(tmp_path, "shared", 2)
+    alone = replay_run(tmp_path, "alone", 1)
+    runs = shared["replay"]["runs"]
+    assert any(run.get("timed_again_alone") for run in runs if run["outcome"] == "fits"), runs
+    assert not any(run.get("timed_again_alone") for run in alone["replay"]["runs"])
+
+    def peaks(document):
+        return {
+            fix["name"]: (fix["fits"], fix["peak_allocated_bytes"]) for fix in document["fixes"]
+        }
+
+    assert peaks(shared) == peaks(alone)
