@@ -383,7 +383,7 @@ class Replayer:
         result, replay = self._measure(child, job, label)
         if (
             replay.fits
-            and self.share_device
+            and child.share_device  # as it ran (another lane may have stopped sharing)
             and not (self.stopped or job.cancel.is_set())
             and replay.capture is not None
             and batch_model.timed_on_a_shared_device(replay.capture.steps)
