@@ -231,7 +231,8 @@ class Tracker:
             hook()
             self.device_to_itself = True
 
-    def _timed_steps_done(self) -> None:
+    def timed_steps_done(self) -> None:
+        """No step timed from now on has the device alone (oomdoc.capture.gate)."""
         hook = self.on_timed_steps_done
         if hook is not None and self.device_to_itself:
             hook()
@@ -498,7 +499,7 @@ class Tracker:
                 self._timed_steps_begin()
             self._close_step()
             if last:
-                self._timed_steps_done()
+                self.timed_steps_done()
                 raise StopRun()
         self._add_model(module)
         self._set_phase("forward")
