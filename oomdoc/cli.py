@@ -130,7 +130,7 @@ def run(
         None,
         "--replay-jobs",
         metavar="N",
-        help="Replays that may run side by side (their device work still runs one at a time); default: 1 on CUDA, else from the machine's cores and memory.",
+        help="Replays that may run side by side (their timed steps still run one at a time); default: from the machine's cores and memory.",
     ),
     batch_arg: Optional[str] = typer.Option(
         None,

@@ -49,6 +49,12 @@ class ChildRequest:
     # Replays side by side share the device through this lock file
     # (oomdoc.capture.gate): the child takes it before its first device work.
     device_lock: str | None = None
+    # None: every child holds that lock exclusively, from its first device
+    # work to its end. Else the card has room for every lane's process and
+    # children pass a turnstile: True, this child's untimed device work holds
+    # the lock shared (its timed steps alone); False, it keeps the device
+    # alone from its first device work to its end (a replay timed again).
+    share_device: bool | None = None
 
 
 @dataclass
@@ -362,19 +368,20 @@ STOP_GRACE_S = 10.0
 
 
 def lock_wait_seconds(status_path: str | None, now: float | None = None) -> float:
-    """How long the child has waited for the device lock so far (or in all,
-    once it holds it), from the status file it writes (oomdoc.capture.gate)."""
+    """How long the child has waited for the device lock so far, over every
+    time it took it, from the status file it writes (oomdoc.capture.gate):
+    the waits that ended, plus the one under way."""
     if not status_path:
         return 0.0
     try:
         with open(status_path, encoding="utf-8") as handle:
             status = json.load(handle)
-        since = float(status["waiting_since"])
-        held = status.get("held_since")
-        end = float(held) if held is not None else (time.time() if now is None else now)
+        waited = float(status.get("waited_s", 0.0))
+        if status.get("held_since") is None:
+            waited += (time.time() if now is None else now) - float(status["waiting_since"])
     except (OSError, ValueError, KeyError, TypeError):
         return 0.0
-    return max(0.0, end - since)
+    return max(0.0, waited)
 
 
 def _stop(process: subprocess.Popen) -> int:
@@ -444,7 +451,12 @@ def run_child(
             "artifact_dir": request.artifact_dir or workdir,
         }
         if request.device_lock:
-            config["device_lock"] = {"path": request.device_lock, "status": status_path}
+            lock: dict[str, Any] = {"path": request.device_lock, "status": status_path}
+            if request.share_device is not None:
+                lock.update(
+                    shared=request.share_device, turnstile=request.device_lock + ".turnstile"
+                )
+            config["device_lock"] = lock
         with open(config_path, "w", encoding="utf-8") as handle:
             json.dump(config, handle)
 

@@ -4,6 +4,8 @@ part of a snapshot; the parent adds the rest and writes the file."""
 
 from __future__ import annotations
 
+import os
+
 # The parent names the child's configuration file in this variable, so that
 # nothing is added to the script's own argv. Kept here, free of torch imports,
 # so the parent can validate its arguments before paying for `import torch`.
@@ -31,3 +33,15 @@ def choose_device(requested: str, cuda_available: bool) -> str | None:
     if cuda_available:
         return "cuda"
     return None if requested == "cuda" else "cpu"
+
+
+def nvml_handle(pynvml, device_index: int):
+    """NVML's handle of the GPU that CUDA calls `device_index` in this
+    process: CUDA_VISIBLE_DEVICES may renumber GPUs, or name them by UUID
+    (`GPU-...`, `MIG-...`). Torch-free, for the parent too."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES") or ""
+    parts = [part.strip() for part in visible.split(",") if part.strip()]
+    chosen = parts[device_index] if device_index < len(parts) else str(device_index)
+    if chosen.startswith(("GPU-", "MIG-")):
+        return pynvml.nvmlDeviceGetHandleByUUID(chosen)
+    return pynvml.nvmlDeviceGetHandleByIndex(int(chosen) if chosen.isdigit() else device_index)

@@ -18,6 +18,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from oomdoc import frames
+from oomdoc.capture import nvml_handle
 from oomdoc.capture.modules import category_of, phase_from_frames
 from oomdoc.capture.passthrough import PassThrough
 from oomdoc.sizes import format_bytes
@@ -1181,13 +1182,7 @@ def _nvml_info(device_index: int) -> dict:
     except Exception:
         return {}
     try:
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        physical_index = device_index
-        if visible:
-            parts = [p.strip() for p in visible.split(",") if p.strip()]
-            if device_index < len(parts) and parts[device_index].isdigit():
-                physical_index = int(parts[device_index])
-        handle = pynvml.nvmlDeviceGetHandleByIndex(physical_index)
+        handle = nvml_handle(pynvml, device_index)
         memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
         others = []
         try:

@@ -250,10 +250,18 @@ def run(config: dict, imported_at: float | None = None, preimported: dict | None
 
     timings["script_ended"] = time.time()
     if gate is not None:
+        if gate.shared and outcome == "oom":
+            # The card has room for every lane and no step time of a run
+            # that ran out of memory is used: the others need not wait for
+            # its capture or its exit (its queued work is finished first).
+            tracker.timed_steps_done()
+            gate.release()
         timings["lock_wait_s"] = gate.waited_s
     tracker.imported_packages = imported_packages(loaded_before)
     parallel.finish(failure)  # blocks when its signal watcher writes the capture
     write_capture(config, backend, tracker, outcome, exit_code, error, timings)
+    if gate is not None and gate.shared:
+        gate.release()  # its last step is closed: nor for its exit
     detector.uninstall()
     tracker.uninstall()
     backend.uninstall()

@@ -1,16 +1,36 @@
-"""One replay on the device at a time, however many run side by side.
+"""Replays side by side share the device without disturbing what they measure.
 
 `oomdoc run --replay-jobs N` runs replays side by side: their start-up, the
-script's imports and its model built on the CPU overlap. Peaks and step times
-are what a replay measures, so the device work must not: a child takes the
-device lock just before its first device work and holds it until it exits.
+script's imports and its model built on the CPU overlap. Peaks and step
+times are what a replay measures. Peaks are per process (each child is
+capped with the capacity), so they do not depend on the others as long as
+the physical card has room for all of them; step times do.
 
 The lock is an flock on a file the parent creates (`device_lock` in the
 child's configuration): the kernel releases it when the process dies, so a
 child killed while holding it (a hung replay at its timeout) never blocks the
-others. The child writes when it began to wait and when it got the lock to
-its status file; the parent's timeout does not count the wait, and neither
-do the replay's step times.
+others. The child writes to its status file how long it has waited in all
+and when its current wait began; the parent's timeout does not count the
+waits, and neither do the replay's step times.
+
+Two ways to share it:
+
+* exclusive (the card may not have room for every lane): a child takes the
+  lock exclusively just before its first device work and holds it until it
+  exits, so device work is one at a time.
+* shared (`shared` in the configuration: the parent found room on the card
+  for every lane's capped process at once, oomdoc.replay.lanes.room_to_share):
+  untimed device work (moving the model, the first step, steps that end in
+  an OOM) holds the lock shared and overlaps; only the steps whose times are
+  used hold it exclusively (the tracker's on_timed_steps, from just before
+  the first step ends until the last one has ended: oomdoc.capture.tracker).
+  A child waiting for the exclusive lock goes through a turnstile (a second
+  flock) that new shared holders also pass, so a stream of shared holders
+  cannot keep it waiting. A child gives up the lock only after its queued
+  device work has finished (CUDA: synchronize), so that work cannot run
+  inside another child's timed steps. A child configured with the turnstile
+  but not `shared` (a replay timed again alone) holds the lock exclusively
+  from its first device work to its end, as in the exclusive way.
 
 Where device work begins: on CUDA, CUDA's lazy initialisation
 (`torch.cuda._lazy_init`, which both Python and C++ call), so a waiting child
@@ -50,48 +70,108 @@ def patch_lazy_init(replacement: Callable[[], Any]) -> Callable[[], None]:
     return undo
 
 
+def _synchronize_cuda() -> None:
+    """Wait for this process's queued CUDA work, if CUDA started."""
+    import torch.cuda
+
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+SHARED, EXCLUSIVE = "shared", "exclusive"
+
+
 class DeviceGate:
     """The device lock of one child (see the module's docstring)."""
 
     def __init__(self, config: dict):
         self.path = str(config["path"])
         self.status_path = config.get("status")
+        # Untimed device work may overlap other children's (the card has room).
+        self.shared = bool(config.get("shared"))
+        self.turnstile_path = config.get("turnstile")
         self._descriptor: int | None = None
+        self.mode: str | None = None  # SHARED, EXCLUSIVE, or None: not held
         # Two threads of the script may start CUDA at once: one waits for the
         # other (a second flock in this process would wait for ever).
         self._thread_lock = threading.Lock()
+        # Seconds waited in all, over every time the lock was taken.
         self.waited_s = 0.0
-        # Called with the seconds waited, once the lock is held.
+        # Called with the seconds of each wait, once the lock is held.
         self.on_acquired: list[Callable[[float], None]] = []
+        # Waits for this process's queued device work (set by install).
+        self.synchronize: Callable[[], None] | None = None
+        self.compiled = False  # the script called torch.compile
 
     @property
     def held(self) -> bool:
-        return self._descriptor is not None
+        return self.mode is not None
 
     def acquire(self) -> None:
-        """Wait for the device; held until this process exits."""
+        """Device work begins: shared when configured so, else exclusive
+        until this process exits."""
         with self._thread_lock:
-            if self._descriptor is None:
-                self._acquire()
+            if self.mode is None:
+                self._take(SHARED if self.shared else EXCLUSIVE)
 
-    def _acquire(self) -> None:
+    def take_alone(self) -> None:
+        """The device to this process alone (the timed steps), released by
+        `release`."""
+        with self._thread_lock:
+            if self.mode == EXCLUSIVE:
+                return
+            if self.mode == SHARED:
+                # Give up the shared lock before queueing for the exclusive
+                # one: two holders that both wait for it would wait for each
+                # other (and flock's conversion is not atomic anyway).
+                self._release()
+            self._take(EXCLUSIVE)
+
+    def release(self) -> None:
+        """This process's device work no longer needs the lock: its queued
+        work is finished first, so none of it runs in another's timed steps."""
+        with self._thread_lock:
+            if self.mode is not None:
+                self._release()
+
+    def _release(self) -> None:
+        if self.synchronize is not None:
+            try:
+                self.synchronize()
+            except Exception:  # a broken context: nothing more of it will run
+                pass
+        if self._descriptor is not None:
+            fcntl.flock(self._descriptor, fcntl.LOCK_UN)
+        self.mode = None
+
+    def _take(self, mode: str) -> None:
         started = time.time()
-        self._write_status({"waiting_since": started})
-        descriptor = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(descriptor, fcntl.LOCK_EX)  # Ctrl-C and SIGTERM still end the wait
-        except BaseException:
-            os.close(descriptor)
-            raise
-        self._descriptor = descriptor
-        # A process forked from here on (DataLoader workers) must not keep the
-        # lock alive after this one dies: its copy of the descriptor is closed.
-        os.register_at_fork(after_in_child=self._close_in_fork)
+        self._write_status({"waited_s": self.waited_s, "waiting_since": started})
+        if self._descriptor is None:
+            self._descriptor = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+            # A process forked from here on (DataLoader workers) must not keep
+            # the lock alive after this one dies: its copy is closed.
+            os.register_at_fork(after_in_child=self._close_in_fork)
+        operation = fcntl.LOCK_SH if mode == SHARED else fcntl.LOCK_EX
+        # Ctrl-C and SIGTERM still end the waits.
+        if self.turnstile_path:
+            turnstile = os.open(self.turnstile_path, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                fcntl.flock(turnstile, fcntl.LOCK_EX)
+                fcntl.flock(self._descriptor, operation)
+            finally:
+                os.close(turnstile)  # and with it the turnstile's lock
+        else:
+            fcntl.flock(self._descriptor, operation)
+        self.mode = mode
         held = time.time()
-        self.waited_s = held - started
-        self._write_status({"waiting_since": started, "held_since": held})
+        waited = held - started
+        self.waited_s += waited
+        self._write_status(
+            {"waited_s": self.waited_s, "waiting_since": started, "held_since": held}
+        )
         for callback in self.on_acquired:
-            callback(self.waited_s)
+            callback(waited)
 
     def _close_in_fork(self) -> None:
         if self._descriptor is not None:
@@ -100,6 +180,7 @@ class DeviceGate:
             except OSError:
                 pass
             self._descriptor = None
+            self.mode = None
 
     def _write_status(self, status: dict) -> None:
         if not self.status_path:
@@ -114,13 +195,38 @@ class DeviceGate:
 
     # ------------------------------------------------------------ where
     def install(self, backend_kind: str, tracker: Any) -> None:
-        """Take the lock where this device's work begins; the wait is left
-        out of the step it happens in."""
+        """Take the lock where this device's work begins; each wait is left
+        out of the step it happens in. Shared: the tracker asks for the
+        device alone around the steps it times."""
         self.on_acquired.append(tracker.exclude_seconds)
         if backend_kind == "cuda":
+            self.synchronize = _synchronize_cuda
             self._before_cuda_starts()
         else:
             tracker.on_first_step = self.acquire
+        if self.shared:
+            self._note_compile()
+            tracker.share_device(self.take_alone, self.release, self.autotunes)
+
+    def autotunes(self) -> bool:
+        """Whether the script has the device choose kernels by timing them:
+        cuDNN's benchmark mode, or torch.compile (Inductor may benchmark)."""
+        import torch.backends.cudnn
+
+        return self.compiled or bool(torch.backends.cudnn.benchmark)
+
+    def _note_compile(self) -> None:
+        import torch
+
+        original = torch.compile
+
+        def compile_noted(*args, **kwargs):
+            self.compiled = True
+            return original(*args, **kwargs)
+
+        compile_noted.__wrapped__ = original  # type: ignore[attr-defined]
+        compile_noted.__doc__ = original.__doc__
+        torch.compile = compile_noted  # type: ignore[assignment]
 
     def _before_cuda_starts(self) -> None:
         import torch.cuda

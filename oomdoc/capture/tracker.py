@@ -97,6 +97,13 @@ class Tracker:
         # Called once, when the first step begins (the simulated device's
         # lock for replays side by side, oomdoc.capture.gate).
         self.on_first_step: Callable[[], None] | None = None
+        # Replays that share the device (share_device). `device_to_itself`:
+        # whether a step timed now has the device alone; a step that did not
+        # all along is marked `device_shared`.
+        self.on_timed_steps: Callable[[], None] | None = None
+        self.on_timed_steps_done: Callable[[], None] | None = None
+        self.device_to_itself = True
+        self._step_alone = True
         self.peak_sample: dict | None = None
         # The most each category held at any phase boundary (or the OOM):
         # what `oomdoc check` gates, since the categories peak at different
@@ -174,6 +181,7 @@ class Tracker:
             "phase_peaks": {},
         }
         self._step_started = time.perf_counter()
+        self._step_alone = self.device_to_itself
 
     def exclude_seconds(self, seconds: float) -> None:
         """Leave `seconds` (a wait for the device lock) out of the step's duration."""
@@ -183,6 +191,52 @@ class Tracker:
         hook, self.on_first_step = self.on_first_step, None
         if hook is not None:
             hook()
+
+    def _step_limit(self) -> int | None:
+        """How many steps are closed before the run stops (StopRun), if limited."""
+        limit = self.max_steps
+        if limit is not None and self.unit == "module":
+            limit *= self.micro_batches_per_step
+        return limit
+
+    def share_device(
+        self, alone: Callable[[], None], done: Callable[[], None], autotunes: Callable[[], bool]
+    ) -> None:
+        """Replays that share the device (oomdoc.capture.gate): `alone` is
+        called before the first step whose duration may be used is timed,
+        `done` once the last one has been timed. When `autotunes()` at the
+        first step, the device is alone from then on: kernels chosen by
+        timing them (cuDNN's benchmark mode, torch.compile) must not be
+        chosen while others use the device, since they decide the step
+        times and workspace memory of every step."""
+        self.on_timed_steps, self.on_timed_steps_done = alone, done
+        self.device_to_itself = self._step_alone = False
+        first_step = self.on_first_step
+
+        def first_step_begins() -> None:
+            if first_step is not None:
+                first_step()
+            if autotunes():
+                self._timed_steps_begin()
+
+        self.on_first_step = first_step_begins
+
+    def _timed_steps_begin(self) -> None:
+        """The device alone from here on: the steps that start from now on
+        may be those whose durations are used (steps_timed in
+        oomdoc.replay.batch leaves out only the first step, when later ones
+        exist)."""
+        hook = self.on_timed_steps
+        if hook is not None and not self.device_to_itself:
+            hook()
+            self.device_to_itself = True
+
+    def timed_steps_done(self) -> None:
+        """No step timed from now on has the device alone (oomdoc.capture.gate)."""
+        hook = self.on_timed_steps_done
+        if hook is not None and self.device_to_itself:
+            hook()
+            self.device_to_itself = False
 
     def _fold_peak(self) -> None:
         """Attribute the peak since the last phase change to the phase that is ending."""
@@ -269,6 +323,8 @@ class Tracker:
             # Step durations are compared between replays: a duration must be
             # the step's kernels, not their launch (events, not a sync).
             self._step_timer.close(current, self._step_started)
+        if not (self._step_alone and self.device_to_itself):
+            current["device_shared"] = True  # other replays' device work may be in its time
         if "retained_graphs" not in current:  # steps without an optimizer
             current["retained_graphs"] = self._find_retained_graphs(self._deep_walk_due())
         if self.backend.per_storage:
@@ -434,11 +490,16 @@ class Tracker:
         if self.on_first_step is not None:
             self._first_step()
         if self._pending_close or (self.unit == "module" and self._current["forward_calls"]):
+            limit = self._step_limit()
+            last = limit is not None and len(self.steps) + 1 >= limit
+            if not last:
+                # Taken before this step's end is timed: a wait for it is
+                # left out of this step (exclude_seconds), and the next step
+                # starts with the device alone.
+                self._timed_steps_begin()
             self._close_step()
-            limit = self.max_steps
-            if limit is not None and self.unit == "module":
-                limit *= self.micro_batches_per_step
-            if limit is not None and len(self.steps) >= limit:
+            if last:
+                self.timed_steps_done()
                 raise StopRun()
         self._add_model(module)
         self._set_phase("forward")

@@ -73,13 +73,25 @@ class BatchRun:
     replay: Any = None  # the replay that measured it (oomdoc.replay.orchestrate.Replay)
 
 
-def median_step_seconds(steps: list[Step]) -> float | None:
-    """The median step duration, leaving out the first step (warm-up, lazy
-    optimizer state) when later ones exist."""
-    timed = [(step.index, step.duration_s) for step in steps if step.duration_s is not None]
-    durations = [duration for _index, duration in timed]
+def steps_timed(steps: list[Step]) -> list[Step]:
+    """The steps whose durations make a run's step time: all that have one,
+    less the first step (warm-up, lazy optimizer state) when later ones exist."""
+    timed = [step for step in steps if step.duration_s is not None]
     if len(timed) > 1:
-        durations = [duration for index, duration in timed if index > 0] or durations
+        return [step for step in timed if step.index > 0] or timed
+    return timed
+
+
+def timed_on_a_shared_device(steps: list[Step]) -> bool:
+    """Whether a step that makes the step time ran while other replays could
+    use the device (a replay sharing it, oomdoc.capture.gate, that stopped
+    before it took the device alone)."""
+    return any(step.extra.get("device_shared") for step in steps_timed(steps))
+
+
+def median_step_seconds(steps: list[Step]) -> float | None:
+    """The median duration of the steps_timed."""
+    durations = [step.duration_s for step in steps_timed(steps) if step.duration_s is not None]
     if not durations:
         return None
     ordered = sorted(durations)

@@ -1,12 +1,14 @@
-"""Replays side by side: how many at once, and the threads that run them.
+"""Replays side by side: how many at once, whether their device work may
+overlap, and the threads that run them.
 
 Most of a replay's time is spent before the device: starting Python,
 importing the framework, building the model on the CPU (on the H100, ~10 s
 of a GPT-2-medium Trainer replay, against ~2 s on the GPU). Replays that do
 not depend on each other (the single fixes, beside the batch search's chain
 of probes) run side by side in `jobs` lanes, while the device lock
-(oomdoc.capture.gate) keeps their device work one at a time, so each
-measurement is as clean as when it runs alone.
+(oomdoc.capture.gate) keeps each measurement as clean as when it runs
+alone: their device work one at a time, or, when the card has room for
+every lane's capped process at once (room_to_share), only their timed steps.
 
 The decisions stay sequential: the orchestrator asks for one replay at a
 time, as it always did, and gets the answer of a replay started ahead of
@@ -21,6 +23,8 @@ import itertools
 import os
 import threading
 from typing import Any, Callable
+
+from oomdoc.capture import nvml_handle
 
 # Lanes at most by default: beyond three the device, which replays take in
 # turn, is the bottleneck.
@@ -51,6 +55,59 @@ def default_jobs(
     if available_bytes and child_bytes and child_bytes > 0:
         jobs = max(1, min(jobs, int(0.75 * available_bytes) // (2 * child_bytes)))
     return jobs
+
+
+# What a CUDA process holds on the card beyond the capacity its allocator is
+# capped to: its context (kernels, cuBLAS and cuDNN handles), about 0.5 GiB
+# on an H100 under torch 2.x; counted with room to spare.
+CUDA_CONTEXT_BYTES = 1536 * 1024 * 1024
+# `OOMDOC_REPLAY_OVERLAP=0`: replays side by side never overlap device work.
+OVERLAP_ENV = "OOMDOC_REPLAY_OVERLAP"
+
+
+def room_to_share(
+    jobs: int, capacity_bytes: int | None, free_bytes: int | None, per_process_bytes: int
+) -> bool:
+    """Whether `jobs` processes, each capped at `capacity_bytes` and holding
+    `per_process_bytes` besides, fit in `free_bytes` all at once: then their
+    peaks do not depend on each other, and their untimed device work may
+    overlap. Never without a cap (a process may take the whole card) or when
+    what is free is unknown, nor when it is turned off (OVERLAP_ENV)."""
+    if jobs < 2 or not capacity_bytes or free_bytes is None:
+        return False
+    if os.environ.get(OVERLAP_ENV, "1").strip() == "0":
+        return False
+    return free_bytes >= jobs * (capacity_bytes + per_process_bytes)
+
+
+def cuda_free_bytes(device_index: int = 0) -> int | None:
+    """What NVML says is free now on the GPU CUDA calls `device_index` here
+    (torch-free: the parent asks), or None."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:
+        return None
+    try:
+        return int(pynvml.nvmlDeviceGetMemoryInfo(nvml_handle(pynvml, device_index)).free)
+    except Exception:
+        return None
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:
+            pass
+
+
+def host_available_bytes() -> int | None:
+    """Host memory available now: the simulated device's memory is the host's."""
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except Exception:
+        return None
 
 
 class Job:

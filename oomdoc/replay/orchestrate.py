@@ -42,7 +42,18 @@ from oomdoc.model import (
 )
 from oomdoc.replay import batch as batch_model
 from oomdoc.replay import prescribe
-from oomdoc.replay.lanes import AHEAD, DEMANDED, SPECULATIVE, Job, Lanes, default_jobs
+from oomdoc.replay.lanes import (
+    AHEAD,
+    CUDA_CONTEXT_BYTES,
+    DEMANDED,
+    SPECULATIVE,
+    Job,
+    Lanes,
+    cuda_free_bytes,
+    default_jobs,
+    host_available_bytes,
+    room_to_share,
+)
 from oomdoc.replay.progress import Progress
 from oomdoc.replay.rank import best_pair
 from oomdoc.runner import ChildRequest, ChildResult, ChildSignals, WarmPool, run_child
@@ -167,6 +178,9 @@ class Replay:
     # Ctrl-C or SIGTERM ended it; or oomdoc stopped it, its answer unneeded.
     stopped_by_user: bool = False
     cancelled: bool = False
+    # Run a second time, with the device to itself throughout, because its
+    # step time came from a step timed while other replays shared the device.
+    timed_again_alone: bool = False
 
     def timing(self) -> dict:
         """Where the replay's time went, for the snapshot's replay summary."""
@@ -178,6 +192,7 @@ class Replay:
             "warm": self.warm,
             "started_s": round(self.started_s, 2),
             "peak_allocated_bytes": self.peak_allocated_bytes,
+            **({"timed_again_alone": True} if self.timed_again_alone else {}),
             **timings,
         }
 
@@ -213,7 +228,9 @@ class Replayer:
     ran alone. With `jobs` > 1, `ahead` starts replays the decisions will (or
     may) ask for in other lanes (oomdoc.replay.lanes); `run` then waits for
     that one instead of starting another. Replays that run side by side take
-    the device in turn (the device lock, oomdoc.capture.gate)."""
+    the device in turn (the device lock, oomdoc.capture.gate): all their
+    device work, or, when the device has room for all of them
+    (device_has_room), only their timed steps."""
 
     def __init__(
         self,
@@ -244,9 +261,15 @@ class Replayer:
         self.signals = signals
         self.lanes = Lanes(self.jobs) if self.jobs > 1 else None
         self.device_lock: str | None = None
+        # True: their untimed device work overlaps (oomdoc.capture.gate).
+        # Only when replays run more than one step: the first step's time
+        # is then never the one used.
+        self.share_device: bool | None = None
         if self.lanes is not None:
             self.device_lock = os.path.join(pool.log_dir, "device.lock")
             open(self.device_lock, "ab").close()
+            if self.max_steps >= 2 and device_has_room(snapshot, request.capacity_bytes, self.jobs):
+                self.share_device = True
         # Replays started ahead, by replay_key, until the decisions ask for
         # them; those they never asked for (`discard_ahead`).
         self._ahead: dict[tuple, Job] = {}
@@ -355,15 +378,25 @@ class Replayer:
             output_path=log_path,
             timeout_s=self.timeout_s,
             device_lock=self.device_lock,
+            share_device=self.share_device,
         )
-        distributed = getattr(self.options, "distributed", None)
-        if distributed is not None:  # the same launcher and world size (oomdoc.distributed)
-            from oomdoc.distributed.launch import run_distributed_child
-
-            result = run_distributed_child(child, distributed)
-        else:
-            result = run_child(child, pool=self.pool, signals=self.signals, cancel=job.cancel)
-        replay = measure(result, label, log_path)
+        result, replay = self._measure(child, job, label)
+        if (
+            replay.fits
+            and child.share_device  # as it ran (another lane may have stopped sharing)
+            and not (self.stopped or job.cancel.is_set())
+            and replay.capture is not None
+            and batch_model.timed_on_a_shared_device(replay.capture.steps)
+        ):
+            # Its step time came from steps that other replays' device work
+            # may have slowed (it ran a single step): timed again, alone. The
+            # script's other replays are likely to stop as early: from now on
+            # they keep the device to themselves from the start.
+            child.share_device = self.share_device = False
+            first_wall_s = replay.wall_s
+            result, replay = self._measure(child, job, label)
+            replay.wall_s += first_wall_s
+            replay.timed_again_alone = True
         replay.fix_name = name
         replay.started_s = started_s
         if result.cancelled:
@@ -381,6 +414,16 @@ class Replayer:
         else:
             self.progress.finish(summarise(replay), number)
         return replay
+
+    def _measure(self, child: ChildRequest, job: Job, label: str) -> tuple[ChildResult, Replay]:
+        distributed = getattr(self.options, "distributed", None)
+        if distributed is not None:  # the same launcher and world size (oomdoc.distributed)
+            from oomdoc.distributed.launch import run_distributed_child
+
+            result = run_distributed_child(child, distributed)
+        else:
+            result = run_child(child, pool=self.pool, signals=self.signals, cancel=job.cancel)
+        return result, measure(result, label, child.output_path or "")
 
     def discard_ahead(self) -> None:
         """The decisions will ask for none of the replays started ahead that
@@ -429,6 +472,22 @@ def warm_pool(request: ChildRequest) -> WarmPool:
 # batches (GPT 20, ResNet-50 192, GPT-2-medium Trainer 7, Lightning 24) and
 # every peak matched the replays run one after another.
 CUDA_SIDE_BY_SIDE_BY_DEFAULT = True
+
+
+def device_has_room(snapshot: Snapshot, capacity_bytes: int | None, jobs: int) -> bool:
+    """Whether the device has room for `jobs` replays capped at
+    `capacity_bytes` at once (oomdoc.replay.lanes.room_to_share), read now:
+    on CUDA from NVML (else what the failing run's NVML saw free, while it
+    still held its own memory), on the simulated device from the host's
+    available memory, each process also holding the failing run's resident size."""
+    device = snapshot.device
+    if device.kind == "cuda":
+        free = cuda_free_bytes(int(device.extra.get("index") or 0))
+        if free is None and isinstance(device.extra.get("nvml_free_bytes"), int):
+            free = device.extra["nvml_free_bytes"]
+        return room_to_share(jobs, capacity_bytes, free, CUDA_CONTEXT_BYTES)
+    resident = snapshot.host.process_rss_bytes if snapshot.host else 0
+    return room_to_share(jobs, capacity_bytes, host_available_bytes(), resident)
 
 
 def replay_jobs(snapshot: Snapshot, options: Any) -> int:
