@@ -8,8 +8,20 @@ from types import SimpleNamespace
 
 import pytest
 
-from oomdoc.model import Snapshot
-from oomdoc.replay.orchestrate import Replay, ReplaysInterrupted, ReplayState, measured_choice
+from oomdoc.fixes import fix_named
+from oomdoc.model import Prescription, Snapshot
+from oomdoc.replay.batch import SearchResult
+from oomdoc.replay.orchestrate import (
+    Replay,
+    ReplaysInterrupted,
+    ReplayState,
+    measured_choice,
+    replay_key,
+    replay_prescription,
+    saver_first_probe,
+    saver_trial,
+    start_savers_ahead,
+)
 from oomdoc.replay.prescribe import Candidate, choose, is_no_op, plan_limits
 
 MiB = 1024**2
@@ -180,3 +192,61 @@ def test_a_planned_micro_batch_is_prescribed_only_as_measured():
     chosen = prescribe_with(failed, [planned()])
     assert (chosen.batch_size, chosen.accumulation_steps) == (8, 8)
     assert chosen.accumulation_measured is True
+
+
+class LanedReplayer(ScriptedReplayer):
+    """A ScriptedReplayer with lanes: what is started ahead is kept by key."""
+
+    lanes = object()
+
+    def __init__(self, outcomes):
+        super().__init__(outcomes)
+        self.started_ahead = []
+        self.asked = []
+
+    def ahead(self, payload, label, args=None, extra_env=None, priority=0, **kwargs):
+        key = replay_key(payload, label, args, extra_env, kwargs.get("micro_batches_per_step"))
+        self.started_ahead.append(key)
+        return key
+
+    def run(self, payload, label, args=None, extra_env=None, micro_batches_per_step=None):
+        self.asked.append(replay_key(payload, label, args, extra_env, micro_batches_per_step))
+        return super().run(payload, label, args, extra_env, micro_batches_per_step)
+
+
+def test_the_search_under_the_savers_and_its_prescription_start_ahead_as_they_will_be_asked():
+    """While the combined savers run at the user's batch 64, with 10 the
+    largest plain batch: the search under them will first ask for batch 37,
+    whose accumulation plan is 32 x 2. Both start ahead, each exactly as its
+    decision later asks for it (the same replay key), so the decision gets
+    the replay already running instead of starting it then."""
+    snapshot = Snapshot.from_dict(
+        {
+            "device": {"capacity_bytes": 100 * MiB, "kind": "simulated"},
+            "script_options": ["--batch-size", "--steps"],
+            "script_option_values": {"--batch-size": [], "--steps": []},
+        }
+    )
+    search = SearchResult(64, 10, True, [], [])
+    state = ReplayState(skipped=[], batch_info={"source": "--batch-size"}, search=search)
+    replayer = LanedReplayer([("fits", 80 * MiB)])
+    savers = fix_named("autocast+checkpointing")
+    keys = start_savers_ahead(replayer, snapshot, replayer.options, state, savers.name)
+    assert keys == replayer.started_ahead and len(keys) == 2
+    assert saver_first_probe(search) == 37
+    payload, label, args, env = saver_trial(replayer, snapshot, replayer.options, state, savers, 37)
+    assert keys[0] == replay_key(payload, label, args, env)
+    prescription = Prescription(
+        fixes=["autocast", "checkpointing"], batch_size=32, accumulation_steps=2
+    )
+    replay_prescription(replayer, snapshot, state, prescription)
+    assert replayer.asked == [keys[1]]
+    assert keys[1][2] == ("--batch-size", "32", "--steps", "4") and keys[1][4] == 2
+    # Without lanes, or when the probe needs no accumulation, less starts.
+    replayer.lanes = None
+    assert start_savers_ahead(replayer, snapshot, replayer.options, state, savers.name) == []
+    replayer.lanes = object()
+    search.max_batch_size = 40  # probe 52: 64 is 2 x 32, still accumulation
+    assert len(start_savers_ahead(replayer, snapshot, replayer.options, state, savers.name)) == 2
+    state.batch_info = {}  # no batch flag found: no search under the savers
+    assert start_savers_ahead(replayer, snapshot, replayer.options, state, savers.name) == []

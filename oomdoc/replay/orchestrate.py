@@ -20,7 +20,7 @@ import os
 import shutil
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Optional, TextIO
+from typing import Any, Iterable, Optional, TextIO
 
 from oomdoc.diagnosis.leak import rule as leak_rule
 from oomdoc.diagnosis.steps import steady_growth
@@ -210,7 +210,11 @@ class ReplaysInterrupted(Exception):
 
 
 def replay_key(
-    payload: Optional[dict], label: str, args: list[str] | None, extra_env: dict | None
+    payload: Optional[dict],
+    label: str,
+    args: list[str] | None,
+    extra_env: dict | None,
+    micro_batches_per_step: int | None = None,
 ) -> tuple:
     """What makes two asks for a replay the same replay."""
     return (
@@ -218,6 +222,7 @@ def replay_key(
         json.dumps(payload, sort_keys=True),
         None if args is None else tuple(args),
         tuple(sorted((extra_env or {}).items())),
+        micro_batches_per_step,
     )
 
 
@@ -300,15 +305,19 @@ class Replayer:
         args: list[str] | None = None,
         extra_env: dict | None = None,
         priority: int = AHEAD,
-    ) -> None:
+        micro_batches_per_step: int | None = None,
+    ) -> Optional[tuple]:
         """Start, in a free lane, a replay that `run` will (or, SPECULATIVE,
-        may) be asked for with the same arguments. Nothing without lanes."""
-        key = replay_key(payload, label, args, extra_env)
-        if self.lanes is None or self.stopped or key in self._ahead:
-            return
-        job = self._job(payload, label, args, extra_env, priority)
-        self._ahead[key] = job
-        self._unsubmitted.append(job)
+        may) be asked for with the same arguments; its key. Nothing without
+        lanes."""
+        key = replay_key(payload, label, args, extra_env, micro_batches_per_step)
+        if self.lanes is None or self.stopped:
+            return None
+        if key not in self._ahead:
+            job = self._job(payload, label, args, extra_env, priority, micro_batches_per_step)
+            self._ahead[key] = job
+            self._unsubmitted.append(job)
+        return key
 
     def run(
         self,
@@ -318,7 +327,9 @@ class Replayer:
         extra_env: dict | None = None,
         micro_batches_per_step: int | None = None,
     ) -> Replay:
-        job = self._ahead.pop(replay_key(payload, label, args, extra_env), None)
+        job = self._ahead.pop(
+            replay_key(payload, label, args, extra_env, micro_batches_per_step), None
+        )
         if job is None:
             if self.stopped:
                 raise ReplaysInterrupted()
@@ -425,16 +436,22 @@ class Replayer:
             result = run_child(child, pool=self.pool, signals=self.signals, cancel=job.cancel)
         return result, measure(result, label, child.output_path or "")
 
-    def discard_ahead(self) -> None:
+    def discard_ahead(self, keep: Iterable[Optional[tuple]] = ()) -> None:
         """The decisions will ask for none of the replays started ahead that
-        are left: those not started never start, those running are stopped."""
-        for key, job in self._ahead.items():
+        are left but those of `keep` (keys): the others not started never
+        start, those running are stopped."""
+        kept = set(keep)
+        for key, job in list(self._ahead.items()):
+            if key in kept:
+                continue
+            del self._ahead[key]
             job.cancel.set()
-            if job in self._unsubmitted or (self.lanes is not None and self.lanes.withdraw(job)):
+            if job in self._unsubmitted:
+                self._unsubmitted.remove(job)
+                continue
+            if self.lanes is not None and self.lanes.withdraw(job):
                 continue
             self._discarded.append((key[0], job))
-        self._ahead.clear()
-        self._unsubmitted.clear()
 
     def unused_runs(self) -> list[dict]:
         """The replays started ahead that no decision needed: their timings
@@ -651,10 +668,14 @@ def replay_fixes(
                     replay_single(replayer, fix, snapshot, state)
                 except ReplaysInterrupted:
                     interrupted = True
+            savers_ahead: list = []
             if requested is None and not leak:
                 combination = combination_to_measure(snapshot, state)
                 if combination is not None:
                     combinations.append(combination)
+                    savers_ahead = start_savers_ahead(
+                        replayer, snapshot, options, state, combination
+                    )
             for name in combinations:
                 fix = fix_named(name)
                 assert fix is not None
@@ -662,12 +683,15 @@ def replay_fixes(
                     replay_single(replayer, fix, snapshot, state)
                 except ReplaysInterrupted:
                     interrupted = True
-            replayer.discard_ahead()  # a speculative combination no decision wanted
+            # A speculative combination no decision wanted goes; what the
+            # search under the savers may ask for stays until it has asked.
+            replayer.discard_ahead(keep=savers_ahead)
             if requested is None and not leak and not interrupted:
                 try:
                     search_under_savers(replayer, snapshot, options, state)
                 except ReplaysInterrupted:
                     interrupted = True
+            replayer.discard_ahead(keep=savers_ahead[1:])  # the prescription's, for finish
             if interrupted or replayer.stopped:
                 snapshot.notes.append(
                     "Replays were interrupted: the fixes below are those measured before."
@@ -817,24 +841,10 @@ def search_under_savers(
     at_original = to_batch_run(replay, original)
     if at_original.inconclusive:
         return
-    request = fix.request(snapshot)
-    args = list(replayer.request.args)
-    source = state.batch_info["source"]
-    found = find_batch_arg(args, options.batch_arg) if source.startswith("-") else None
 
     def trial(batch_size: int) -> batch_model.BatchRun:
-        payload = dict(request.payload, also=["smaller_batch"], batch_size=batch_size)
-        if found is not None:
-            position, flag, _value = found
-            payload["batch_mode"] = "argv"
-            label = f"{fix.name} ({flag} {batch_size})"
-            rewritten = with_batch_size(args, position, flag, batch_size)
-            return to_batch_run(
-                replayer.run(payload, label, args=rewritten, extra_env=request.env), batch_size
-            )
-        payload.update(batch_mode="dataloader", original_batch_size=original)
-        label = f"{fix.name} (DataLoader batch {batch_size})"
-        return to_batch_run(replayer.run(payload, label, extra_env=request.env), batch_size)
+        payload, label, args, env = saver_trial(replayer, snapshot, options, state, fix, batch_size)
+        return to_batch_run(replayer.run(payload, label, args=args, extra_env=env), batch_size)
 
     def enough(fit: int, oom: int) -> str | None:
         # The search is for the prescription, whose gradient accumulation
@@ -848,14 +858,88 @@ def search_under_savers(
             f"{plan[0]} x {plan[1]} accumulation steps"
         )
 
-    plain_max = state.search.max_batch_size or 0
-    probe = min(original - 1, max(plain_max + 1, (plain_max + original) // 2))
+    probe = saver_first_probe(state.search)
     if probe < 1:
         return
     state.saver_search = batch_model.search_max_batch(
         original, capacity, [at_original], trial, probe=probe, max_trials=4, enough=enough
     )
     state.saver_fix = fix
+
+
+def saver_first_probe(search: batch_model.SearchResult) -> int:
+    """Where the search under the savers starts: halfway from the plain
+    largest batch to the user's, at least one above it."""
+    original = search.original_batch_size
+    plain_max = search.max_batch_size or 0
+    return min(original - 1, max(plain_max + 1, (plain_max + original) // 2))
+
+
+def saver_trial(
+    replayer: Replayer,
+    snapshot: Snapshot,
+    options: Any,
+    state: ReplayState,
+    fix: Fix,
+    batch_size: int,
+) -> tuple[dict, str, Optional[list[str]], dict]:
+    """(payload, label, args, env) of the replay of `fix` at `batch_size`:
+    one place, so that a replay started ahead is the one later asked for."""
+    request = fix.request(snapshot)
+    payload = dict(request.payload, also=["smaller_batch"], batch_size=batch_size)
+    args = list(replayer.request.args)
+    source = state.batch_info.get("source") or ""
+    found = find_batch_arg(args, options.batch_arg) if source.startswith("-") else None
+    if found is not None:
+        position, flag, _value = found
+        payload["batch_mode"] = "argv"
+        label = f"{fix.name} ({flag} {batch_size})"
+        return payload, label, with_batch_size(args, position, flag, batch_size), request.env
+    original = state.batch_info.get("original_batch_size")
+    payload.update(batch_mode="dataloader", original_batch_size=original)
+    return payload, f"{fix.name} (DataLoader batch {batch_size})", None, request.env
+
+
+def start_savers_ahead(
+    replayer: Replayer, snapshot: Snapshot, options: Any, state: ReplayState, combination: str
+) -> list[Optional[tuple]]:
+    """While the combined savers' replay runs: should it not fit at the
+    user's batch, the search under them asks first for its probe (known
+    from the plain search), and most likely prescribes that probe's
+    micro-batch with gradient accumulation. Both start now in free lanes;
+    their keys (probe first), for discard_ahead to keep."""
+    fix = fix_named(combination)
+    search = state.search
+    if (
+        replayer.lanes is None
+        or fix is None
+        or search is None
+        or not state.batch_info.get("source")
+        or not all(_prescribable(part.name) for part in fix.parts)
+    ):
+        return []
+    probe = saver_first_probe(search)
+    if probe < 1:
+        return []
+    payload, label, args, env = saver_trial(replayer, snapshot, options, state, fix, probe)
+    keys = [replayer.ahead(payload, label, args, env, priority=SPECULATIVE)]
+    micro, steps = batch_model.accumulation_plan(search.original_batch_size, probe)
+    if steps > 1:
+        fixes = [part.name for part in fix.parts]
+        payload, label, args, env, micro_batches, _raised = prescription_replay(
+            replayer, snapshot, state, fixes, micro, steps
+        )
+        keys.append(
+            replayer.ahead(
+                payload,
+                label,
+                args,
+                env,
+                priority=SPECULATIVE,
+                micro_batches_per_step=micro_batches,
+            )
+        )
+    return keys
 
 
 def replay_single(replayer: Replayer, fix: Fix, snapshot: Snapshot, state: ReplayState) -> None:
@@ -1380,11 +1464,37 @@ def replay_prescription(
     """One replay of exactly the prescribed configuration: its fixes, its
     micro-batch, and oomdoc.fixes.smaller_batch's gradient accumulation, long
     enough for two optimizer steps (the script's steps flag raised if need be)."""
-    micro, steps = prescription.batch_size, prescription.accumulation_steps
+    payload, label, args, env, micro_batches, raised = prescription_replay(
+        replayer,
+        snapshot,
+        state,
+        prescription.fixes,
+        int(prescription.batch_size or 1),
+        prescription.accumulation_steps,
+    )
+    replay = replayer.run(
+        payload, label, args=args, extra_env=env, micro_batches_per_step=micro_batches
+    )
+    prescription.extra["accumulation_replay"] = replay_record(replay, args, raised)
+    return replay
+
+
+def prescription_replay(
+    replayer: Replayer,
+    snapshot: Snapshot,
+    state: ReplayState,
+    fixes: list[str],
+    micro: int,
+    steps: int,
+) -> tuple[dict, str, list[str], dict, int, Optional[str]]:
+    """(payload, label, args, env, micro-batches per optimizer step, the
+    steps flag raised) of the replay of `fixes` at micro-batch `micro` with
+    `steps` accumulation steps: one place, so that one started ahead
+    (start_savers_ahead) is the one replay_prescription asks for."""
     payload: dict = {"name": "smaller_batch"}
     env: dict = {}
-    if prescription.fixes:
-        fix = fix_named("+".join(prescription.fixes))
+    if fixes:
+        fix = fix_named("+".join(fixes))
         assert fix is not None
         request = fix.request(snapshot)
         payload, env = dict(request.payload, also=["smaller_batch"]), request.env
@@ -1395,19 +1505,15 @@ def replay_prescription(
     if found is not None:
         position, flag, _value = found
         payload["batch_mode"] = "argv"
-        args = with_batch_size(args, position, flag, int(micro or 1))
+        args = with_batch_size(args, position, flag, micro)
     else:
         payload.update(
             batch_mode="dataloader", original_batch_size=state.batch_info.get("original_batch_size")
         )
     micro_batches = steps * accumulation_on_command_line(args, snapshot.script_options)
     args, raised = enough_steps(replayer, snapshot, args, micro_batches)
-    label = f"the prescription ({' + '.join(prescription.fixes) or 'no fix'}, batch {micro} x {steps} accumulation steps)"
-    replay = replayer.run(
-        payload, label, args=args, extra_env=env, micro_batches_per_step=micro_batches
-    )
-    prescription.extra["accumulation_replay"] = replay_record(replay, args, raised)
-    return replay
+    label = f"the prescription ({' + '.join(fixes) or 'no fix'}, batch {micro} x {steps} accumulation steps)"
+    return payload, label, args, env, micro_batches, raised
 
 
 def enough_steps(
