@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from oomdoc.fixes import fix_named
-from oomdoc.model import Prescription, Snapshot
+from oomdoc.model import FixResult, Prescription, Snapshot
 from oomdoc.replay.batch import SearchResult
 from oomdoc.replay.orchestrate import (
     Replay,
@@ -248,5 +248,12 @@ def test_the_search_under_the_savers_and_its_prescription_start_ahead_as_they_wi
     replayer.lanes = object()
     search.max_batch_size = 40  # probe 52: 64 is 2 x 32, still accumulation
     assert len(start_savers_ahead(replayer, snapshot, replayer.options, state, savers.name)) == 2
+    # One saver alone fits with the margin free: together they fit, no search.
+    alone = FixResult(name="checkpointing", fits=True, peak_allocated_bytes=97 * MiB)
+    state.results = [alone]
+    assert len(start_savers_ahead(replayer, snapshot, replayer.options, state, savers.name)) == 2
+    alone.peak_allocated_bytes = 80 * MiB
+    assert start_savers_ahead(replayer, snapshot, replayer.options, state, savers.name) == []
+    state.results = []
     state.batch_info = {}  # no batch flag found: no search under the savers
     assert start_savers_ahead(replayer, snapshot, replayer.options, state, savers.name) == []

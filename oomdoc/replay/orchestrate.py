@@ -907,13 +907,25 @@ def start_savers_ahead(
     user's batch, the search under them asks first for its probe (known
     from the plain search), and most likely prescribes that probe's
     micro-batch with gradient accumulation. Both start now in free lanes;
-    their keys (probe first), for discard_ahead to keep."""
+    their keys (probe first), for discard_ahead to keep. Not when one saver
+    alone fit with the margin free: together they fit too, and no search
+    follows (replays run for nothing compete for the card)."""
     fix = fix_named(combination)
     search = state.search
+    capacity = snapshot.device.capacity_bytes
+    limit = capacity - int(getattr(options, "margin_fraction", 0.05) * capacity)
+    one_fits = any(
+        result.fits
+        and result.peak_allocated_bytes is not None
+        and result.peak_allocated_bytes <= limit
+        for result in state.results
+        if "+" not in result.name and _prescribable(result.name)
+    )
     if (
         replayer.lanes is None
         or fix is None
         or search is None
+        or one_fits
         or not state.batch_info.get("source")
         or not all(_prescribable(part.name) for part in fix.parts)
     ):
