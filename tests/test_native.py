@@ -82,3 +82,23 @@ def test_native_off_by_environment(monkeypatch):
         assert not backend.native_active and backend.pass_through_active
     finally:
         backend.uninstall()
+
+
+def test_a_failed_build_is_not_tried_again_at_every_run(tmp_path, monkeypatch):
+    """A compiler that fails (here: one that exits 1) costs its time once:
+    the next run says why without compiling, until the mark is removed."""
+    failing = tmp_path / "failing-c++"
+    failing.write_text("#!/bin/sh\necho 'error: no torch headers' >&2\nexit 1\n")
+    failing.chmod(0o755)
+    monkeypatch.setenv("CXX", str(failing))
+    monkeypatch.setenv(native.DIR_ENV, str(tmp_path / "cache"))
+    with pytest.raises(native.BuildError, match="no torch headers"):
+        native.build(announce=False)
+    failing.write_text("#!/bin/sh\necho called >> " + str(tmp_path / "calls") + "\nexit 1\n")
+    with pytest.raises(native.BuildError, match="an earlier build"):
+        native.build(announce=False)
+    assert not (tmp_path / "calls").exists()
+    (native.library_path().parent / "failed").unlink()
+    with pytest.raises(native.BuildError, match="the compiler failed"):
+        native.build(announce=False)
+    assert (tmp_path / "calls").read_text() == "called\n"

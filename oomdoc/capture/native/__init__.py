@@ -105,11 +105,14 @@ def build(announce: bool = True) -> Path:
         return target
     if compiler() is None:
         raise BuildError("no C++ compiler (set CXX)")
+    failed = target.parent / "failed"
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.parent / "build.lock", "a+") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if target.exists():
             return target
+        if failed.exists():  # not again at every run: remove the file to retry
+            raise BuildError(f"{failed.read_text().strip()} (an earlier build, {failed})")
         if announce:
             print(
                 "oomdoc: compiling the simulated device's op check "
@@ -129,6 +132,7 @@ def build(announce: bool = True) -> Path:
             )
             if done.returncode != 0:
                 last = (done.stderr.strip().splitlines() or ["(no message)"])[-1]
+                failed.write_text(f"the compiler failed: {last}\n")
                 raise BuildError(f"the compiler failed: {last}")
             os.chmod(temporary, 0o755)
             os.replace(temporary, target)
