@@ -691,7 +691,8 @@ def replay_fixes(
                     search_under_savers(replayer, snapshot, options, state)
                 except ReplaysInterrupted:
                     interrupted = True
-            replayer.discard_ahead(keep=savers_ahead[1:])  # the prescription's, for finish
+            # The prescription's, for finish, when that search ran.
+            replayer.discard_ahead(keep=savers_ahead[1:] if state.saver_search else [])
             if interrupted or replayer.stopped:
                 snapshot.notes.append(
                     "Replays were interrupted: the fixes below are those measured before."

@@ -43,6 +43,15 @@ struct State {
 State state;
 thread_local bool in_callback = false;
 
+// Raise the Python exception that is set (the GIL held): fetched into the
+// C++ exception, so that it reaches the caller as it is, whatever runs (and
+// releases the GIL) on the way, the autograd engine included.
+[[noreturn]] void raise_python_error() {
+  python_error error;
+  error.persist();
+  throw error;
+}
+
 const c10::DispatchKeySet kPythonKeys =
     c10::DispatchKeySet(c10::DispatchKey::Python) |
     c10::DispatchKeySet(c10::DispatchKey::PythonTLSSnapshot);
@@ -60,19 +69,19 @@ bool needs_look(const at::Tensor& tensor) {
   size_t nbytes = storage.nbytes();
   PyObject* key = PyLong_FromVoidPtr(storage.unsafeGetStorageImpl());
   if (key == nullptr) {
-    throw python_error();
+    raise_python_error();
   }
   PyObject* record = PyDict_GetItemWithError(state.records, key);  // borrowed
   Py_DECREF(key);
   if (record == nullptr) {
     if (PyErr_Occurred()) {
-      throw python_error();
+      raise_python_error();
     }
     return nbytes != 0;
   }
   PyObject* known = PyObject_GetAttr(record, state.nbytes_name);
   if (known == nullptr) {
-    throw python_error();
+    raise_python_error();
   }
   size_t known_bytes = PyLong_AsSize_t(known);
   Py_DECREF(known);
@@ -103,7 +112,7 @@ void call_back(PyObject* callback, const std::vector<at::Tensor>& tensors) {
   }
   PyObject* result = PyObject_CallOneArg(callback, items.ptr());
   if (result == nullptr) {
-    throw python_error();
+    raise_python_error();
   }
   Py_DECREF(result);
 }
@@ -201,9 +210,14 @@ std::vector<std::string> install(
   return registered;
 }
 
+// With the GIL (called from Python): the kernels go, and with them the
+// references to the device's table and callbacks.
 void uninstall() {
   state.enabled = false;
   state.libraries.clear();
+  Py_CLEAR(state.records);
+  Py_CLEAR(state.on_inputs);
+  Py_CLEAR(state.on_outputs);
 }
 
 void set_enabled(bool enabled) {
