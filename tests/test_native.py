@@ -99,6 +99,9 @@ def test_a_failed_build_is_not_tried_again_at_every_run(tmp_path, monkeypatch):
         native.build(announce=False)
     assert not (tmp_path / "calls").exists()
     (native.library_path().parent / "failed").unlink()
+    killed_midway = native.library_path().parent / "tmpkilled.so"
+    killed_midway.write_bytes(b"")
     with pytest.raises(native.BuildError, match="the compiler failed"):
         native.build(announce=False)
     assert (tmp_path / "calls").read_text() == "called\n"
+    assert not killed_midway.exists()

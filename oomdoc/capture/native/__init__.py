@@ -113,6 +113,8 @@ def build(announce: bool = True) -> Path:
             return target
         if failed.exists():  # not again at every run: remove the file to retry
             raise BuildError(f"{failed.read_text().strip()} (an earlier build, {failed})")
+        for stale in target.parent.glob("tmp*.so"):  # of a build killed midway
+            stale.unlink(missing_ok=True)
         if announce:
             print(
                 "oomdoc: compiling the simulated device's op check "
