@@ -161,8 +161,8 @@ def load(build_if_missing: bool = True) -> ModuleType | None:
             raise BuildError(f"cannot load {path}")
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-    except (BuildError, OSError, ImportError) as error:
-        _reason[0] = str(error)
+    except Exception as error:  # whatever it was, the dispatch mode still counts
+        _reason[0] = str(error) or type(error).__name__
         module = None
     _loaded["module"] = module
     return module
