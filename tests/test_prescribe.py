@@ -234,7 +234,7 @@ def test_the_search_under_the_savers_and_its_prescription_start_ahead_as_they_wi
     keys = start_savers_ahead(replayer, snapshot, replayer.options, state, savers.name)
     assert keys == replayer.started_ahead and len(keys) == 2
     assert saver_first_probe(search) == 37
-    payload, label, args, env = saver_trial(replayer, snapshot, replayer.options, state, savers, 37)
+    payload, label, args, env = saver_trial(replayer, snapshot, state, savers, 37)
     assert keys[0] == replay_key(payload, label, args, env)
     prescription = Prescription(
         fixes=["autocast", "checkpointing"], batch_size=32, accumulation_steps=2

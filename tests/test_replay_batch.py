@@ -173,7 +173,9 @@ class Workload:
         return max((b for b in range(1, upper) if self.fits(b)), default=0)
 
 
-def run_search(workload: Workload, batch: int, **kwargs):
+def run_search(workload: Workload, batch: int, probe: int | None = None, **kwargs):
+    """The search from the failing run at `batch`; its first probe is
+    first_probe's unless given. (The result, the batches it replayed.)"""
     baseline = observe(workload.capture(batch), batch)
     assert not baseline.fits
     completed = ("first", "backward") in baseline.exact
@@ -183,9 +185,9 @@ def run_search(workload: Workload, batch: int, **kwargs):
         calls.append(b)
         return observe(workload.capture(b), b)
 
-    result = search_max_batch(
-        batch, workload.capacity, [baseline], trial, probe=first_probe(batch, completed), **kwargs
-    )
+    if probe is None:
+        probe = first_probe(batch, completed)
+    result = search_max_batch(batch, workload.capacity, [baseline], trial, probe=probe, **kwargs)
     return result, calls
 
 
@@ -549,15 +551,7 @@ def test_large_fragmentation_at_later_step_ooms_still_finds_a_fit_in_four_replay
         granule=2 * MiB,
         slack_bytes=2600 * MiB,
     )
-    calls: list[int] = []
-    result = search_max_batch(
-        256,
-        workload.capacity,
-        [observe(workload.capture(256), 256)],
-        lambda b: calls.append(b) or observe(workload.capture(b), b),
-        probe=probe,
-        max_trials=4,
-    )
+    result, calls = run_search(workload, 256, probe=probe, max_trials=4)
     truth = workload.true_max(256)
     assert result.max_batch_size is not None and result.max_batch_size <= truth, calls
     assert result.max_batch_size >= 0.95 * truth, calls
@@ -570,29 +564,17 @@ def test_a_search_ends_once_enough_says_its_answer_cannot_change():
     for the same 16 x 2 accumulation steps)."""
     workload = GPT_LIKE
     original = 2 * workload.true_max(256) - 2  # OOMs; half of it fits
-    calls: list[int] = []
-
-    def trial(batch: int):
-        calls.append(batch)
-        return observe(workload.capture(batch), batch)
 
     def enough(fit: int, oom: int):
         plan = accumulation_plan(original, fit)
         return "decided" if plan == accumulation_plan(original, oom - 1) else None
 
-    baseline = [observe(workload.capture(original), original)]
     probe = original // 2  # fits: it and every batch up to original - 1 give 2 steps
-    full = search_max_batch(original, workload.capacity, baseline, trial, probe=probe)
+    full, _calls = run_search(workload, original, probe=probe)
     assert len(full.trials) > 1 and full.exact
-    calls.clear()
-    ended = search_max_batch(
-        original, workload.capacity, baseline, trial, probe=probe, enough=enough
-    )
+    ended, calls = run_search(workload, original, probe=probe, enough=enough)
     assert calls == [probe] and ended.stopped == "decided"
     assert ended.max_batch_size == probe and not ended.exact
     # Without a fit yet, enough is never asked: the search goes on.
-    calls.clear()
-    search_max_batch(
-        original, workload.capacity, baseline, trial, probe=original - 1, enough=enough
-    )
+    _result, calls = run_search(workload, original, probe=original - 1, enough=enough)
     assert len(calls) > 1

@@ -580,9 +580,10 @@ class SimulatedBackend(Backend):
             self.register_outputs(out, func)
         return out
 
-    def adopt(self, tensor: torch.Tensor) -> None:
+    def adopt(self, tensor: torch.Tensor, depth: int = 2) -> None:
         """Count a tensor made outside dispatch (torch.from_numpy, shared
-        memory from DataLoader workers) the first time an op touches it."""
+        memory from DataLoader workers) the first time an op touches it.
+        `depth`: as _register's, from here."""
         if not tensor.is_cpu:
             return
         try:
@@ -593,7 +594,7 @@ class SimulatedBackend(Backend):
         record = self._records.get(key)
         if record is None:
             if storage.nbytes():
-                self._register(key, storage, tensor, 2)
+                self._register(key, storage, tensor, depth)
         else:
             nbytes = storage.nbytes()
             if nbytes != record.nbytes:  # resized in place (resize_, out=)
@@ -624,7 +625,10 @@ class SimulatedBackend(Backend):
             self.raise_oom(nbytes)
         self._register(key, storage, tensor, 4)
 
-    def register_outputs(self, out, func=None) -> None:
+    def register_outputs(self, out, func=None, depth: int = 4) -> None:
+        """An op's output storages: each new one counted (the OOM raised when
+        together they do not fit), each resized one counted again. `depth`:
+        as _register's, from here."""
         pending: dict = {}
         for item in _flat_tensors(out, []):
             if not item.is_cpu:
@@ -642,52 +646,27 @@ class SimulatedBackend(Backend):
             elif nbytes and key not in pending:
                 # Storages shared between several outputs are counted once.
                 pending[key] = (storage, item)
-        self._register_pending(pending, 4)
-
-    def _register_pending(self, pending: dict, depth: int) -> None:
-        """Count an op's new output storages ({key: (storage, tensor)}), or
-        raise the device's OOM when together they do not fit. `depth`: as
-        _register's, from the caller."""
         if not pending:
             return
         requested = sum(storage.nbytes() for storage, _ in pending.values())
         if self._live + requested > self._capacity:
             self.raise_oom(requested)
         for key, (storage, tensor) in pending.items():
-            self._register(key, storage, tensor, depth + 1)
+            self._register(key, storage, tensor, depth)
 
     # the compiled check's callbacks (oomdoc.capture.native): each gets the
-    # tensors whose storage is new or resized; the op's caller is 2 frames up
+    # tensors whose storage is new or resized; the op's caller is 3 frames
+    # above adopt and register_outputs
     def _native_inputs(self, tensors: list) -> None:
         """Before an op: count its input storages made outside dispatch."""
-        if not self._enabled:
-            return
-        records = self._records
-        for tensor in tensors:
-            storage = tensor.untyped_storage()
-            key = storage._cdata
-            record = records.get(key)
-            if record is None:
-                self._register(key, storage, tensor, 2)
-            elif storage.nbytes() != record.nbytes:  # resized in place
-                self._resize(key, record, storage.nbytes())
+        if self._enabled:
+            for tensor in tensors:
+                self.adopt(tensor, 3)
 
     def _native_outputs(self, tensors: list) -> None:
-        """After an op: count its new output storages, as register_outputs."""
-        if not self._enabled:
-            return
-        records = self._records
-        pending: dict = {}
-        for tensor in tensors:
-            storage = tensor.untyped_storage()
-            key = storage._cdata
-            record = records.get(key)
-            if record is not None:
-                if storage.nbytes() != record.nbytes:
-                    self._resize(key, record, storage.nbytes())
-            elif key not in pending:
-                pending[key] = (storage, tensor)
-        self._register_pending(pending, 2)
+        """After an op: count its new output storages."""
+        if self._enabled:
+            self.register_outputs(tensors, depth=3)
 
     def _register(self, key, storage, tensor, depth: int = 1) -> None:
         """Count a new storage. `depth`: how many frames above this one are

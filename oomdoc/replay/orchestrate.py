@@ -844,7 +844,7 @@ def search_under_savers(
         return
 
     def trial(batch_size: int) -> batch_model.BatchRun:
-        payload, label, args, env = saver_trial(replayer, snapshot, options, state, fix, batch_size)
+        payload, label, args, env = saver_trial(replayer, snapshot, state, fix, batch_size)
         return to_batch_run(replayer.run(payload, label, args=args, extra_env=env), batch_size)
 
     def enough(fit: int, oom: int) -> str | None:
@@ -876,29 +876,35 @@ def saver_first_probe(search: batch_model.SearchResult) -> int:
     return min(original - 1, max(plain_max + 1, (plain_max + original) // 2))
 
 
+def batch_size_in(
+    replayer: Replayer, state: ReplayState, payload: dict, batch_size: int
+) -> tuple[Optional[list[str]], Optional[str]]:
+    """Say in `payload` how a replay sets `batch_size`: through the script's
+    batch flag the batch search found, else its DataLoader. (The script's
+    args with that flag rewritten, the flag), or (None, None)."""
+    args = list(replayer.request.args)
+    source = state.batch_info.get("source") or ""
+    found = find_batch_arg(args, replayer.options.batch_arg) if source.startswith("-") else None
+    if found is None:
+        payload.update(
+            batch_mode="dataloader", original_batch_size=state.batch_info.get("original_batch_size")
+        )
+        return None, None
+    position, flag, _value = found
+    payload["batch_mode"] = "argv"
+    return with_batch_size(args, position, flag, batch_size), flag
+
+
 def saver_trial(
-    replayer: Replayer,
-    snapshot: Snapshot,
-    options: Any,
-    state: ReplayState,
-    fix: Fix,
-    batch_size: int,
+    replayer: Replayer, snapshot: Snapshot, state: ReplayState, fix: Fix, batch_size: int
 ) -> tuple[dict, str, Optional[list[str]], dict]:
     """(payload, label, args, env) of the replay of `fix` at `batch_size`:
     one place, so that a replay started ahead is the one later asked for."""
     request = fix.request(snapshot)
     payload = dict(request.payload, also=["smaller_batch"], batch_size=batch_size)
-    args = list(replayer.request.args)
-    source = state.batch_info.get("source") or ""
-    found = find_batch_arg(args, options.batch_arg) if source.startswith("-") else None
-    if found is not None:
-        position, flag, _value = found
-        payload["batch_mode"] = "argv"
-        label = f"{fix.name} ({flag} {batch_size})"
-        return payload, label, with_batch_size(args, position, flag, batch_size), request.env
-    original = state.batch_info.get("original_batch_size")
-    payload.update(batch_mode="dataloader", original_batch_size=original)
-    return payload, f"{fix.name} (DataLoader batch {batch_size})", None, request.env
+    args, flag = batch_size_in(replayer, state, payload, batch_size)
+    how = f"{flag} {batch_size}" if flag else f"DataLoader batch {batch_size}"
+    return payload, f"{fix.name} ({how})", args, request.env
 
 
 def start_savers_ahead(
@@ -934,7 +940,7 @@ def start_savers_ahead(
     probe = saver_first_probe(search)
     if probe < 1:
         return []
-    payload, label, args, env = saver_trial(replayer, snapshot, options, state, fix, probe)
+    payload, label, args, env = saver_trial(replayer, snapshot, state, fix, probe)
     keys = [replayer.ahead(payload, label, args, env, priority=SPECULATIVE)]
     micro, steps = batch_model.accumulation_plan(search.original_batch_size, probe)
     if steps > 1:
@@ -1512,17 +1518,8 @@ def prescription_replay(
         request = fix.request(snapshot)
         payload, env = dict(request.payload, also=["smaller_batch"]), request.env
     payload.update(batch_size=micro, accumulation_steps=steps)
-    args = list(replayer.request.args)
-    source = state.batch_info.get("source") or ""
-    found = find_batch_arg(args, replayer.options.batch_arg) if source.startswith("-") else None
-    if found is not None:
-        position, flag, _value = found
-        payload["batch_mode"] = "argv"
-        args = with_batch_size(args, position, flag, micro)
-    else:
-        payload.update(
-            batch_mode="dataloader", original_batch_size=state.batch_info.get("original_batch_size")
-        )
+    rewritten, _flag = batch_size_in(replayer, state, payload, micro)
+    args = rewritten if rewritten is not None else list(replayer.request.args)
     micro_batches = steps * accumulation_on_command_line(args, snapshot.script_options)
     args, raised = enough_steps(replayer, snapshot, args, micro_batches)
     label = f"the prescription ({' + '.join(fixes) or 'no fix'}, batch {micro} x {steps} accumulation steps)"
