@@ -21,6 +21,7 @@ from oomdoc.replay.orchestrate import (
     saver_first_probe,
     saver_trial,
     start_savers_ahead,
+    verify_with_flags,
 )
 from oomdoc.replay.prescribe import Candidate, choose, is_no_op, plan_limits
 
@@ -257,3 +258,71 @@ def test_the_search_under_the_savers_and_its_prescription_start_ahead_as_they_wi
     state.results = []
     state.batch_info = {}  # no batch flag found: no search under the savers
     assert start_savers_ahead(replayer, snapshot, replayer.options, state, savers.name) == []
+
+
+def hugging_face_case():
+    """A Trainer script at batch 64 whose HfArgumentParser declares flags for
+    the batch, the accumulation, bf16 and checkpointing."""
+    options = [
+        "--per_device_train_batch_size",
+        "--gradient_accumulation_steps",
+        "--max_steps",
+        "--bf16",
+        "--gradient_checkpointing",
+    ]
+    snapshot = Snapshot.from_dict(
+        {
+            "device": {"capacity_bytes": 100 * MiB, "kind": "simulated"},
+            "framework": {"name": "transformers", "entry": "Trainer", "module": "transformers"},
+            "command": ["train.py", "--per_device_train_batch_size", "64"],
+            "script_options": options,
+            "script_option_values": {option: [] for option in options},
+        }
+    )
+    state = ReplayState(
+        skipped=[],
+        batch_info={"source": "--per_device_train_batch_size"},
+        search=SearchResult(64, 10, True, [], []),
+    )
+    replayer = LanedReplayer([("fits", 80 * MiB), ("fits", 80 * MiB)])
+    replayer.request = SimpleNamespace(args=["--per_device_train_batch_size", "64"])
+    return snapshot, state, replayer
+
+
+def test_the_script_own_flags_check_starts_beside_the_prescription_replay():
+    """The check of a prescription with the script's own flags used to start
+    only after its replay with accumulation had confirmed it: one more replay
+    deep. It starts ahead, beside that replay (and, with the search under the
+    savers, beside its probe), exactly as verify_with_flags later asks for it."""
+    snapshot, state, replayer = hugging_face_case()
+    savers = fix_named("autocast+checkpointing")
+    keys = start_savers_ahead(replayer, snapshot, replayer.options, state, savers.name)
+    assert len(keys) == 3 and keys == replayer.started_ahead
+    flags_key = keys[2]
+    assert flags_key[0].startswith("the script's own flags: ") and flags_key[1] == "null"
+    assert flags_key[2] == (
+        *("--per_device_train_batch_size", "32", "--bf16", "--gradient_checkpointing"),
+        *("--gradient_accumulation_steps", "2", "--max_steps", "4"),
+    )
+    prescription = Prescription(
+        fixes=["autocast", "checkpointing"],
+        batch_size=32,
+        accumulation_steps=2,
+        peak_allocated_bytes=80 * MiB,
+        fits=True,
+    )
+    verify_with_flags(replayer, snapshot, prescription, state)
+    assert replayer.asked == [flags_key]
+    checked = prescription.extra["verified_by_flags"]
+    assert checked["args"] == list(flags_key[2][:-2]) and checked["note"].startswith("--max_steps")
+
+    # Without the saver search: the choice starts it beside its replay with
+    # accumulation, and verify_with_flags asks for that one.
+    snapshot, state, replayer = hugging_face_case()
+    chosen, _interrupted = measured_choice(
+        replayer, snapshot, state, [Candidate([], 16, 70 * MiB, 1.0, "b16")], 64, None
+    )
+    assert (chosen.batch_size, chosen.accumulation_steps) == (16, 4)
+    assert len(replayer.started_ahead) == 1 and len(replayer.asked) == 1
+    verify_with_flags(replayer, snapshot, chosen, state)
+    assert replayer.asked[1] == replayer.started_ahead[0]

@@ -913,8 +913,9 @@ def start_savers_ahead(
     """While the combined savers' replay runs: should it not fit at the
     user's batch, the search under them asks first for its probe (known
     from the plain search), and most likely prescribes that probe's
-    micro-batch with gradient accumulation. Both start now in free lanes;
-    their keys (probe first), for discard_ahead to keep. Not when one saver
+    micro-batch with gradient accumulation, then checks that prescription
+    with the script's own flags. All start now in free lanes; their keys
+    (probe first), for discard_ahead to keep. Not when one saver
     alone fit with the margin free: together they fit too, and no search
     follows (replays run for nothing compete for the card)."""
     fix = fix_named(combination)
@@ -958,6 +959,10 @@ def start_savers_ahead(
                 micro_batches_per_step=micro_batches,
             )
         )
+        likely = Prescription(fixes=fixes, batch_size=micro, accumulation_steps=steps)
+        flags_key = start_flags_ahead(replayer, snapshot, state, likely)
+        if flags_key is not None:
+            keys.append(flags_key)
     return keys
 
 
@@ -1426,6 +1431,9 @@ def measured_choice(
             chosen.detail = f"{chosen.detail}; {without}"
             break
         replays += 1
+        # Should the replay with accumulation confirm it, verify_with_flags
+        # asks for this one next: it runs beside it.
+        start_flags_ahead(replayer, snapshot, state, chosen)
         try:
             replay = replay_prescription(replayer, snapshot, state, chosen)
         except ReplaysInterrupted:
@@ -1628,16 +1636,35 @@ def prescription_snippet(snapshot: Snapshot, prescription: Prescription, state: 
     return framework_of(snapshot).prescription_snippet(changes, context)
 
 
-def verify_with_flags(
-    replayer: Replayer, snapshot: Snapshot, prescription: Prescription, state: ReplayState
-) -> None:
-    """Where the script has its own command-line flags for the prescribed
-    changes (HfArgumentParser's --gradient_checkpointing, --bf16, ...), one
-    replay runs the script with those flags and no fix of oomdoc's: its peak
-    is reported next to the prescription's."""
+@dataclass
+class FlagsReplay:
+    """The script run with its own flags for a prescription's changes."""
+
+    args: list[str]  # the script's argv with those flags
+    replayed_args: list[str]  # the same, its steps flag raised if need be
+    raised: Optional[str]  # how the steps flag was raised
+    covers: list[str]  # the changes the flags make
+    micro_batches: int  # micro-batches per optimizer step
+
+    @property
+    def label(self) -> str:
+        return "the script's own flags: " + " ".join(self.replayed_args)
+
+    @property
+    def micro_batches_per_step(self) -> Optional[int]:
+        return self.micro_batches if self.micro_batches > 1 else None
+
+
+def flags_replay(
+    replayer: Replayer, snapshot: Snapshot, state: ReplayState, prescription: Prescription
+) -> Optional[FlagsReplay]:
+    """The replay verify_with_flags runs for `prescription` (only its fixes,
+    batch size and accumulation steps are read), or None where the script
+    has no flag for any of its changes: one place, so that one started ahead
+    is the one later asked for."""
     changes, context = prescription_context(snapshot, prescription, state)
     if not changes or not snapshot.script_options:
-        return
+        return None
     framework = framework_of(snapshot)
     args = list(replayer.request.args)
     covered: list[str] = []
@@ -1646,20 +1673,51 @@ def verify_with_flags(
         if variant is not None:
             args, covered = variant, [*covered, change]
     if not covered:
-        return
+        return None
     micro_batches = 1
     if "smaller_batch" in covered:
         micro_batches = accumulation_on_command_line(args, snapshot.script_options)
     replayed_args, raised = enough_steps(replayer, snapshot, args, micro_batches)
+    return FlagsReplay(args, replayed_args, raised, covered, micro_batches)
+
+
+def start_flags_ahead(
+    replayer: Replayer, snapshot: Snapshot, state: ReplayState, prescription: Prescription
+) -> Optional[tuple]:
+    """Start the script's-own-flags replay of a prescription that is likely
+    (its replay with accumulation still to confirm it) in a free lane, so
+    that it runs beside that replay instead of after it; its key."""
+    flags = flags_replay(replayer, snapshot, state, prescription)
+    if flags is None:
+        return None
+    return replayer.ahead(
+        None,
+        flags.label,
+        flags.replayed_args,
+        priority=SPECULATIVE,
+        micro_batches_per_step=flags.micro_batches_per_step,
+    )
+
+
+def verify_with_flags(
+    replayer: Replayer, snapshot: Snapshot, prescription: Prescription, state: ReplayState
+) -> None:
+    """Where the script has its own command-line flags for the prescribed
+    changes (HfArgumentParser's --gradient_checkpointing, --bf16, ...), one
+    replay runs the script with those flags and no fix of oomdoc's: its peak
+    is reported next to the prescription's."""
+    flags = flags_replay(replayer, snapshot, state, prescription)
+    if flags is None:
+        return
     replay = replayer.run(
         None,
-        "the script's own flags: " + " ".join(replayed_args),
-        args=replayed_args,
-        micro_batches_per_step=micro_batches if micro_batches > 1 else None,
+        flags.label,
+        args=flags.replayed_args,
+        micro_batches_per_step=flags.micro_batches_per_step,
     )
-    record = replay_record(replay, args, raised)
-    record["covers"] = covered
-    if micro_batches <= 1:
+    record = replay_record(replay, flags.args, flags.raised)
+    record["covers"] = flags.covers
+    if flags.micro_batches <= 1:
         del record["accumulation_covered"]
     prescription.extra["verified_by_flags"] = record
     if replay.fits and replay.peak_allocated_bytes and prescription.peak_allocated_bytes:
