@@ -107,6 +107,30 @@ def test_one_lane_is_kept_for_what_the_decisions_wait_for(lanes_of):
     assert [ahead[0].number, demanded.number, ahead[1].number] == [1, 2, 3]  # start order
 
 
+def test_a_running_job_the_decisions_ask_for_frees_a_lane_for_work_ahead(lanes_of):
+    """A replay started ahead that the decisions then wait for holds the lane
+    kept for them: the lanes it used for work ahead take the next one."""
+    lanes, blocked = lanes_of(3)
+    combination, probe, prescription = (
+        blocked.job(SPECULATIVE, name) for name in ("combination", "probe", "prescription")
+    )
+    for job in (combination, probe, prescription):
+        lanes.submit(job)
+    time.sleep(0.3)
+    assert blocked.started == ["combination", "probe"]  # one lane kept
+    lanes.promote(combination, DEMANDED)
+    time.sleep(0.3)
+    assert blocked.started == ["combination", "probe", "prescription"]
+    late = blocked.job(SPECULATIVE, "late")
+    lanes.submit(late)
+    time.sleep(0.3)
+    assert "late" not in blocked.started  # still one lane's worth kept
+    blocked.release.set()
+    for job in (combination, probe, prescription, late):
+        job.wait()
+    assert blocked.started[-1] == "late"
+
+
 def test_lanes_run_the_highest_priority_first_and_withdraw(lanes_of):
     lanes, blocked = lanes_of(3)
     busy = [blocked.job(AHEAD, f"busy {n}") for n in range(2)]

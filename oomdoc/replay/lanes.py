@@ -120,6 +120,8 @@ class Job:
         self.cancel = threading.Event()
         self.finished = threading.Event()
         self.started = False
+        # Running in a lane as work started ahead (Lanes counts those).
+        self.running_ahead = False
         # Its place among the jobs its lanes started (1, 2, ...), or None.
         self.number: int | None = None
         self.result: Any = None
@@ -169,8 +171,16 @@ class Lanes:
             self._condition.notify_all()
 
     def promote(self, job: Job, priority: int) -> None:
-        """Now wanted sooner (a job started ahead that the decisions ask for)."""
+        """Now wanted sooner (a job started ahead that the decisions ask for).
+        One already running ahead that is now DEMANDED holds a lane of what
+        the decisions wait for: it no longer counts against the lanes kept
+        for work started ahead, which may start one more."""
         with self._condition:
+            if job.running_ahead and priority == DEMANDED:
+                job.running_ahead = False
+                self._running_ahead -= 1
+                self._condition.notify_all()
+                return
             for index, (_priority, order, pending) in enumerate(self._pending):
                 if pending is job and priority < job.priority:
                     job.priority = priority
@@ -215,6 +225,7 @@ class Lanes:
                         job.number = next(self._numbers)  # in the order they start
                         if priority != DEMANDED:
                             self._running_ahead += 1
+                            job.running_ahead = True
                         return job
                 if self._closed:
                     return None
@@ -225,11 +236,11 @@ class Lanes:
             job = self._next()
             if job is None:
                 return
-            ahead = job.priority != DEMANDED
             try:
                 job.run()
             finally:
-                if ahead:
-                    with self._condition:
+                with self._condition:
+                    if job.running_ahead:
+                        job.running_ahead = False
                         self._running_ahead -= 1
-                        self._condition.notify_all()
+                    self._condition.notify_all()
