@@ -105,3 +105,70 @@ def test_a_failed_build_is_not_tried_again_at_every_run(tmp_path, monkeypatch):
         native.build(announce=False)
     assert (tmp_path / "calls").read_text() == "called\n"
     assert not killed_midway.exists()
+
+
+@pytest.fixture
+def ledger(compiled):
+    backend = SimulatedBackend(1 << 30)
+    backend.install(None)
+    assert backend.native_active
+    yield backend
+    backend.uninstall()
+
+
+def test_temporaries_made_and_freed_between_reads_never_reach_python(ledger):
+    kept = torch.rand(256)
+    ledger.live_storages()  # a read: the log is empty from here
+    before = ledger.capture_stats()["storages_registered"]
+    for _ in range(10):
+        (kept * 2.0).sum()  # two temporaries, dead before the next read
+    assert ledger.capture_stats()["storages_registered"] == before + 20
+    keys = {key for key, _nbytes, _record in ledger.live_storages()}
+    assert keys == {kept.untyped_storage()._cdata}
+    assert ledger.allocated_bytes() == kept.untyped_storage().nbytes()
+
+
+def test_a_storage_freed_on_another_thread_is_seen_at_once(ledger):
+    import threading
+
+    tensors = [torch.rand(1000)]
+    made = ledger.allocated_bytes()
+    assert made >= 4000
+    worker = threading.Thread(target=tensors.clear)  # its deleter runs there, without the GIL
+    worker.start()
+    worker.join()
+    assert ledger.allocated_bytes() == made - 4000
+    assert not list(ledger.live_storages())
+
+
+def test_a_storage_resized_in_place_then_freed_is_counted_both_times(ledger):
+    buffer = torch.zeros(10)
+    buffer.resize_(1000)  # a new DataPtr for a live storage: a resize, not a free
+    assert ledger.allocated_bytes() == 4000
+    del buffer  # the new DataPtr is watched too
+    assert ledger.allocated_bytes() == 0
+    buffer = torch.zeros(10)
+    buffer.untyped_storage().resize_(8000)  # not an op: no look at the new size
+    del buffer  # its free is still seen
+    assert ledger.allocated_bytes() == 0
+    assert not list(ledger.live_storages())
+
+
+def test_another_mode_takes_the_live_storages_over_from_the_ledger(ledger):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    kept = torch.rand(100)
+    dropped = torch.rand(200)
+
+    class Other(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with Other():  # removes the compiled check: Python watches the storages now
+        assert not ledger.native_active
+        made = kept * 2.0
+    assert ledger.allocated_bytes() == 400 + 800 + 400
+    del dropped
+    assert ledger.allocated_bytes() == 400 + 400
+    del made
+    assert ledger.allocated_bytes() == 400

@@ -228,6 +228,11 @@ def _innermost_user_code(frame) -> tuple:
     return None, 0
 
 
+def _is_user_code(code) -> bool:
+    """The compiled ledger's test of a frame (it keeps the answers)."""
+    return frames.is_user_file(code.co_filename)
+
+
 def _engine_callers() -> frozenset:
     """ids of the code objects of torch's functions that run the autograd
     engine: while one runs under the tracker's backward wrapper, it is alive."""
@@ -451,6 +456,11 @@ class SimulatedBackend(Backend):
         self._enabled = False
         self._mode = None
         self._pass_through: PassThrough | None = None
+        # The compiled ledger's module while it keeps the storages
+        # (oomdoc.capture.native): `_records` and the bytes per category and
+        # per step are then brought up to date from its log (`_sync`) before
+        # they are read, and the live and peak bytes are its own.
+        self._native = None
         self._rule_lookup: _RuleLookup | None = None
         self.tracker = None
         self._sequence = 0
@@ -484,10 +494,8 @@ class SimulatedBackend(Backend):
         if self._use_pass_through:
             self._pass_through = PassThrough(self._mode)
             self._pass_through.install()
-            if self._use_native:
-                self._pass_through.install_native(
-                    self._records, self._native_inputs, self._native_outputs
-                )
+            if self._use_native and self._pass_through.install_native(self):
+                self._native = self._pass_through._native
         self.enabled = True
         # DataLoader workers fork from this process: they must not count (or
         # raise) against the parent's device.
@@ -519,7 +527,74 @@ class SimulatedBackend(Backend):
         return list(self._pass_through.ops) if self._pass_through is not None else []
 
     def _disable_in_child(self) -> None:
+        if self._native is not None:
+            self._native.after_fork_in_child()
         self.enabled = False
+
+    # the compiled ledger (oomdoc.capture.native)
+    def native_arguments(self) -> tuple:
+        """What the compiled ledger is installed with: the capacity, the
+        tracker (step, phase, module of a new storage), the user-code test
+        of its site, the OOM and the read of its log (when the log is long)."""
+        return (self._capacity, self.tracker, _is_user_code, self.raise_oom, self._sync)
+
+    def _sync(self) -> None:
+        """Bring `_records` and what is kept with it up to date from the
+        compiled ledger's log: the storages made and freed since the last
+        read cancel out there."""
+        native = self._native
+        if native is None:
+            return
+        events = native.read_events()
+        if not events:
+            return
+        records = self._records
+        scopes = self.tracker.scopes if self.tracker is not None else None
+        for event in events:
+            kind = event[0]
+            if kind == 0:
+                _, key, nbytes, sequence, step, phase, code, line, module, node, shape, dtype = (
+                    event
+                )
+                if module is None and node >= 0 and scopes is not None:
+                    module = scopes.path_at_sequence(node)
+                category = _PHASE_CATEGORIES.get(phase)
+                if category is None:
+                    category = _PHASE_CATEGORIES[phase] = category_of(None, phase)
+                record = StorageRecord(
+                    nbytes, step, phase, category, code, line, shape, dtype, sequence, module
+                )
+                records[key] = record
+                self._added(key, record)
+            elif kind == 1:
+                record = records.pop(event[1], None)
+                if record is not None:
+                    self._forget(event[1], record)
+            else:
+                record = records.get(event[1])
+                if record is not None:
+                    self._resize(event[1], record, event[2])
+
+    def native_removed(self, native) -> None:
+        """The compiled check goes (another dispatch mode or a tensor subclass
+        came, or the device is uninstalled): the Python side takes the live
+        storages over, watched from now on by weak references."""
+        if self._native is not native:
+            return
+        self._sync()
+        live = native.hand_over()
+        _live, peak, self._sequence = native.totals()
+        self._native = None
+        self._peak = max(self._peak, peak)
+        keys = set()
+        for key, storage in live:
+            keys.add(key)
+            if key in self._records:
+                reference = _StorageRef(storage, self._freed_callback)
+                reference.key = key
+                self._finalizers[key] = reference
+        for key in [key for key in self._records if key not in keys]:
+            self._forget(key, self._records.pop(key))
 
     def uninstall(self) -> None:
         self.enabled = False
@@ -545,6 +620,8 @@ class SimulatedBackend(Backend):
         call, kind, _func = entry
         if not self._enabled:
             return call(*args, **kwargs) if kwargs else call(*args)
+        if self._native is not None:
+            return self._dispatch_native(call, kind, args, kwargs)
         records = self._records
         for item in args:
             if isinstance(item, _Tensor):
@@ -578,6 +655,17 @@ class SimulatedBackend(Backend):
             self.register_output(out)
         elif out is not None:
             self.register_outputs(out, func)
+        return out
+
+    def _dispatch_native(self, call, kind, args, kwargs):
+        """An op the mode sees while the compiled ledger counts: it counts
+        the op's tensors too."""
+        native = self._native
+        native.look((args, kwargs) if kwargs else args, False)
+        out = call(*args, **kwargs) if kwargs else call(*args)
+        if kind is _VIEW or kind is _IN_PLACE or not self._enabled:
+            return out
+        native.look(out, True)
         return out
 
     def adopt(self, tensor: torch.Tensor, depth: int = 2) -> None:
@@ -654,20 +742,6 @@ class SimulatedBackend(Backend):
         for key, (storage, tensor) in pending.items():
             self._register(key, storage, tensor, depth)
 
-    # the compiled check's callbacks (oomdoc.capture.native): each gets the
-    # tensors whose storage is new or resized; the op's caller is 3 frames
-    # above adopt and register_outputs
-    def _native_inputs(self, tensors: list) -> None:
-        """Before an op: count its input storages made outside dispatch."""
-        if self._enabled:
-            for tensor in tensors:
-                self.adopt(tensor, 3)
-
-    def _native_outputs(self, tensors: list) -> None:
-        """After an op: count its new output storages."""
-        if self._enabled:
-            self.register_outputs(tensors, depth=3)
-
     def _register(self, key, storage, tensor, depth: int = 1) -> None:
         """Count a new storage. `depth`: how many frames above this one are
         surely oomdoc's (the dispatch path's), skipped without a look: on
@@ -694,12 +768,17 @@ class SimulatedBackend(Backend):
         if category is None:
             category = _PHASE_CATEGORIES[phase] = category_of(None, phase)
         sequence = self._sequence = self._sequence + 1
-        self._records[key] = StorageRecord(
+        record = self._records[key] = StorageRecord(
             nbytes, step, phase, category, code, line, tensor.shape, tensor.dtype, sequence, module
         )
         reference = _StorageRef(storage, self._freed_callback)
         reference.key = key
         self._finalizers[key] = reference
+        self._added(key, record)
+
+    def _added(self, key, record: StorageRecord) -> None:
+        """What a new storage's record adds to the live bytes and the tables."""
+        nbytes, phase, step, category = record.nbytes, record.phase, record.step, record.category
         live = self._live = self._live + nbytes
         if live > self._peak:
             self._peak = live
@@ -773,8 +852,11 @@ class SimulatedBackend(Backend):
         state now ({key: category}); every other storage falls back to the
         category of the phase it was made in. Costs O(len(known)), nothing
         when it names what the last call named and all of it is still live."""
+        self._sync()
         applied = self._known_applied
-        if known == self._known_named and len(applied) == len(known):
+        if (known is self._known_named or known == self._known_named) and len(applied) == len(
+            known
+        ):
             return  # applied holds exactly these keys (a free or a new one differs in size)
         self._known_named = known
         records = self._records
@@ -795,19 +877,24 @@ class SimulatedBackend(Backend):
             counts[record.category] += record.nbytes
 
     def capture_stats(self) -> dict:
+        if self._native is not None:
+            self._sequence = self._native.totals()[2]
         native_ops = self._pass_through.native_ops if self.native_active else 0
         return {"storages_registered": self._sequence, "native_ops": native_ops, **self.stats}
 
     def known_categories(self) -> dict:
         """{key: category} of the live storages named by the last apply_known."""
+        self._sync()
         return dict(self._known_applied)
 
     def category_bytes(self) -> dict[str, int]:
         """Live bytes per category, as of the last apply_known."""
+        self._sync()
         return dict(self._category_bytes)
 
     def retained_activation_bytes(self, step: int) -> int:
         """Live bytes made in the forward or backward of steps before `step`."""
+        self._sync()
         total = self._forward_backward_total
         table = self._forward_backward_bytes
         for later in range(step, self._forward_backward_last_step + 1):
@@ -818,6 +905,7 @@ class SimulatedBackend(Backend):
         """Remember the storages live now (the fullest moment so far) so that
         marked_storages() can list them later. Costs O(params) now and O(1)
         per storage made or freed afterwards."""
+        self._sync()
         self._mark_added = set()
         self._mark_freed = {}
         self._mark_records = None
@@ -843,6 +931,7 @@ class SimulatedBackend(Backend):
     def marked_storages(self) -> tuple[list, dict] | None:
         """[(key, record)] live at the last mark_peak, in registration order,
         and the parameters/gradients/state naming then; None without a mark."""
+        self._sync()
         if self._mark_known is None:
             return None
         records = self._mark_records
@@ -851,11 +940,13 @@ class SimulatedBackend(Backend):
         return records, self._mark_known
 
     def raise_oom(self, requested: int) -> None:
-        free = max(0, self._capacity - self._live)
+        self._sync()
+        live = self.allocated_bytes()
+        free = max(0, self._capacity - live)
         message = (
             f"Simulated device out of memory (oomdoc). Tried to allocate {format_bytes(requested)}. "
             f"Simulated device 0 has a total capacity of {format_bytes(self._capacity)} of which "
-            f"{format_bytes(free)} is free. Of the allocated memory {format_bytes(self._live)} is allocated "
+            f"{format_bytes(free)} is free. Of the allocated memory {format_bytes(live)} is allocated "
             f"by PyTorch (every CPU tensor of this process counts), and 0 bytes is reserved by PyTorch "
             f"but unallocated."
         )
@@ -879,15 +970,20 @@ class SimulatedBackend(Backend):
         }
 
     def allocated_bytes(self) -> int:
+        if self._native is not None:
+            return self._native.totals()[0]
         return self._live
 
     def reserved_bytes(self) -> int:
-        return self._live
+        return self.allocated_bytes()
 
     def capacity_bytes(self) -> int:
         return self._capacity
 
     def read_and_reset_peak(self) -> tuple[int, int]:
+        if self._native is not None:
+            peak = self._native.read_and_reset_peak()[0]
+            return peak, peak
         peak = self._peak
         self._peak = self._live
         return peak, peak
@@ -899,10 +995,12 @@ class SimulatedBackend(Backend):
         return list(compress(tensors, map(_IS_CPU, tensors)))
 
     def live_storages(self):
+        self._sync()
         for key, record in list(self._records.items()):
             yield key, record.nbytes, record
 
     def allocation_sites(self) -> list[dict]:
+        self._sync()
         return storage_sites(list(self._records.items()))
 
 

@@ -270,6 +270,11 @@ class ModuleScopes:
             sequence_nr = node._sequence_nr()
         except Exception:
             return None
+        return self.path_at_sequence(sequence_nr)
+
+    def path_at_sequence(self, sequence_nr: int) -> str | None:
+        """The module whose forward ran when the autograd node numbered
+        `sequence_nr` was made."""
         index = bisect.bisect_right(self._seqs, sequence_nr) - 1
         return self._seq_paths[index] if index >= 0 else None
 

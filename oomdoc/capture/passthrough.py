@@ -79,6 +79,7 @@ class PassThrough:
         self._patched: list[tuple[object, str, object, bool]] = []
         self.ops: list[str] = []
         self._native = None  # the compiled check's module while its kernels are in
+        self._ledger = None  # the device it counts for
         self.native_ops = 0
 
     @property
@@ -108,12 +109,13 @@ class PassThrough:
         if self._libraries:
             self._install_watch()
 
-    def install_native(self, records: dict, on_inputs, on_outputs) -> bool:
+    def install_native(self, ledger) -> bool:
         """Give every other op that reaches the Python key (none made of
         others: CompositeImplicitAutograd ops never get there with autograd
         on) the compiled check of oomdoc.capture.native, where it can be had.
-        `records` is the device's table of storages; the callbacks get the
-        tensors whose storage it lacks or holds at another size."""
+        `ledger` (the device) gives `native_arguments()`, what the compiled
+        ledger calls back, and `native_removed(module)`, called before the
+        kernels go while the device still counts."""
         from oomdoc.capture import native
 
         module = native.load()
@@ -126,11 +128,12 @@ class PassThrough:
             if not has_kernel(name, "Python") and not has_kernel(name, "CompositeImplicitAutograd")
         ]
         try:
-            self.native_ops = len(module.install(records, on_inputs, on_outputs, names))
+            self.native_ops = len(module.install(*ledger.native_arguments(), names))
         except Exception:  # the mode alone still counts every op
             module.uninstall()
             return False
         self._native = module
+        self._ledger = ledger
         if not self._patched:
             self._install_watch()
         return True
@@ -143,7 +146,12 @@ class PassThrough:
         """Let every op reach the mode again (for good)."""
         native, self._native = self._native, None
         if native is not None:
-            native.uninstall()
+            ledger, self._ledger = self._ledger, None
+            try:
+                if ledger is not None:
+                    ledger.native_removed(native)
+            finally:
+                native.uninstall()
         libraries, self._libraries = self._libraries, []
         for owner, name, original, own in reversed(self._patched):
             if own:

@@ -123,6 +123,8 @@ class Tracker:
         self._state_table: dict | None = None
         self._state_signature: tuple = ()
         self._known: tuple[dict, dict, dict] | None = None
+        # (the tables of _known_tensors, their {key: category}) for apply_known
+        self._known_naming: tuple | None = None
         # What a phase boundary must read again (_known_tensors(cached=True)):
         # parameters at each step's start, gradients after a backward and
         # around the optimizer step, the state after an optimizer step.
@@ -829,19 +831,26 @@ class Tracker:
         ):
             state = {k: v for k, v in state.items() if k not in parameters and k not in gradients}
         self._known = (parameters, gradients, state)
-        return parameters, gradients, state
+        return self._known
 
     def _breakdown(self, allocated: int | None = None, cached: bool = False) -> dict:
         """Live memory split into the five categories: O(parameters and
         optimizer state), whatever else is alive (`cached`: see _known_tensors)."""
-        parameters, gradients, state = self._known_tensors(cached)
+        tables = self._known_tensors(cached)
+        parameters, gradients, state = tables
         backend = self.backend
         if backend.per_storage:
             # The simulated device keeps bytes per category as storages come
-            # and go; it is told which storages are parameters, grads, state.
-            known = dict.fromkeys(state, "optimizer_state")
-            known.update(dict.fromkeys(gradients, "gradients"))
-            known.update(dict.fromkeys(parameters, "parameters"))
+            # and go; it is told which storages are parameters, grads, state
+            # (the same dict while the tables are the same: apply_known then
+            # costs nothing).
+            if self._known_naming is not None and self._known_naming[0] is tables:
+                known = self._known_naming[1]
+            else:
+                known = dict.fromkeys(state, "optimizer_state")
+                known.update(dict.fromkeys(gradients, "gradients"))
+                known.update(dict.fromkeys(parameters, "parameters"))
+                self._known_naming = (tables, known)
             backend.apply_known(known)
             counts = backend.category_bytes()
             return {category: int(counts[category]) for category in CATEGORIES}
