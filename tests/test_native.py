@@ -172,3 +172,17 @@ def test_another_mode_takes_the_live_storages_over_from_the_ledger(ledger):
     assert ledger.allocated_bytes() == 400 + 400
     del made
     assert ledger.allocated_bytes() == 400
+
+
+def test_batches_from_dataloader_workers_are_counted_and_freed(ledger):
+    from torch.utils.data import DataLoader, TensorDataset
+
+    data = TensorDataset(torch.arange(64.0).reshape(16, 4))
+    base = ledger.allocated_bytes()
+    total = 0.0
+    for (batch,) in DataLoader(data, batch_size=4, num_workers=2):
+        total += float(batch.sum())  # the batch, in shared memory, counted here
+        assert ledger.allocated_bytes() >= base + batch.untyped_storage().nbytes()
+    del batch
+    assert total == sum(range(64))
+    assert ledger.allocated_bytes() == base

@@ -621,6 +621,11 @@ class SimulatedBackend(Backend):
         if not self._enabled:
             return call(*args, **kwargs) if kwargs else call(*args)
         if self._native is not None:
+            if kind is _VIEW:
+                # Nothing new, and what it views is looked at by the next op
+                # that computes with it, as with the pass-through views (the
+                # autograd engine's `detach` of each saved output gets here).
+                return call(*args, **kwargs) if kwargs else call(*args)
             return self._dispatch_native(call, kind, args, kwargs)
         records = self._records
         for item in args:
