@@ -186,3 +186,59 @@ def test_batches_from_dataloader_workers_are_counted_and_freed(ledger):
     del batch
     assert total == sum(range(64))
     assert ledger.allocated_bytes() == base
+
+
+def test_a_storage_shrunk_in_place_keeps_its_data_pointer_and_is_counted_at_each_size(ledger):
+    buffer = torch.zeros(1000)
+    buffer.resize_(10)  # smaller: the same DataPtr, a new size
+    assert ledger.allocated_bytes() == 4000  # a storage keeps its bytes on a shrink
+    buffer.untyped_storage().resize_(40)  # not an op: the next look sees it
+    buffer.add_(1.0)
+    assert ledger.allocated_bytes() == 40
+    buffer.resize_(2000)
+    assert ledger.allocated_bytes() == 8000
+    buffer.mul_(2.0)
+    assert ledger.allocated_bytes() == 8000
+    del buffer
+    assert ledger.allocated_bytes() == 0
+
+
+def test_a_new_ledger_counts_storages_an_earlier_one_wrapped(compiled):
+    first = SimulatedBackend(1 << 30)
+    first.install(None)
+    kept = torch.rand(100)  # wrapped by the first ledger
+    first.uninstall()
+    second = SimulatedBackend(1 << 30)
+    second.install(None)
+    try:
+        assert second.allocated_bytes() == 0
+        kept.add_(1.0)  # an old wrapper: not this ledger's, so registered here
+        assert second.allocated_bytes() == 400
+        del kept
+        assert second.allocated_bytes() == 0
+    finally:
+        second.uninstall()
+
+
+def test_the_compiled_storage_table_is_the_python_one(ledger):
+    weight = torch.rand(8, 8)
+    tensors = [weight, weight.t(), weight[0], None, torch.rand(3), torch.tensor(1.0)]
+    tensors.append(
+        torch.sparse_coo_tensor([[0]], [1.0], (2,), check_invariants=True)
+    )  # no storage: left out
+    native_table = ledger.storage_table(tensors)
+    python_table = super(SimulatedBackend, ledger).storage_table(tensors)
+    assert native_table == python_table
+    assert native_table[weight.untyped_storage()._cdata] == 256
+    assert len(native_table) == 3
+
+
+def test_the_site_line_is_the_line_of_the_op(ledger):
+    import inspect
+
+    line = inspect.currentframe().f_lineno + 1
+    kept = torch.zeros(64)
+    records = {key: record for key, _nbytes, record in ledger.live_storages()}
+    record = records[kept.untyped_storage()._cdata]
+    assert record.line == line
+    assert record.code is inspect.currentframe().f_code

@@ -999,6 +999,12 @@ class SimulatedBackend(Backend):
     def owned(self, tensors: list) -> list:
         return list(compress(tensors, map(_IS_CPU, tensors)))
 
+    def storage_table(self, tensors) -> dict:
+        if self._native is not None:
+            # One C call, no Python storage object per tensor (the same table).
+            return self._native.storage_table(tensors)
+        return super().storage_table(tensors)
+
     def live_storages(self):
         self._sync()
         for key, record in list(self._records.items()):

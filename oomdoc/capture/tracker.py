@@ -830,7 +830,11 @@ class Tracker:
             state.keys().isdisjoint(parameters) and state.keys().isdisjoint(gradients)
         ):
             state = {k: v for k, v in state.items() if k not in parameters and k not in gradients}
-        self._known = (parameters, gradients, state)
+        known = (parameters, gradients, state)
+        if known != self._known:
+            # Read again and the same (most boundaries): the tables stay the
+            # same objects, and what was derived from them is reused.
+            self._known = known
         return self._known
 
     def _breakdown(self, allocated: int | None = None, cached: bool = False) -> dict:

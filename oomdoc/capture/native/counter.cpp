@@ -70,7 +70,8 @@ struct Event {
   int64_t step = 0;
   PyObject* phase = nullptr;   // str
   PyObject* code = nullptr;    // code object, or null
-  int line = 0;
+  int line = 0;                // its line, or (when offset >= 0) read later
+  int offset = -1;             // the frame's instruction offset in `code`
   PyObject* module = nullptr;  // str or None
   int64_t node_sequence = -1;  // the autograd node running, when module is None
   std::vector<int64_t> shape;
@@ -85,10 +86,14 @@ struct Entry {
 };
 
 // The context of a wrapped DataPtr: the original, kept to be freed by it.
+// While its ledger keeps the storage, `nbytes` is the size counted: an op's
+// look at a known storage reads it here, without a lookup in the table.
 struct Wrap {
   c10::DataPtr original;
   Key key;
   uint64_t id;
+  uint64_t generation;
+  size_t nbytes;
 };
 
 struct Ledger {
@@ -102,6 +107,7 @@ struct Ledger {
   int64_t sequence = 0;
   int64_t dead_events = 0;
   uint64_t next_wrap = 1;
+  uint64_t generation = 1;  // wrappers of an earlier ledger are not this one's
 };
 
 // Never destroyed: wrapped DataPtrs may be freed at any time, even at exit.
@@ -115,6 +121,11 @@ struct State {
   PyObject* flush = nullptr;         // callable(): reads the event log
   PyObject* setup_phase = nullptr;   // "setup"
   PyObject* none_module = nullptr;
+  // Interned attribute names the registration reads.
+  PyObject* step_index_name = nullptr;
+  PyObject* phase_name = nullptr;
+  PyObject* scopes_name = nullptr;
+  PyObject* path_name = nullptr;
   std::unordered_map<PyObject*, bool> user_code;  // code -> is it the user's (strong refs)
   bool enabled = false;
   std::vector<std::unique_ptr<torch::Library>> libraries;
@@ -187,14 +198,14 @@ void wrapped_delete(void* context) {
 
 // Wrap the storage's DataPtr so that its free is seen (mutex held). Not a
 // copy-on-write storage: its DataPtr is torch's to replace. 0: not wrapped.
-uint64_t wrap_storage(c10::StorageImpl* impl, Key key) {
+uint64_t wrap_storage(c10::StorageImpl* impl, Key key, size_t nbytes) {
   try {
     const c10::DataPtr& current = impl->data_ptr();
     if (current.get() == nullptr || c10::impl::cow::is_cow_data_ptr(current)) {
       return 0;
     }
     uint64_t id = ledger.next_wrap++;
-    Wrap* wrap = new Wrap{c10::DataPtr(), key, id};
+    Wrap* wrap = new Wrap{c10::DataPtr(), key, id, ledger.generation, nbytes};
     c10::DataPtr replacement(current.get(), wrap, &wrapped_delete, current.device());
     wrap->original = impl->set_data_ptr(std::move(replacement));
     return id;
@@ -234,10 +245,28 @@ bool countable(const at::Tensor& tensor) {
       !tensor.unsafeGetTensorImpl()->is_wrapped_number();
 }
 
+// This ledger's wrapper of the storage's DataPtr, or null.
+Wrap* current_wrap(const c10::StorageImpl* impl) {
+  const c10::DataPtr& data = impl->data_ptr();
+  if (data.get_deleter() != &wrapped_delete) {
+    return nullptr;
+  }
+  Wrap* wrap = static_cast<Wrap*>(data.get_context());
+  if (wrap->generation != ledger.generation || wrap->key != key_of(impl)) {
+    return nullptr;
+  }
+  return wrap;
+}
+
 // With the mutex held.
 Need need_of(const at::Tensor& tensor) {
   c10::StorageImpl* impl = tensor.storage().unsafeGetStorageImpl();
   size_t nbytes = impl->nbytes();
+  // Most looks: a storage this ledger wrapped is in its table (its entry
+  // goes when the wrapper's deleter runs, or the ledger is reset).
+  if (const Wrap* wrap = current_wrap(impl)) {
+    return wrap->nbytes == nbytes ? kNothing : kResized;
+  }
   auto it = ledger.table.find(key_of(impl));
   if (it == ledger.table.end()) {
     return nbytes != 0 ? kNew : kNothing;
@@ -276,8 +305,8 @@ void collect(const c10::IValue& value, std::vector<Found>& found) {
 
 // ------------------------------------------------------------- registering
 
-PyObject* attribute(PyObject* owner, const char* name) {
-  PyObject* value = PyObject_GetAttrString(owner, name);
+PyObject* attribute(PyObject* owner, PyObject* name) {
+  PyObject* value = PyObject_GetAttr(owner, name);
   if (value == nullptr) {
     raise_python_error();
   }
@@ -323,7 +352,17 @@ void user_site(Event& event) {
     }
     if (user) {
       event.code = reinterpret_cast<PyObject*>(code);
+#if PY_VERSION_HEX >= 0x030B0000
+      // The line is found from the offset when the log is read: most adds
+      // are temporaries that never get there, and finding a line scans the
+      // code's line table.
+      event.offset = PyFrame_GetLasti(frame);
+      if (event.offset < 0) {
+        event.line = PyFrame_GetLineNumber(frame);
+      }
+#else
       event.line = PyFrame_GetLineNumber(frame);
+#endif
       Py_DECREF(frame);
       return;
     }
@@ -339,12 +378,12 @@ Event describe(const at::Tensor& tensor) {
   Event event{kAdd, key_of(tensor.storage().unsafeGetStorageImpl()), tensor.storage().nbytes()};
   PyObject* tracker = state.tracker;
   if (tracker != Py_None) {
-    PyObject* step = attribute(tracker, "step_index");
+    PyObject* step = attribute(tracker, state.step_index_name);
     event.step = PyLong_AsLongLong(step);
     Py_DECREF(step);
-    event.phase = attribute(tracker, "phase");
-    PyObject* scopes = attribute(tracker, "scopes");
-    event.module = PyObject_GetAttrString(scopes, "path");
+    event.phase = attribute(tracker, state.phase_name);
+    PyObject* scopes = attribute(tracker, state.scopes_name);
+    event.module = PyObject_GetAttr(scopes, state.path_name);
     Py_DECREF(scopes);
     if (event.module == nullptr) {
       raise_python_error();
@@ -388,7 +427,7 @@ void add_entry(const at::Tensor& tensor, Event&& event) {
   event.sequence = ++ledger.sequence;
   Entry entry{event.nbytes, 0, WeakStorage(c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(impl)),
               static_cast<int64_t>(ledger.events.size())};
-  entry.wrap = wrap_storage(impl, key);
+  entry.wrap = wrap_storage(impl, key, event.nbytes);
   if (entry.wrap == 0) {
     ledger.unwrapped.insert(key);
   }
@@ -411,10 +450,12 @@ void resize_entry(const at::Tensor& tensor) {
   Entry& entry = it->second;
   size_t nbytes = impl->nbytes();
   if (entry.wrap == 0) {
-    entry.wrap = wrap_storage(impl, key);
+    entry.wrap = wrap_storage(impl, key, nbytes);
     if (entry.wrap != 0) {
       ledger.unwrapped.erase(key);
     }
+  } else if (Wrap* wrap = current_wrap(impl)) {
+    wrap->nbytes = nbytes;
   }
   if (nbytes == entry.nbytes) {
     return;
@@ -607,6 +648,13 @@ void look_python(py::handle value, bool outputs) {
   }
 }
 
+int line_of(const Event& event) {
+  if (event.code != nullptr && event.offset >= 0) {
+    return PyCode_Addr2Line(reinterpret_cast<PyCodeObject*>(event.code), event.offset);
+  }
+  return event.line;
+}
+
 py::object dtype_object(c10::ScalarType dtype) {
   return py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(torch::getTHPDtype(dtype)));
 }
@@ -649,7 +697,7 @@ py::list read_events() {
           event.step,
           py::reinterpret_borrow<py::object>(event.phase),
           event.code != nullptr ? py::reinterpret_borrow<py::object>(event.code) : py::none(),
-          event.line,
+          line_of(event),
           py::reinterpret_borrow<py::object>(event.module),
           event.node_sequence,
           shape,
@@ -660,6 +708,27 @@ py::list read_events() {
     release_event(event);
   }
   return out;
+}
+
+// {storage key: nbytes} of the CPU tensors among `tensors` (None and other
+// objects are skipped), each storage once: SimulatedBackend.storage_table
+// without a Python storage object per tensor (the tracker reads parameters,
+// gradients and optimizer state at every phase boundary).
+py::dict storage_table(const py::iterable& tensors) {
+  py::dict table;
+  for (py::handle item : tensors) {
+    PyObject* object = item.ptr();
+    if (!THPVariable_Check(object)) {
+      continue;
+    }
+    const at::Tensor& tensor = THPVariable_Unpack(object);
+    if (!tensor.defined() || !tensor.is_cpu() || !tensor.has_storage()) {
+      continue;
+    }
+    const c10::StorageImpl* impl = tensor.storage().unsafeGetStorageImpl();
+    table[py::int_(key_of(impl))] = py::int_(impl->nbytes());
+  }
+  return table;
 }
 
 py::tuple read_and_reset_peak() {
@@ -727,6 +796,7 @@ void reset_ledger() {
     table.swap(ledger.table);
     ledger.unwrapped.clear();
     ledger.live = ledger.peak = ledger.sequence = ledger.dead_events = 0;
+    ++ledger.generation;
   }
   for (Event& event : events) {
     release_event(event);
@@ -755,6 +825,10 @@ std::vector<std::string> install(
   state.flush = flush.release().ptr();
   if (state.setup_phase == nullptr) {
     state.setup_phase = PyUnicode_InternFromString("setup");
+    state.step_index_name = PyUnicode_InternFromString("step_index");
+    state.phase_name = PyUnicode_InternFromString("phase");
+    state.scopes_name = PyUnicode_InternFromString("scopes");
+    state.path_name = PyUnicode_InternFromString("path");
   }
   ledger.capacity = capacity;
   std::vector<std::string> registered;
@@ -826,5 +900,6 @@ PYBIND11_MODULE(_oomdoc_counter, module) {
   module.def("read_and_reset_peak", &read_and_reset_peak);
   module.def("totals", &totals);
   module.def("hand_over", &hand_over);
+  module.def("storage_table", &storage_table);
   module.def("after_fork_in_child", &after_fork_in_child);
 }
