@@ -490,21 +490,23 @@ void call_python(PyObject* callable, PyObject* argument) {
 // together must fit, else the device's OOM is raised.
 void count(std::vector<Found>& found, bool check) {
   std::vector<Event> described;
-  std::vector<size_t> new_items;
+  std::vector<size_t> new_items;  // an op makes a few new storages: no set
+  new_items.reserve(found.size());
   int64_t requested = 0;
-  {
-    std::unordered_set<Key> seen;
-    for (size_t i = 0; i < found.size(); ++i) {
-      if (found[i].need != kNew) {
-        continue;
-      }
-      Key key = key_of(found[i].tensor.storage().unsafeGetStorageImpl());
-      if (!seen.insert(key).second) {
-        continue;  // storages shared by several tensors count once
-      }
-      new_items.push_back(i);
-      requested += static_cast<int64_t>(found[i].tensor.storage().nbytes());
+  for (size_t i = 0; i < found.size(); ++i) {
+    if (found[i].need != kNew) {
+      continue;
     }
+    const c10::StorageImpl* impl = found[i].tensor.storage().unsafeGetStorageImpl();
+    bool seen = false;
+    for (size_t j : new_items) {
+      seen = seen || found[j].tensor.storage().unsafeGetStorageImpl() == impl;
+    }
+    if (seen) {
+      continue;  // storages shared by several tensors count once
+    }
+    new_items.push_back(i);
+    requested += static_cast<int64_t>(impl->nbytes());
   }
   if (check && !new_items.empty()) {
     int64_t live;
