@@ -242,3 +242,26 @@ def test_the_site_line_is_the_line_of_the_op(ledger):
     record = records[kept.untyped_storage()._cdata]
     assert record.line == line
     assert record.code is inspect.currentframe().f_code
+
+
+def _registrations_of(op: str, key: str) -> list[str]:
+    return [
+        line
+        for line in torch._C._dispatch_dump_table(op).splitlines()
+        if line.startswith(f"{key}:") and "counter.cpp" in line
+    ]
+
+
+def test_ops_with_the_kernel_skip_the_python_snapshot_until_it_goes(compiled):
+    backend = SimulatedBackend(1 << 30)
+    backend.install(None)
+    try:
+        assert _registrations_of("aten::mul.Tensor", "Python")
+        assert _registrations_of("aten::mul.Tensor", "PythonTLSSnapshot")
+        with torch.inference_mode():  # ops without the kernel reach the mode, snapshot and all
+            made = torch.nn.functional.linear(torch.rand(4, 8), torch.rand(2, 8))
+        assert backend.allocated_bytes() >= made.untyped_storage().nbytes()
+    finally:
+        backend.uninstall()
+    assert not _registrations_of("aten::mul.Tensor", "Python")
+    assert not _registrations_of("aten::mul.Tensor", "PythonTLSSnapshot")

@@ -127,8 +127,11 @@ class PassThrough:
             for name in torch._C._dispatch_get_all_op_names()
             if not has_kernel(name, "Python") and not has_kernel(name, "CompositeImplicitAutograd")
         ]
+        # torch's Python fallback reads a snapshot taken at the
+        # PythonTLSSnapshot key; ops with the compiled kernel skip it.
+        snapshot_names = {name for name in names if not has_kernel(name, "PythonTLSSnapshot")}
         try:
-            self.native_ops = len(module.install(*ledger.native_arguments(), names))
+            self.native_ops = len(module.install(*ledger.native_arguments(), names, snapshot_names))
         except Exception:  # the mode alone still counts every op
             module.uninstall()
             return False

@@ -39,6 +39,7 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
+#include <pybind11/stl.h>
 #include <torch/library.h>
 #include <frameobject.h>
 
@@ -129,9 +130,18 @@ struct State {
   std::unordered_map<PyObject*, bool> user_code;  // code -> is it the user's (strong refs)
   bool enabled = false;
   std::vector<std::unique_ptr<torch::Library>> libraries;
+  // The fallthroughs at PythonTLSSnapshot of ops with the kernel: removed
+  // before the kernels, so that no op reaches torch's Python fallback
+  // without the snapshot it reads.
+  std::vector<std::unique_ptr<torch::Library>> snapshot_libraries;
 };
 
 State state;
+
+void remove_kernels() {
+  state.snapshot_libraries.clear();
+  state.libraries.clear();
+}
 thread_local bool in_callback = false;
 constexpr size_t kUserCodeLimit = 1 << 16;
 constexpr size_t kFlushEvents = 1 << 14;
@@ -813,8 +823,9 @@ std::vector<std::string> install(
     py::object is_user_code_function,
     py::object raise_oom,
     py::object flush,
-    const std::vector<std::string>& names) {
-  state.libraries.clear();
+    const std::vector<std::string>& names,
+    const std::unordered_set<std::string>& snapshot_names) {
+  remove_kernels();
   reset_ledger();
   clear_user_code();
   Py_XDECREF(state.tracker);
@@ -835,29 +846,43 @@ std::vector<std::string> install(
   ledger.capacity = capacity;
   std::vector<std::string> registered;
   std::unordered_map<std::string, torch::Library*> by_namespace;
+  std::unordered_map<std::string, torch::Library*> snapshot_by_namespace;
+  auto library_for = [](std::unordered_map<std::string, torch::Library*>& libraries,
+                        std::vector<std::unique_ptr<torch::Library>>& owner,
+                        const std::string& ns,
+                        c10::DispatchKey key) {
+    torch::Library*& library = libraries[ns];
+    if (library == nullptr) {
+      owner.push_back(
+          std::make_unique<torch::Library>(torch::Library::IMPL, ns, key, __FILE__, __LINE__));
+      library = owner.back().get();
+    }
+    return library;
+  };
   for (const std::string& name : names) {
     auto colon = name.find("::");
     if (colon == std::string::npos) {
       continue;
     }
     std::string ns = name.substr(0, colon);
-    torch::Library*& library = by_namespace[ns];
-    if (library == nullptr) {
-      state.libraries.push_back(std::make_unique<torch::Library>(
-          torch::Library::IMPL,
-          ns,
-          c10::DispatchKey::Python,
-          __FILE__,
-          __LINE__));
-      library = state.libraries.back().get();
-    }
     try {
-      library->impl(
-          name.c_str(),
-          torch::CppFunction::makeFromBoxedFunction<&counting_kernel>());
+      library_for(by_namespace, state.libraries, ns, c10::DispatchKey::Python)
+          ->impl(name.c_str(), torch::CppFunction::makeFromBoxedFunction<&counting_kernel>());
       registered.push_back(name);
     } catch (const std::exception&) {
-      // an op this process cannot take a kernel for: it stays with the mode
+      continue;  // an op this process cannot take a kernel for: it stays with the mode
+    }
+    if (snapshot_names.count(name) != 0) {
+      // The snapshot of the dispatch state taken at this key is for torch's
+      // Python fallback, which this op no longer reaches: without it, a
+      // call is not boxed once more before the kernel above.
+      try {
+        library_for(
+            snapshot_by_namespace, state.snapshot_libraries, ns, c10::DispatchKey::PythonTLSSnapshot)
+            ->impl(name.c_str(), torch::CppFunction::makeFallthrough());
+      } catch (const std::exception&) {
+        // the snapshot stays for this op
+      }
     }
   }
   ledger_on.store(true, std::memory_order_release);
@@ -869,7 +894,7 @@ std::vector<std::string> install(
 // and with it the references to the device's callbacks.
 void uninstall() {
   state.enabled = false;
-  state.libraries.clear();
+  remove_kernels();
   reset_ledger();
   clear_user_code();
   Py_CLEAR(state.tracker);
