@@ -286,6 +286,10 @@ def _dynamo_guard():
 _DYNAMO_GUARD = _dynamo_guard()
 
 
+_DETACH = torch.ops.aten.detach.default
+_DETACH_OP = getattr(_DETACH, "_op", _DETACH)
+
+
 class _CountingMode(TorchDispatchMode):
     """Sees every op; registers each new storage it produces or consumes.
 
@@ -304,6 +308,12 @@ class _CountingMode(TorchDispatchMode):
         self.backend = backend
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _DETACH and self.backend._native is not None and not kwargs:
+            # The autograd engine's detach of each saved output and gradient,
+            # sent here by torch's Python interpreter hook rather than the
+            # compiled kernel: nothing new (as dispatch() does for views), and
+            # no Python frame that TorchDynamo could trace.
+            return _DETACH_OP(*args)
         if _DYNAMO_GUARD is None:
             return self.backend.dispatch(func, args, kwargs)
         set_eval_frame = _DYNAMO_GUARD[0]
