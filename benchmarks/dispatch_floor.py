@@ -13,8 +13,9 @@ benchmarks/scripts/keep_features.py (a small MLP and AdamW: about 2 ms and
   oomdoc, mode   oomdoc run --device cpu --no-replay with OOMDOC_NATIVE=0:
                  every op but views, `.item()` and some in-place updates
                  goes through the dispatch mode in Python
-  oomdoc         the same with the compiled op check (oomdoc.capture.native):
-                 Python runs only for a new or resized storage
+  oomdoc         the same with the compiled ledger (oomdoc.capture.native):
+                 storages are counted in C++, Python reads the ledger at
+                 phase boundaries
 
 and prints the median CPU time per step of each, relative to plain, and the
 median of the last 50 steps over the first 50 (flat: the cost does not grow

@@ -1,11 +1,13 @@
-"""The simulated device's per-op check in C++, compiled once per torch build.
+"""The simulated device's ledger in C++, compiled once per torch build.
 
 Seen from a TorchDispatchMode, every op costs a Python call and a second
 entry into the op through its Python binding: on a model of small ops that
-alone doubles a step. `counter.cpp` does the check that most ops need (is
-every tensor's storage already counted, at its size?) in C++ at the same
-dispatch key, and calls into Python only for a storage that is new or
-resized. Compiled with the machine's C++ compiler against the torch that
+alone doubles a step. `counter.cpp` does the check that every op needs (is
+each tensor's storage already counted, at its size?) in C++ at the same
+dispatch key, and keeps the ledger of live storages there too: new ones are
+registered, their frees seen through a wrapper on their DataPtr, and Python
+reads a log of the changes at phase boundaries (see the file's header).
+Compiled with the machine's C++ compiler against the torch that
 runs, into a cache shared by every later run (`python -m
 oomdoc.capture.native` builds it ahead, as CI does); without a compiler, or
 if the build fails, the device keeps the dispatch mode alone, which counts
