@@ -446,3 +446,38 @@ def test_run_distributed_child_measures_zero_optimizer_per_rank(tmp_path):
         parameters = entry["category_peaks"]["parameters"]
         state = entry["category_peaks"]["optimizer_state"]
         assert 0.8 * parameters <= state <= 1.2 * parameters, (parameters, state)
+
+
+def test_a_sigterm_while_the_peer_s_death_is_raised_still_names_the_collective():
+    # The launcher's SIGTERM lands as Terminated while the gloo error from the
+    # all_reduce is being handled: the Terminated has no frame of the script.
+    import torch
+    import torch.distributed as dist
+
+    from oomdoc.capture.child import Terminated
+    from oomdoc.capture.parallel import ParallelCapture
+
+    def raise_terminated():
+        raise Terminated()
+
+    line = None
+    try:
+        try:
+            line = sys._getframe().f_lineno + 1
+            dist.all_reduce(torch.zeros(1))  # no process group: raises inside torch.distributed
+        except (RuntimeError, ValueError):
+            raise_terminated()
+    except Terminated as exc:
+        failure = exc
+    capture = ParallelCapture({})
+    capture.note_failure(failure)
+    assert capture.waiting_at is not None
+    assert capture.waiting_at["collective"] == "all_reduce"
+    assert capture.waiting_at["line"] == line
+
+    stopped_elsewhere = ParallelCapture({})
+    try:
+        raise_terminated()
+    except Terminated as exc:
+        stopped_elsewhere.note_failure(exc)
+    assert stopped_elsewhere.waiting_at["collective"] is None  # where it was, no collective

@@ -120,6 +120,17 @@ def _without_oomdoc_frames(summary: traceback.TracebackException) -> None:
         summary = None
 
 
+def _script_ended(backend) -> None:
+    """The script has ended, however it ended: no more signals while its
+    traceback prints and the capture is written (a SIGTERM from the
+    launcher, as a rank's peer died, used to cut both short), and oomdoc's
+    own work from here on does not count on the simulated device."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if isinstance(backend, SimulatedBackend):
+        backend.enabled = False
+
+
 def _print_user_traceback(exc: BaseException, target_file: str | None) -> None:
     """Print the traceback as plain `python script.py` would: from the
     script's first frame on, without oomdoc's and runpy's frames."""
@@ -221,13 +232,7 @@ def run(config: dict, imported_at: float | None = None, preimported: dict | None
                 sys.path[0] = os.path.dirname(target_file)
                 runpy.run_path(target, run_name="__main__")
         finally:
-            # The script has ended, however it ended: no more signals while
-            # its traceback prints and the capture is written (a SIGTERM from
-            # the launcher, as a rank's peer died, used to cut both short).
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-            if isinstance(backend, SimulatedBackend):
-                backend.enabled = False  # oomdoc's own work from here on does not count
+            _script_ended(backend)
     except StopRun:
         outcome, exit_code = "ok", 0
     except SystemExit as exc:
@@ -238,15 +243,20 @@ def run(config: dict, imported_at: float | None = None, preimported: dict | None
         outcome = "interrupted"
         exit_code = 130 if isinstance(exc, KeyboardInterrupt) else 143
         failure = exc
-        _print_user_traceback(exc, target_file)
     except OutOfMemoryError as exc:
         outcome, exit_code, failure = "oom", 1, exc
         error = {"type": type(exc).__name__, "message": str(exc)}
-        _print_user_traceback(exc, target_file)
     except BaseException as exc:
         outcome, exit_code, failure = "error", 1, exc
         error = {"type": type(exc).__name__, "message": str(exc)[:2000]}
-        _print_user_traceback(exc, target_file)
+    # Again: a signal handled at the start of the `finally` above (a
+    # SIGTERM raised as Terminated there) skipped the rest of it.
+    _script_ended(backend)
+    if failure is not None:
+        # Where a rank was stopped, noted before anything slow: the signal
+        # watcher writes the capture if this thread is not done in time.
+        parallel.note_failure(failure)
+        _print_user_traceback(failure, target_file)
 
     timings["script_ended"] = time.time()
     if gate is not None:

@@ -235,6 +235,30 @@ class ParallelCapture:
             if self.waiting_at is None and location is not None:
                 self.waiting_at = location
 
+    def note_failure(self, failure: BaseException) -> None:
+        """Where the exception that ended the script stopped it: the
+        collective it waited in, from it or from an exception it interrupted
+        (a SIGTERM from the launcher often lands while a peer's death is
+        being raised, or as the script ends: that Terminated then has no
+        frame of the script), else where a signal stopped it."""
+        if self.waiting_at is not None:
+            return
+        stopped = not isinstance(failure, Exception)  # KeyboardInterrupt, SIGTERM
+        first = None
+        seen: set[int] = set()
+        exception: BaseException | None = failure
+        while exception is not None and id(exception) not in seen and len(seen) < 8:
+            seen.add(id(exception))
+            location = waiting_location(stack_of_exception(exception))
+            if location is not None:
+                if location.get("collective"):
+                    self._note_waiting(location)
+                    return
+                first = first or location
+            exception = exception.__cause__ or exception.__context__
+        if stopped and first is not None:
+            self._note_waiting(first)
+
     def claim(self, owner: str) -> bool:
         """Only one thread writes the capture: the first to claim it."""
         with self._claimed:
@@ -249,12 +273,8 @@ class ParallelCapture:
         process)."""
         if self.ended_at is None:
             self.ended_at = time.time()
-        if failure is not None and self.waiting_at is None:
-            stack = stack_of_exception(failure)
-            location = waiting_location(stack)
-            stopped = not isinstance(failure, Exception)  # KeyboardInterrupt, SIGTERM
-            if location is not None and (stopped or location.get("collective")):
-                self._note_waiting(location)
+        if failure is not None:
+            self.note_failure(failure)
         if self.distributed and not self.claim("main"):
             while True:
                 time.sleep(3600)
