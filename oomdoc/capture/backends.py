@@ -286,10 +286,6 @@ def _dynamo_guard():
 _DYNAMO_GUARD = _dynamo_guard()
 
 
-_DETACH = torch.ops.aten.detach.default
-_DETACH_OP = getattr(_DETACH, "_op", _DETACH)
-
-
 class _CountingMode(TorchDispatchMode):
     """Sees every op; registers each new storage it produces or consumes.
 
@@ -308,12 +304,16 @@ class _CountingMode(TorchDispatchMode):
         self.backend = backend
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is _DETACH and self.backend._native is not None and not kwargs:
-            # The autograd engine's detach of each saved output and gradient,
-            # sent here by torch's Python interpreter hook rather than the
-            # compiled kernel: nothing new (as dispatch() does for views), and
-            # no Python frame that TorchDynamo could trace.
-            return _DETACH_OP(*args)
+        if self.backend._native is not None:
+            # While the compiled ledger counts, a view op gets here only from
+            # torch's Python interpreter hook (the autograd engine's detach of
+            # each saved output and gradient): nothing new, and what it views
+            # is looked at by the next op that computes with it, as with the
+            # pass-through views. No Python frame TorchDynamo could trace.
+            entry = _OP_ENTRIES.get(id(func)) or _op_entry(func)
+            if entry[1] is _VIEW:
+                call = entry[0]
+                return call(*args, **kwargs) if kwargs else call(*args)
         if _DYNAMO_GUARD is None:
             return self.backend.dispatch(func, args, kwargs)
         set_eval_frame = _DYNAMO_GUARD[0]
@@ -630,12 +630,7 @@ class SimulatedBackend(Backend):
         call, kind, _func = entry
         if not self._enabled:
             return call(*args, **kwargs) if kwargs else call(*args)
-        if self._native is not None:
-            if kind is _VIEW:
-                # Nothing new, and what it views is looked at by the next op
-                # that computes with it, as with the pass-through views (the
-                # autograd engine's `detach` of each saved output gets here).
-                return call(*args, **kwargs) if kwargs else call(*args)
+        if self._native is not None:  # (its views end in the mode)
             return self._dispatch_native(call, kind, args, kwargs)
         records = self._records
         for item in args:
@@ -678,7 +673,7 @@ class SimulatedBackend(Backend):
         native = self._native
         native.look((args, kwargs) if kwargs else args, False)
         out = call(*args, **kwargs) if kwargs else call(*args)
-        if kind is _VIEW or kind is _IN_PLACE or not self._enabled:
+        if kind is _IN_PLACE or not self._enabled:  # (views end in the mode)
             return out
         native.look(out, True)
         return out

@@ -268,7 +268,7 @@ def run(config: dict, imported_at: float | None = None, preimported: dict | None
             gate.release()
         timings["lock_wait_s"] = gate.waited_s
     tracker.imported_packages = imported_packages(loaded_before)
-    parallel.finish(failure)  # blocks when its signal watcher writes the capture
+    parallel.finish()  # blocks when its signal watcher writes the capture
     write_capture(config, backend, tracker, outcome, exit_code, error, timings)
     if gate is not None and gate.shared:
         gate.release()  # its last step is closed: nor for its exit

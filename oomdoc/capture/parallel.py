@@ -267,14 +267,12 @@ class ParallelCapture:
             return self._owner == owner
 
     # ------------------------------------------------------------ the end
-    def finish(self, failure: BaseException | None) -> None:
-        """The script ended (`failure`: the exception that ended it). Blocks
+    def finish(self) -> None:
+        """The script ended (its failure was noted by note_failure). Blocks
         forever when the watcher thread is writing the capture (it exits the
         process)."""
         if self.ended_at is None:
             self.ended_at = time.time()
-        if failure is not None:
-            self.note_failure(failure)
         if self.distributed and not self.claim("main"):
             while True:
                 time.sleep(3600)

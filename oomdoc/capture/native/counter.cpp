@@ -142,6 +142,7 @@ void remove_kernels() {
   state.snapshot_libraries.clear();
   state.libraries.clear();
 }
+
 thread_local bool in_callback = false;
 constexpr size_t kUserCodeLimit = 1 << 16;
 constexpr size_t kFlushEvents = 1 << 14;
