@@ -40,6 +40,9 @@ class ChildRequest:
     # Micro-batches per optimizer step (gradient accumulation): before the
     # first optimizer step, `max_steps` counts this many model calls per step.
     micro_batches_per_step: int | None = None
+    # A replay: the failing run's step unit (oomdoc.capture.tracker.UNITS);
+    # `max_steps` counts only once the replay trains in that unit.
+    expected_unit: str | None = None
     fix: dict | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
     # Replays send the script's output to a log instead of the terminal.
@@ -446,6 +449,7 @@ def run_child(
             "capacity_bytes": request.capacity_bytes,
             "max_steps": request.max_steps,
             "micro_batches_per_step": request.micro_batches_per_step,
+            "expected_unit": request.expected_unit,
             "fix": request.fix,
             "result_path": result_path,
             "artifact_dir": request.artifact_dir or workdir,

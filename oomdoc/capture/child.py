@@ -197,6 +197,7 @@ def run(config: dict, imported_at: float | None = None, preimported: dict | None
         backend,
         max_steps=config.get("max_steps"),
         micro_batches_per_step=config.get("micro_batches_per_step"),
+        expected_unit=config.get("expected_unit"),
     )
     gate = None
     if config.get("device_lock"):  # replays side by side: one on the device at a time

@@ -57,7 +57,7 @@ ROOT = "(root)"
 TOP_MODULES = 30
 TOP_INNER = 8
 
-STEP_PHASES = frozenset(("forward", "backward", "optimizer"))
+STEP_PHASES = frozenset(("forward", "backward", "optimizer", "evaluation"))
 _TIMELINE_LIMIT = 1 << 18
 _Tensor = torch.Tensor
 _get_sequence_nr = getattr(torch._C._autograd, "_get_sequence_nr", None) or (lambda: -1)

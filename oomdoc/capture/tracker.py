@@ -1,10 +1,25 @@
 """Step and phase detection, and what is recorded per step and at an OOM.
 
-A training step ends at `optimizer.step()` (global optimizer hooks see every
-torch.optim optimizer and subclass). Without an optimizer the unit is the
-outermost `nn.Module` call. A step is closed lazily, when the next step's
-first forward starts (or the script ends), so several optimizers stepping in
-one iteration form one step and `--max-steps` stops between steps.
+A step is a training step, never a stray module call. The unit is chosen by
+what the script has, and can only move up (earlier steps are then merged
+into the current one, since they were part of its first iteration):
+
+- `optimizer`: an optimizer exists (from its construction, so evaluation or
+  data loading before the first `optimizer.step()` is part of step 0); a
+  step ends at `optimizer.step()` (global optimizer hooks see every
+  torch.optim optimizer and subclass);
+- `backward`: no optimizer, but the script calls backward (a manual update
+  such as `p.data.add_(p.grad, alpha=-lr)`): a backward ends an iteration;
+- `module`: neither yet: each outermost call of a module with parameters.
+
+Only a *training call* (an outermost call of a module with parameters that
+require grad, under autograd) opens a step. Calls of modules without
+parameters (transforms, loss modules) are invisible to the step model, and
+model calls under `no_grad`/`inference_mode` or in `eval()` mode are the
+`evaluation` phase of the step they happen in. A step is closed lazily, when
+the next step's first training call starts (or the script ends), so several
+optimizers stepping in one iteration form one step, an evaluation after an
+optimizer step belongs to that step, and `--max-steps` stops between steps.
 """
 
 from __future__ import annotations
@@ -51,7 +66,11 @@ _DEEP_WALK_MAX_GAP = 256
 # On CUDA, the allocation sites of a new high are read again (an allocator
 # snapshot, costly) only when it is this much above the last one read.
 _CUDA_SITES_GROWTH = 1.25
-_SAMPLED_PHASES = frozenset(("forward", "backward", "optimizer"))
+_SAMPLED_PHASES = frozenset(("forward", "backward", "optimizer", "evaluation"))
+# Step units, in the order a run can move through them (see the module's docstring).
+UNITS = ("module", "backward", "optimizer")
+# What an outermost module call is to the step model (_call_kind).
+_AUXILIARY, _EVALUATION, _TRAINING = 0, 1, 2
 _CALL = weakref.ref.__call__  # map(_CALL, references): what they refer to, or None
 _GRAD = attrgetter("grad")
 
@@ -62,16 +81,21 @@ class Tracker:
         backend: Backend,
         max_steps: int | None = None,
         micro_batches_per_step: int | None = None,
+        expected_unit: str | None = None,
     ):
         self.backend = backend
         self.max_steps = max_steps
+        # A replay knows the failing run's unit: it never stops (max_steps)
+        # before it has reached that unit, so a script that evaluates or
+        # warms up before it trains runs into its training steps.
+        self.expected_unit = expected_unit if expected_unit in UNITS else None
         # Under gradient accumulation, the model calls before the first
         # optimizer step (each closes a step of its own until then) that
         # make one optimizer step: the stop waits for that step.
         self.micro_batches_per_step = max(1, micro_batches_per_step or 1)
         self.step_index = 0
         self.phase = "setup"
-        self.unit = "module"  # becomes "optimizer" at the first optimizer step
+        self.unit = "module"  # moves up to "backward", "optimizer" (UNITS)
         self.steps: list[dict] = []
         self.oom: dict | None = None
         self.modules: weakref.WeakSet[nn.Module] = weakref.WeakSet()
@@ -83,6 +107,8 @@ class Tracker:
         self.optimizer_classes: set[str] = set()
         self.models: list[dict] = []
         self._module_depth = 0
+        # What the running outermost module call is (_AUXILIARY, ...).
+        self._outer_kind = _AUXILIARY
         self._backward_depth = 0
         self._pending_close = False
         # Called with the module at each outermost model call, and with no
@@ -172,6 +198,8 @@ class Tracker:
             "peak_phase": self.phase,
             "end_allocated_bytes": None,
             "forward_calls": 0,
+            # Model calls under no_grad/inference_mode or in eval() mode.
+            "evaluation_calls": 0,
             "forward_calls_with_grad": 0,
             # Of those, calls on a module in eval mode (`model.eval()`): an
             # evaluation pass that forgot torch.no_grad().
@@ -197,7 +225,13 @@ class Tracker:
     def _step_limit(self) -> int | None:
         """How many steps are closed before the run stops (StopRun), if limited."""
         limit = self.max_steps
-        if limit is not None and self.unit == "module":
+        if limit is None:
+            return None
+        if self.expected_unit is not None and UNITS.index(self.unit) < UNITS.index(
+            self.expected_unit
+        ):
+            return None  # not training in the failing run's unit yet
+        if self.unit == "module":
             limit *= self.micro_batches_per_step
         return limit
 
@@ -346,7 +380,12 @@ class Tracker:
         gc.collect()
         self._sample_peak()
         current = self._current
-        if current["forward_calls"] or current["optimizer_steps"] or current["backward_calls"]:
+        if (
+            current["forward_calls"]
+            or current["evaluation_calls"]
+            or current["optimizer_steps"]
+            or current["backward_calls"]
+        ):
             self._close_step()
         else:
             self._fold_peak()
@@ -467,6 +506,8 @@ class Tracker:
                     ended()
                 tracker._backward_depth -= 1
                 tracker._gradients_stale = True
+                if tracker._backward_depth == 0 and tracker.unit == "backward":
+                    tracker._backward_ended()
 
         wrapped.__wrapped__ = original
         wrapped.__name__ = getattr(original, "__name__", "backward")
@@ -475,7 +516,9 @@ class Tracker:
 
     def _on_forward_pre(self, module, inputs):
         if self._module_depth == 0 and self._backward_depth == 0:
-            self._outermost_forward_start(module)
+            self._outer_kind = self._call_kind(module)
+            if self._outer_kind != _AUXILIARY:
+                self._outermost_forward_start(module)
         self._module_depth += 1
         self.scopes.push(module, inputs if self._module_depth == 1 else None)
 
@@ -483,15 +526,42 @@ class Tracker:
         self.scopes.pop(output)
         self._module_depth = max(0, self._module_depth - 1)
         if self._module_depth == 0 and self._backward_depth == 0:
+            if self._outer_kind == _AUXILIARY:
+                return  # a transform or a loss module: not a model call
             _stamp_graph(output, self.step_index)
             self._sample_peak()
             if self.unit == "module":
                 self._current["end_allocated_bytes"] = self.backend.allocated_bytes()
 
+    def _call_kind(self, module) -> int:
+        """What an outermost module call is to the step model: a module
+        without parameters (a torchvision transform, `nn.CrossEntropyLoss()`)
+        is auxiliary; a model call under autograd with parameters that
+        require grad is training; any other model call is evaluation."""
+        parameters = self._parameters_of(module)
+        if not parameters:
+            return _AUXILIARY
+        if (
+            torch.is_grad_enabled()
+            and not torch.is_inference_mode_enabled()
+            and any(parameter.requires_grad for parameter in parameters)
+        ):
+            return _TRAINING
+        return _EVALUATION
+
     def _outermost_forward_start(self, module) -> None:
         if self.on_first_step is not None:
             self._first_step()
-        if self._pending_close or (self.unit == "module" and self._current["forward_calls"]):
+        training = self._outer_kind == _TRAINING
+        current = self._current
+        if self._pending_close and training:
+            closes = True
+        else:
+            # Per model call until a backward or an optimizer exists.
+            closes = self.unit == "module" and bool(
+                current["forward_calls"] or current["evaluation_calls"]
+            )
+        if closes:
             limit = self._step_limit()
             last = limit is not None and len(self.steps) + 1 >= limit
             if not last:
@@ -503,33 +573,39 @@ class Tracker:
             if last:
                 self.timed_steps_done()
                 raise StopRun()
+            current = self._current
         self._add_model(module)
-        self._set_phase("forward")
-        current = self._current
+        evaluation = not training or not module.training
+        self._set_phase("evaluation" if evaluation else "forward")
         # Gradients a script freed or set itself (`p.grad = None`) since the
         # last boundary are read again.
         self._gradients_stale = True
-        if current["forward_calls"] == 0:
+        if current["forward_calls"] == 0 and current["evaluation_calls"] == 0:
             # A new step: a script may have swapped a parameter's data
             # (`param.data = ...`) between steps.
             self._parameters_stale = True
-            # What is alive when the step's work begins: replays use it as the
+        if current["forward_calls"] == 0 and (training or current["evaluation_calls"] == 0):
+            # What is alive when the step's work begins (its first training
+            # call, else its first evaluation call): replays use it as the
             # batch-independent part of the step's peaks.
             current["start_allocated_bytes"] = int(self.backend.allocated_bytes())
             if not self.backend.per_storage:
                 self._remember_forward_baseline()
-        current["forward_calls"] += 1
-        if torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
-            if any(parameter.requires_grad for parameter in self._parameters_of(module)):
-                current["forward_calls_with_grad"] += 1
-                if not module.training:
-                    current["eval_mode_forward_calls_with_grad"] += 1
+        if training:
+            current["forward_calls"] += 1
+            current["forward_calls_with_grad"] += 1
+            if not module.training:
+                current["eval_mode_forward_calls_with_grad"] += 1
+        else:
+            current["evaluation_calls"] += 1
         for callback in self.forward_start_callbacks:
             callback(module)
 
     def _on_backward_start(self, roots) -> None:
         if self.on_first_step is not None:
             self._first_step()
+        if self.unit == "module":
+            self._raise_unit("backward")
         if self._backward_depth == 0:
             _stamp_graph(roots, self.step_index)
             self._set_phase("backward")
@@ -537,7 +613,20 @@ class Tracker:
             for callback in self.backward_start_callbacks:
                 callback()
 
+    def _backward_ended(self) -> None:
+        """Without an optimizer, the end of a backward ends the iteration:
+        the step closes at the next training call, and what comes between
+        (a manual update, the next batch, an evaluation) is its idle time."""
+        self._sample_peak()
+        self._fold_peak()
+        self._current["end_allocated_bytes"] = self.backend.allocated_bytes()
+        self._pending_close = True
+        self.phase = "idle"
+
     def _add_optimizer(self, optimizer) -> None:
+        if self.unit != "optimizer":
+            # An optimizer that exists makes its step the unit from now on.
+            self._raise_unit("optimizer")
         if optimizer not in self.optimizers:
             self.optimizers.add(optimizer)
             self._optimizer_refs.append(weakref.ref(optimizer))
@@ -565,8 +654,6 @@ class Tracker:
             self._first_step()
         self._add_optimizer(optimizer)
         self._gradients_stale = True  # gradients a script set without a backward
-        if self.unit != "optimizer":
-            self._switch_to_optimizer_unit()
         with_closure = _with_phased_closure(self, args, kwargs)
         if with_closure is not None:
             # The closure runs the forward and backward inside the step
@@ -603,11 +690,14 @@ class Tracker:
         self._pending_close = True
         self.phase = "idle"
 
-    def _switch_to_optimizer_unit(self) -> None:
-        """Steps closed per module call before the first optimizer step were
-        really micro-batches of the first optimizer step: merge them."""
-        self.unit = "optimizer"
-        if not self.steps:
+    def _raise_unit(self, unit: str) -> None:
+        """Move up to a larger step unit. The steps closed in the smaller one
+        were all part of the first iteration of the larger one (evaluation,
+        warm-up, micro-batches before the first optimizer step): merge them
+        into the current step, which becomes step 0. A step already closed
+        in the backward unit is kept when an optimizer appears later."""
+        previous, self.unit = self.unit, unit
+        if not self.steps or previous != "module":
             return
         merged = self._current
         for earlier in self.steps:
@@ -617,13 +707,23 @@ class Tracker:
             merged["peak_reserved_bytes"] = max(
                 merged["peak_reserved_bytes"], earlier["peak_reserved_bytes"]
             )
+            for phase, value in earlier["phase_peaks"].items():
+                merged["phase_peaks"][phase] = max(merged["phase_peaks"].get(phase, 0), value)
             for key in (
                 "forward_calls",
+                "evaluation_calls",
                 "forward_calls_with_grad",
                 "eval_mode_forward_calls_with_grad",
                 "backward_calls",
             ):
                 merged[key] += earlier[key]
+        # The merged step's work began at the first training call among
+        # them, else at the first evaluation call.
+        ordered = [*self.steps, merged]
+        starts = [step for step in ordered if step.get("start_allocated_bytes") is not None]
+        training = [step for step in starts if step["forward_calls"]]
+        if starts:
+            merged["start_allocated_bytes"] = (training or starts)[0]["start_allocated_bytes"]
         merged["index"] = 0
         self.steps.clear()
         self.step_index = 0

@@ -21,6 +21,8 @@ def complete_steps(snapshot: Snapshot) -> list[Step]:
     optimizer step; otherwise every step but the one the run died in."""
     if snapshot.step_unit == "optimizer":
         return [step for step in snapshot.steps if step.optimizer_steps > 0]
+    if snapshot.step_unit == "backward":
+        return [step for step in snapshot.steps if step.backward_calls > 0]
     incomplete = incomplete_step_index(snapshot)
     return [step for step in snapshot.steps if incomplete is None or step.index != incomplete]
 

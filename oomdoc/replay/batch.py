@@ -106,7 +106,8 @@ def observe(capture: Snapshot, batch_size: int) -> BatchRun:
     run = BatchRun(
         batch_size=int(batch_size), fits=outcome == "ok", inconclusive=outcome not in ("ok", "oom")
     )
-    by_optimizer = capture.step_unit == "optimizer"
+    # Steps per backward (no optimizer) are iterations as optimizer steps are.
+    by_optimizer = capture.step_unit in ("optimizer", "backward")
     oom_step = oom.step if oom else None
     for step in capture.steps:
         index = max(step.index, 0)

@@ -254,6 +254,7 @@ class Replayer:
         self.progress = progress
         self.pool = pool
         self.failing_step = (snapshot.oom.step if snapshot.oom else None) or 0
+        self.step_unit = snapshot.step_unit
         self.max_steps = max(self.failing_step + 1, 2)
         if leak:
             self.max_steps = LEAK_REPLAY_STEPS
@@ -384,6 +385,7 @@ class Replayer:
             is_module=self.request.is_module,
             max_steps=self.max_steps,
             micro_batches_per_step=micro_batches_per_step,
+            expected_unit=self.step_unit,
             fix=payload,
             extra_env=env,
             output_path=log_path,

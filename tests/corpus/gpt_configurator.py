@@ -1,0 +1,182 @@
+"""A character/GPT trainer in the nanoGPT idiom, small enough for the simulated device.
+
+    python gpt_configurator.py --batch_size=16 --gradient_accumulation_steps=2
+
+What makes it a real-idiom script rather than one shaped for oomdoc:
+- settings are module globals overridden by `--key=value` arguments through a
+  configurator loop (only that form: `--key value` and unknown keys are refused);
+- the loss is estimated at iteration 0, before any training, under
+  `torch.no_grad()` with `model.eval()`, on `eval_iters` batches of each split;
+- gradient accumulation over `gradient_accumulation_steps` micro-batches, the
+  next batch fetched while the device is busy, AdamW built by the model
+  (`configure_optimizers`), a cosine learning-rate schedule, gradient clipping.
+"""
+
+import math
+import sys
+from ast import literal_eval
+
+import torch
+import torch.nn as nn
+from torch.nn import functional as F
+
+# ----------------------------------------------------------------------------- config
+batch_size = 16
+block_size = 64
+n_layer = 4
+n_head = 4
+n_embd = 128
+vocab_size = 512
+dropout = 0.0
+learning_rate = 6e-4
+max_iters = 6
+eval_interval = 4
+eval_iters = 2
+gradient_accumulation_steps = 2
+grad_clip = 1.0
+seed = 1337
+# the configurator: --key=value overrides of the globals above
+for arg in sys.argv[1:]:
+    if not arg.startswith("--") or "=" not in arg:
+        raise SystemExit(f"unrecognised argument {arg!r}: use --key=value")
+    key, val = arg[2:].split("=", 1)
+    if key not in globals():
+        raise SystemExit(f"Unknown config key: {key}")
+    try:
+        attempt = literal_eval(val)
+    except (SyntaxError, ValueError):
+        attempt = val
+    assert type(attempt) is type(globals()[key]), f"{key}: expected {type(globals()[key]).__name__}"
+    print(f"Overriding: {key} = {attempt}")
+    globals()[key] = attempt
+# -----------------------------------------------------------------------------
+
+torch.manual_seed(seed)
+device = "cuda" if torch.cuda.is_available() else "cpu"
+data = torch.randint(vocab_size, (20_000,), generator=torch.Generator().manual_seed(0))
+n = int(0.9 * len(data))
+train_data, val_data = data[:n], data[n:]
+
+
+def get_batch(split):
+    source = train_data if split == "train" else val_data
+    ix = torch.randint(len(source) - block_size, (batch_size,))
+    x = torch.stack([source[i : i + block_size] for i in ix])
+    y = torch.stack([source[i + 1 : i + 1 + block_size] for i in ix])
+    return x.to(device), y.to(device)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c_attn = nn.Linear(n_embd, 3 * n_embd)
+        self.c_proj = nn.Linear(n_embd, n_embd)
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(n_embd, dim=2)
+        k = k.view(B, T, n_head, C // n_head).transpose(1, 2)
+        q = q.view(B, T, n_head, C // n_head).transpose(1, 2)
+        v = v.view(B, T, n_head, C // n_head).transpose(1, 2)
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+        mask = torch.tril(torch.ones(T, T, device=x.device, dtype=torch.bool))
+        att = F.softmax(att.masked_fill(~mask, float("-inf")), dim=-1)
+        y = (att @ v).transpose(1, 2).contiguous().view(B, T, C)
+        return self.c_proj(y)
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c_fc = nn.Linear(n_embd, 4 * n_embd)
+        self.c_proj = nn.Linear(4 * n_embd, n_embd)
+
+    def forward(self, x):
+        return self.c_proj(F.gelu(self.c_fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(n_embd)
+        self.attn = CausalSelfAttention()
+        self.ln_2 = nn.LayerNorm(n_embd)
+        self.mlp = MLP()
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wte = nn.Embedding(vocab_size, n_embd)
+        self.wpe = nn.Embedding(block_size, n_embd)
+        self.h = nn.ModuleList([Block() for _ in range(n_layer)])
+        self.ln_f = nn.LayerNorm(n_embd)
+        self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
+
+    def forward(self, idx, targets=None):
+        pos = torch.arange(idx.size(1), device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for block in self.h:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        return logits, loss
+
+    def configure_optimizers(self, weight_decay, lr):
+        decay = [p for p in self.parameters() if p.dim() >= 2]
+        no_decay = [p for p in self.parameters() if p.dim() < 2]
+        groups = [
+            {"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
+        return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
+
+
+model = GPT().to(device)
+optimizer = model.configure_optimizers(0.1, learning_rate)
+
+
+@torch.no_grad()
+def estimate_loss():
+    out = {}
+    model.eval()
+    for split in ["train", "val"]:
+        losses = torch.zeros(eval_iters)
+        for k in range(eval_iters):
+            X, Y = get_batch(split)
+            logits, loss = model(X, Y)
+            losses[k] = loss.item()
+        out[split] = losses.mean()
+    model.train()
+    return out
+
+
+def get_lr(it):
+    return learning_rate * 0.5 * (1.0 + math.cos(math.pi * it / max_iters))
+
+
+X, Y = get_batch("train")
+for iter_num in range(max_iters + 1):
+    for param_group in optimizer.param_groups:
+        param_group["lr"] = get_lr(iter_num)
+    if iter_num % eval_interval == 0:
+        losses = estimate_loss()
+        print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+    if iter_num == max_iters:
+        break
+    for micro_step in range(gradient_accumulation_steps):
+        logits, loss = model(X, Y)
+        loss = loss / gradient_accumulation_steps
+        X, Y = get_batch("train")
+        loss.backward()
+    if grad_clip != 0.0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    print(f"iter {iter_num}: loss {loss.item() * gradient_accumulation_steps:.4f}")
