@@ -192,6 +192,24 @@ def test_devices_are_apart(fake, backend):
     assert torch.cuda.max_memory_allocated(1) == 0
 
 
+def test_a_reset_torch_refuses_raises_torchs_own_error(fake, monkeypatch):
+    def refuse(what):
+        def refused(device):
+            raise RuntimeError(f"{what}: invalid device argument {device}")
+
+        return refused
+
+    monkeypatch.setattr(torch._C, "_cuda_memoryStats", refuse("read"))
+    monkeypatch.setattr(torch._C, "_cuda_resetPeakMemoryStats", refuse("reset"))
+    view = PeakView()
+    view.install()
+    try:
+        with pytest.raises(RuntimeError, match="^reset: invalid device argument 3"):
+            torch.cuda.reset_peak_memory_stats(3)
+    finally:
+        view.uninstall()
+
+
 def test_uninstall_restores_torchs_functions(fake):
     view = PeakView()
     view.install()

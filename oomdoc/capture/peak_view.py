@@ -112,7 +112,11 @@ class PeakView:
     def _script_reset(self, read: Callable, reset: Callable) -> Callable:
         def reset_peak_stats(device):
             with self._lock:
-                _fold(self._oomdoc.setdefault(device, {}), read(device))
+                try:
+                    stats = read(device)
+                except Exception:  # an index torch refuses (before CUDA starts): its error
+                    return reset(device)
+                _fold(self._oomdoc.setdefault(device, {}), stats)
                 self._script.pop(device, None)
                 return reset(device)
 
