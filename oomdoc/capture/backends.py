@@ -21,6 +21,7 @@ from oomdoc import frames
 from oomdoc.capture import nvml_handle
 from oomdoc.capture.modules import category_of, phase_from_frames
 from oomdoc.capture.passthrough import PassThrough
+from oomdoc.capture.peak_view import PeakView
 from oomdoc.sizes import format_bytes
 
 OutOfMemoryError = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
@@ -1073,6 +1074,8 @@ class CudaBackend(Backend):
         self._recording = False
         self._torch_snapshot = None
         self._device_count: int | None = None
+        # The script's max_memory_allocated() etc. despite the resets below.
+        self._peaks = PeakView()
 
     @property
     def _one_device(self) -> bool:
@@ -1095,6 +1098,7 @@ class CudaBackend(Backend):
 
     def install(self, tracker) -> None:
         self.tracker = tracker
+        self._peaks.install()
         if self.deferred:
             torch.cuda._lazy_call(self._start_deferred)
         else:
@@ -1130,9 +1134,10 @@ class CudaBackend(Backend):
             except Exception as exc:  # pragma: no cover - depends on the build
                 print(f"oomdoc: allocation history unavailable: {exc}", file=sys.stderr)
         torch._C._cuda_attach_out_of_memory_observer(self._oom_observer)
-        torch.cuda.reset_peak_memory_stats(self.device_index)
+        self._peaks.read_and_reset(self.device_index)
 
     def uninstall(self) -> None:
+        self._peaks.uninstall()
         if self._recording:
             try:
                 torch.cuda.memory._record_memory_history(enabled=None)
@@ -1168,8 +1173,9 @@ class CudaBackend(Backend):
     def _nested_stats(self) -> dict:
         # torch.cuda.memory_allocated() and memory_stats() flatten and sort
         # the allocator's ~150 counters in Python on every call; the nested
-        # dict is what the allocator returns, read where it is needed.
-        return torch.cuda.memory_stats_as_nested_dict(self.device_index)
+        # dict is what the allocator returns, read where it is needed (its
+        # own peaks, not the script's view of them: oomdoc.capture.peak_view).
+        return self._peaks.stats(self.device_index) if torch.cuda.is_initialized() else {}
 
     def allocated_bytes(self) -> int:
         stats = self._nested_stats()
@@ -1183,15 +1189,13 @@ class CudaBackend(Backend):
         return self._capacity
 
     def read_and_reset_peak(self) -> tuple[int, int]:
-        stats = self._nested_stats()
-        if not stats:
+        if not torch.cuda.is_initialized():
             return 0, 0
-        peak = (
+        stats = self._peaks.read_and_reset(self.device_index)
+        return (
             int(stats["allocated_bytes"]["all"]["peak"]),
             int(stats["reserved_bytes"]["all"]["peak"]),
         )
-        torch.cuda.reset_peak_memory_stats(self.device_index)
-        return peak
 
     def owns(self, tensor: torch.Tensor) -> bool:
         # is_cuda and get_device() cost a tenth of building a torch.device.
