@@ -223,6 +223,17 @@ class Breakdown:
 
 
 @dataclass
+class HeldOutputs:
+    """At an OOM in evaluation: the previous evaluation call's outputs that
+    were still alive (the variable that held them, where it was read)."""
+
+    bytes: int = 0
+    variable: Optional[str] = None
+    location: Optional[Location] = None
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
 class Oom:
     step: Optional[int] = None
     phase: Optional[str] = None
@@ -233,7 +244,15 @@ class Oom:
     capacity_bytes: int = 0
     message: str = ""
     location: Optional[Location] = None
+    # In evaluation: which evaluation pass of the run (1-based), and the
+    # previous call's outputs still alive then.
+    evaluation_pass: Optional[int] = None
+    previous_outputs: Optional[HeldOutputs] = None
     extra: Dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def in_evaluation(self) -> bool:
+        return self.phase == "evaluation"
 
     @property
     def needed_bytes(self) -> int:
@@ -277,6 +296,7 @@ class Step:
     phase_peaks: Dict[str, int] = field(default_factory=dict)
     start_allocated_bytes: Optional[int] = None
     forward_calls: int = 0
+    evaluation_calls: int = 0
     forward_calls_with_grad: int = 0
     eval_mode_forward_calls_with_grad: int = 0
     backward_calls: int = 0

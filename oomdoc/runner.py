@@ -43,6 +43,9 @@ class ChildRequest:
     # A replay: the failing run's step unit (oomdoc.capture.tracker.UNITS);
     # `max_steps` counts only once the replay trains in that unit.
     expected_unit: str | None = None
+    # A replay of an OOM in evaluation pass N: it stops after that pass
+    # (at the next training call) instead of after `max_steps`.
+    stop_after_evaluation: int | None = None
     fix: dict | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
     # Replays send the script's output to a log instead of the terminal.
@@ -450,6 +453,7 @@ def run_child(
             "max_steps": request.max_steps,
             "micro_batches_per_step": request.micro_batches_per_step,
             "expected_unit": request.expected_unit,
+            "stop_after_evaluation": request.stop_after_evaluation,
             "fix": request.fix,
             "result_path": result_path,
             "artifact_dir": request.artifact_dir or workdir,

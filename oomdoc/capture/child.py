@@ -198,6 +198,7 @@ def run(config: dict, imported_at: float | None = None, preimported: dict | None
         max_steps=config.get("max_steps"),
         micro_batches_per_step=config.get("micro_batches_per_step"),
         expected_unit=config.get("expected_unit"),
+        stop_after_evaluation=config.get("stop_after_evaluation"),
     )
     gate = None
     if config.get("device_lock"):  # replays side by side: one on the device at a time
@@ -223,6 +224,8 @@ def run(config: dict, imported_at: float | None = None, preimported: dict | None
     try:
         try:
             if config.get("is_module"):
+                # As `python -m`: the current folder first on the path.
+                sys.path[0] = os.getcwd()
                 spec = __import__("importlib.util").util.find_spec(target)
                 target_file = spec.origin if spec is not None else None
                 sys.argv = [target_file or target, *script_args]
@@ -231,7 +234,8 @@ def run(config: dict, imported_at: float | None = None, preimported: dict | None
                 target_file = os.path.abspath(target)
                 sys.argv = [target, *script_args]
                 sys.path[0] = os.path.dirname(target_file)
-                runpy.run_path(target, run_name="__main__")
+                # `__file__` absolute, as `python script.py` makes it (3.9+).
+                runpy.run_path(target_file, run_name="__main__")
         finally:
             _script_ended(backend)
     except StopRun:

@@ -25,6 +25,7 @@ optimizer step belongs to that step, and `--max-steps` stops between steps.
 from __future__ import annotations
 
 import gc
+import os
 import sys
 import time
 import weakref
@@ -82,6 +83,7 @@ class Tracker:
         max_steps: int | None = None,
         micro_batches_per_step: int | None = None,
         expected_unit: str | None = None,
+        stop_after_evaluation: int | None = None,
     ):
         self.backend = backend
         self.max_steps = max_steps
@@ -89,6 +91,18 @@ class Tracker:
         # before it has reached that unit, so a script that evaluates or
         # warms up before it trains runs into its training steps.
         self.expected_unit = expected_unit if expected_unit in UNITS else None
+        # A replay of an evaluation OOM: it stops at the first training call
+        # after its evaluation pass number `stop_after_evaluation` (1-based)
+        # has ended, wherever the steps are (a smaller batch moves the
+        # evaluation to another step index).
+        self.stop_after_evaluation = stop_after_evaluation
+        # Evaluation passes begun: each entry into the evaluation phase.
+        self.evaluation_passes = 0
+        # The outputs of the last outermost evaluation call (weak references
+        # and their bytes), and of the one before: an OOM in an evaluation
+        # says how much of the previous batch's outputs was still alive.
+        self._evaluation_outputs: list = []
+        self._previous_evaluation_outputs: list = []
         # Under gradient accumulation, the model calls before the first
         # optimizer step (each closes a step of its own until then) that
         # make one optimizer step: the stop waits for that step.
@@ -225,7 +239,7 @@ class Tracker:
     def _step_limit(self) -> int | None:
         """How many steps are closed before the run stops (StopRun), if limited."""
         limit = self.max_steps
-        if limit is None:
+        if limit is None or self.stop_after_evaluation is not None:
             return None
         if self.expected_unit is not None and UNITS.index(self.unit) < UNITS.index(
             self.expected_unit
@@ -287,6 +301,8 @@ class Tracker:
 
     def _set_phase(self, phase: str) -> None:
         if phase != self.phase:
+            if phase == "evaluation":
+                self.evaluation_passes += 1
             self._sample_peak()
             self._fold_peak()
             self.phase = phase
@@ -442,6 +458,11 @@ class Tracker:
         for owner in (torch.optim.Optimizer, nn.Module):
             self._patch(owner, "zero_grad", self._wrap_zero_grad(owner.zero_grad))
         self.scopes.install(cuda=self.backend.kind == "cuda")
+        # A process forked from the script (a DataLoader worker) is not the
+        # script's training: its module calls neither step nor stop it.
+        # (A weak reference: fork hooks cannot be removed.)
+        this = weakref.ref(self)
+        os.register_at_fork(after_in_child=lambda: _uninstall_forked(this()))
 
     def _wrap_zero_grad(self, original):
         """zero_grad frees or zeroes gradients between phase boundaries (an
@@ -529,6 +550,11 @@ class Tracker:
             if self._outer_kind == _AUXILIARY:
                 return  # a transform or a loss module: not a model call
             _stamp_graph(output, self.step_index)
+            if self._outer_kind == _EVALUATION:
+                self._evaluation_outputs = [
+                    (weakref.ref(tensor), tensor.untyped_storage().nbytes())
+                    for tensor in _output_tensors(output)
+                ]
             self._sample_peak()
             if self.unit == "module":
                 self._current["end_allocated_bytes"] = self.backend.allocated_bytes()
@@ -554,6 +580,16 @@ class Tracker:
             self._first_step()
         training = self._outer_kind == _TRAINING
         current = self._current
+        evaluated = (
+            training
+            and self.stop_after_evaluation is not None
+            and self.evaluation_passes >= self.stop_after_evaluation
+        )
+        if evaluated:
+            # The replayed evaluation has run to its end: stop here.
+            self._close_step()
+            self.timed_steps_done()
+            raise StopRun()
         if self._pending_close and training:
             closes = True
         else:
@@ -598,6 +634,8 @@ class Tracker:
                 current["eval_mode_forward_calls_with_grad"] += 1
         else:
             current["evaluation_calls"] += 1
+            self._previous_evaluation_outputs = self._evaluation_outputs
+            self._evaluation_outputs = []
         for callback in self.forward_start_callbacks:
             callback(module)
 
@@ -818,6 +856,43 @@ class Tracker:
             "modules": self.last_modules,
             "allocator": self.backend.allocator_stats(),
         }
+        if self.phase == "evaluation":
+            self.oom["evaluation_pass"] = self.evaluation_passes
+            held = self._held_previous_outputs(sys._getframe(1))
+            if held is not None:
+                self.oom["previous_outputs"] = held
+
+    def _held_previous_outputs(self, frame) -> dict | None:
+        """The previous evaluation call's outputs still alive while this one
+        runs (`output = model(x)` in a loop keeps the last batch's logits
+        until the new ones are assigned): their bytes, and the user's
+        variable that holds them when one is found."""
+        alive = [
+            (tensor, nbytes)
+            for reference, nbytes in self._previous_evaluation_outputs
+            if (tensor := reference()) is not None
+        ]
+        if not alive:
+            return None
+        held: dict = {"bytes": int(sum(nbytes for _tensor, nbytes in alive))}
+        ids = {id(tensor) for tensor, _nbytes in alive}
+        try:
+            user_frames = frames.user_frames(_LEAK_FRAMES, frame)
+        except Exception:
+            user_frames = []
+        for user_frame in user_frames:
+            for name, value in _frame_locals(user_frame):
+                if isinstance(value, _CANDIDATE_TYPES) and any(
+                    id(tensor) in ids for tensor in _output_tensors(value)
+                ):
+                    held["variable"] = name
+                    held["location"] = frames.location_dict(
+                        user_frame.f_code.co_filename,
+                        user_frame.f_lineno,
+                        user_frame.f_code.co_name,
+                    )
+                    return held
+        return held
 
     # ------------------------------------------------------------ breakdown
     def _live_models(self) -> list:
@@ -1163,6 +1238,11 @@ class _CudaStepTimer:
 _CO_OPTIMIZED = 0x0001
 
 
+def _uninstall_forked(tracker: Tracker | None) -> None:
+    if tracker is not None and (tracker._handles or tracker._originals):
+        tracker.uninstall()
+
+
 def _with_phased_closure(tracker: Tracker, args: tuple, kwargs: dict) -> tuple | None:
     """`optimizer.step(closure)`'s arguments with the closure wrapped so that
     the phase becomes `optimizer` when it returns (None without a closure).
@@ -1290,6 +1370,21 @@ def _candidate_tensors(value):
         for item in list(value.values())[-_CONTAINER_ITEMS:]:
             if isinstance(item, torch.Tensor) and item.grad_fn is not None:
                 yield item
+
+
+def _output_tensors(value) -> list:
+    """The tensors a model call returned or a variable holds: the value, or
+    the last few items of a tuple, list or dict (HF's ModelOutput is one),
+    with or without autograd history."""
+    if isinstance(value, torch.Tensor):
+        items: list = [value]
+    elif isinstance(value, (list, tuple)):
+        items = list(value[-_CONTAINER_ITEMS:])
+    elif isinstance(value, dict):
+        items = list(value.values())[-_CONTAINER_ITEMS:]
+    else:
+        return []
+    return [item for item in items if isinstance(item, torch.Tensor) and item.device.type != "meta"]
 
 
 def _group_sites(sites, known: dict, phase: str, limit: int, label=None) -> list[dict]:

@@ -6,7 +6,7 @@ one line each. Order, most important first: bugs (grad_in_eval, leak), then
 causes that decided the OOM on their own (fragmentation, other processes, a
 host that ran out of RAM), then what filled the device, largest first.
 
-Kinds: leak, grad_in_eval, fragmentation, other_processes, host_memory,
+Kinds: leak, grad_in_eval, evaluation_oom, fragmentation, other_processes, host_memory,
 activations, optimizer_state, parameters, gradients, unattributed (the
 breakdown's `other`: tensors made outside the model and optimizer).
 """
@@ -18,6 +18,7 @@ from typing import Callable, Union
 from oomdoc.diagnosis import (
     breakdown,
     distributed,
+    evaluation,
     fragmentation,
     grad_in_eval,
     host_memory,
@@ -50,6 +51,7 @@ RuleResult = Union[Diagnosis, "list[Diagnosis]", None]
 RULES: tuple[Callable[[Snapshot], RuleResult], ...] = (
     grad_in_eval.rule,
     leak.rule,
+    evaluation.rule,
     fragmentation.rule,
     other_processes.rule,
     host_memory.rule,

@@ -28,6 +28,9 @@ ADVICE = {
     "gradients": "shard gradients with FSDP/ZeRO-2, keep them in bf16, and free them with optimizer.zero_grad(set_to_none=True)",
     "other": "tensors made outside the model and optimizer (a dataset moved to the device up front, caches): keep data on the CPU and move one batch at a time",
 }
+# At an OOM in evaluation no autograd graph is kept: activations are the
+# evaluation batch's own and what the loop keeps between batches.
+EVALUATION_ACTIVATIONS_ADVICE = "a smaller evaluation batch, autocast to bf16, or free each batch's outputs before the next forward (see evaluation_oom)"
 
 
 def rule(snapshot: Snapshot) -> list[Diagnosis]:
@@ -37,6 +40,7 @@ def rule(snapshot: Snapshot) -> list[Diagnosis]:
         return []
     largest = breakdown.largest()
     capacity = snapshot.capacity_bytes
+    in_evaluation = snapshot.is_oom and snapshot.oom is not None and snapshot.oom.in_evaluation
     found = []
     for category in CATEGORIES:
         nbytes = breakdown.bytes_of(category)
@@ -56,12 +60,19 @@ def rule(snapshot: Snapshot) -> list[Diagnosis]:
             if category == "other"
             else category.replace("_", " ").capitalize()
         )
+        advice = ADVICE[category]
+        if category == "activations" and in_evaluation:
+            advice = EVALUATION_ACTIVATIONS_ADVICE
         summary = (
             f"{name}: {'the largest' if category == largest else 'a large'} share, "
-            f"{percent(nbytes, total, 0)} of the memory in use {snapshot.moment_label}; {ADVICE[category]}"
+            f"{percent(nbytes, total, 0)} of the memory in use {snapshot.moment_label}; {advice}"
         )
         fixes = [
-            fix.name for fix in FIXES if category in fix.addresses and fix.applies_to(snapshot)
+            fix.name
+            for fix in FIXES
+            if category in fix.addresses
+            and fix.applies_to(snapshot)
+            and (fix.helps_in_evaluation or not in_evaluation)
         ]
         found.append(
             Diagnosis(
@@ -93,7 +104,7 @@ def _category_evidence(snapshot: Snapshot, category: str) -> list[str]:
             evidence.append(f"the OOM came during {snapshot.oom.phase}")
         for model in snapshot.models[:2]:
             blocks = model.blocks_outermost_first()
-            if blocks:
+            if blocks and not (snapshot.oom is not None and snapshot.oom.in_evaluation):
                 block = blocks[0]
                 evidence.append(
                     f"{model.class_name} repeats {block.count} x {block.class_name} in "

@@ -81,6 +81,7 @@ def job_config(request: ChildRequest, workdir: str, dist: DistOptions) -> dict:
         "max_steps": request.max_steps,
         "micro_batches_per_step": request.micro_batches_per_step,
         "expected_unit": request.expected_unit,
+        "stop_after_evaluation": request.stop_after_evaluation,
         "fix": request.fix,
         "result_path": os.path.join(workdir, "capture-rank{rank}-local{local_rank}.json"),
         "artifact_dir": os.path.join(artifact_dir, "rank{rank}"),

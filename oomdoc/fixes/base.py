@@ -61,6 +61,10 @@ class Fix:
         return [self]
 
     # ------------------------------------------------------------ parent
+    # Whether it can lower memory in an evaluation pass (no autograd graph
+    # there): checkpointing cannot.
+    helps_in_evaluation = True
+
     def applies_to(self, snapshot: Snapshot) -> bool:
         """Whether the fix means anything for this kind of run (a sharding fix
         for a single process does not): when not, it is left out silently."""

@@ -26,10 +26,13 @@ class Checkpointing(Fix):
     )
     prescribable = True
     replay_priority = 2
+    helps_in_evaluation = False
 
     def skip_reason(self, snapshot: Snapshot, explicit: bool) -> Optional[str]:
         if not snapshot.models:
             return "no model ran a forward pass before the OOM"
+        if not self.helps_in_evaluation and snapshot.oom is not None and snapshot.oom.in_evaluation:
+            return "the OOM is in evaluation, where no autograd graph is kept: checkpointing saves nothing there"
         if not any(model.repeated_blocks for model in snapshot.models):
             return "the model has no repeated blocks (same-class children of an nn.ModuleList or nn.Sequential)"
         return None

@@ -255,6 +255,12 @@ class Replayer:
         self.pool = pool
         self.failing_step = (snapshot.oom.step if snapshot.oom else None) or 0
         self.step_unit = snapshot.step_unit
+        # An OOM in evaluation: replays run until that evaluation pass has
+        # ended, wherever a smaller batch moves it (not a step count).
+        oom = snapshot.oom
+        self.stop_after_evaluation = (
+            oom.evaluation_pass if oom is not None and oom.in_evaluation else None
+        )
         self.max_steps = max(self.failing_step + 1, 2)
         if leak:
             self.max_steps = LEAK_REPLAY_STEPS
@@ -386,6 +392,7 @@ class Replayer:
             max_steps=self.max_steps,
             micro_batches_per_step=micro_batches_per_step,
             expected_unit=self.step_unit,
+            stop_after_evaluation=self.stop_after_evaluation,
             fix=payload,
             extra_env=env,
             output_path=log_path,

@@ -170,7 +170,7 @@ for iter_num in range(max_iters + 1):
         print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
     if iter_num == max_iters:
         break
-    for micro_step in range(gradient_accumulation_steps):
+    for _micro_step in range(gradient_accumulation_steps):
         logits, loss = model(X, Y)
         loss = loss / gradient_accumulation_steps
         X, Y = get_batch("train")
