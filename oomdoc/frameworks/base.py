@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import shlex
 
+from oomdoc.script_flags import BATCH_FLAGS
+
 FIX_NAMES = (
     "smaller_batch",
     "autocast",
@@ -38,16 +40,6 @@ EXPANDABLE_ENV = "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
 
 # Command-line flags scripts commonly declare for each fix, most specific
 # first. A flag is used only when the script declares it (`script_options`).
-BATCH_FLAGS = (
-    "--per_device_train_batch_size",
-    "--per-device-train-batch-size",
-    "--batch-size",
-    "--batch_size",
-    "--bs",
-    "--micro-batch-size",
-    "--micro_batch_size",
-    "--data.batch_size",
-)
 ACCUMULATION_FLAGS = (
     "--gradient_accumulation_steps",
     "--gradient-accumulation-steps",

@@ -57,9 +57,9 @@ from oomdoc.replay.lanes import (
 from oomdoc.replay.progress import Progress
 from oomdoc.replay.rank import best_pair
 from oomdoc.runner import ChildRequest, ChildResult, ChildSignals, WarmPool, run_child
+from oomdoc.script_flags import LONG_BATCH_FLAGS, listed
 from oomdoc.sizes import format_bytes
 
-BATCH_FLAGS = ("--batch-size", "--batch_size", "--bs", "--per_device_train_batch_size")
 MIN_REPLAY_TIMEOUT_S = 120.0
 # Under a leak, replays run this many steps: enough to see whether memory
 # still grows per step (and by how much), far fewer than the failing run.
@@ -135,7 +135,7 @@ def check_replay_options(
 def find_batch_arg(args: list[str], flag: str | None = None) -> tuple[int, str, int] | None:
     """(index of the value, flag, batch size) of the last batch-size flag on
     the command line, as `--batch-size 64` or `--batch-size=64`."""
-    flags = (flag,) if flag else BATCH_FLAGS
+    flags = (flag,) if flag else LONG_BATCH_FLAGS
     found = None
     for index, arg in enumerate(args):
         for name in flags:
@@ -1078,8 +1078,8 @@ def search_batch(
                 None,
                 info,
                 (
-                    "the script has no batch-size flag on its command line (--batch-size, --batch_size, --bs, "
-                    "--per_device_train_batch_size or one named with --batch-arg) and creates no DataLoader with a batch size"
+                    f"the script has no batch-size flag on its command line ({listed()}, "
+                    "or one named with --batch-arg) and creates no DataLoader with a batch size"
                 ),
             )
         if not record.get("original_batch_size") or not record.get("batch_size"):
