@@ -533,6 +533,9 @@ class Snapshot:
     modules: List[ModuleUsage] = field(default_factory=list)
     framework: Optional[Framework] = None
     script_options: List[str] = field(default_factory=list)
+    # Each other spelling of a declared option to the option's name, its
+    # first long spelling (argparse `-b/--batch-size`: {"-b": "--batch-size"}).
+    script_option_aliases: Dict[str, str] = field(default_factory=dict)
     # Heavy installed packages the script imported, in import order.
     imported_packages: List[str] = field(default_factory=list)
     prescription: Optional[Prescription] = None

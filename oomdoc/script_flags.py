@@ -26,3 +26,30 @@ LONG_BATCH_FLAGS = tuple(flag for flag in BATCH_FLAGS if flag.startswith("--"))
 def listed(flags: tuple[str, ...] = BATCH_FLAGS) -> str:
     """`--a, --b or -c`: the flags as a phrase."""
     return ", ".join(flags[:-1]) + f" or {flags[-1]}" if len(flags) > 1 else "".join(flags)
+
+
+def batch_flags(script_options=(), aliases=None) -> tuple[str, ...]:
+    """A script's batch flags, most specific first: the long ones of
+    BATCH_FLAGS, then the short ones it declares for its batch size: `-b` of
+    `-b/--batch-size` or a `-b` of its own (not the `-b` of `-b/--bits`),
+    and any other short spelling of a long batch flag (`aliases`: the
+    snapshot's `script_option_aliases`)."""
+    aliases = aliases or {}
+    declared = set(script_options or ())
+    short = [
+        flag
+        for flag in BATCH_FLAGS
+        if not flag.startswith("--") and flag in declared and aliases.get(flag, flag) in BATCH_FLAGS
+    ]
+    short += [
+        spelling
+        for spelling, option in aliases.items()
+        if option in LONG_BATCH_FLAGS and is_short(spelling) and spelling not in short
+    ]
+    return LONG_BATCH_FLAGS + tuple(short)
+
+
+def is_short(option: str) -> bool:
+    """`-b`: one dash and one character, which argparse also takes with its
+    value attached (`-b64`)."""
+    return len(option) == 2 and option[0] == "-" and option[1] != "-"

@@ -481,6 +481,33 @@ def test_steps_flag_is_raised_for_replays_with_accumulation():
     assert accumulation_on_command_line(["--batch-size", "4"], options) == 1
 
 
+def test_short_options_with_their_value_attached():
+    """argparse takes `-b 64`, `-b64` and `-b=64`: each is found and
+    rewritten in its own form."""
+    assert find_option(["-b64", "--x", "1"], "-b") == (0, "64")
+    assert find_option(["-b", "64"], "-b") == (0, "64")
+    assert find_option(["-b=64"], "-b") == (0, "64")
+    assert find_option(["--bs", "64"], "-b") is None
+    assert with_option(["-b64", "--x", "1"], "-b", "16") == ["-b16", "--x", "1"]
+    assert with_option(["-b", "64"], "-b", "16") == ["-b", "16"]
+    assert with_option(["-b=64"], "-b", "16") == ["-b=16"]
+
+
+def test_the_accumulation_variant_of_a_short_batch_flag():
+    """A script invoked as `-b64` that declares `-b/--batch-size` and an
+    accumulation flag: the batch is rewritten in place."""
+    context = {
+        "micro_batch": 16,
+        "accumulation_steps": 4,
+        "how": "-b",
+        "script_option_values": {"-b": [], "--batch-size": [], "--accum-steps": []},
+        "script_option_aliases": {"-b": "--batch-size"},
+    }
+    options = ["-b", "--batch-size", "--accum-steps"]
+    variant = Plain().flag_variant("smaller_batch", ["-b64"], options, context)
+    assert variant == ["-b16", "--accum-steps", "4"]
+
+
 def test_option_helpers():
     assert find_option(["--a", "1", "--b"], "--a") == (0, "1")
     assert find_option(["--a=1"], "--a") == (0, "1")
@@ -553,6 +580,7 @@ def test_argparse_is_recorded_and_unchanged(detector, monkeypatch):
         "-b": [],
         "--precision": ["32", "bf16"],
     }
+    assert keys["script_option_aliases"] == {"-b": "--batch-size"}
     assert keys["framework"] == {
         "name": "plain",
         "entry": None,

@@ -82,6 +82,7 @@ class FrameworkDetector:
         self.done = False
         self.options: list[str] = []
         self.option_values: dict[str, list[str]] = {}
+        self.aliases: dict[str, str] = {}
         self.dataclasses: dict[str, list[str]] = {}
         self._seen: set[str] = set()
         self._parsers: set[int] = set()
@@ -142,16 +143,23 @@ class FrameworkDetector:
     def record_parser(self, parser: argparse.ArgumentParser) -> None:
         """The option strings of a parser that reads the command line (help
         and version left out), which of them need a value (with their choices),
-        and an HfArgumentParser's dataclass fields."""
+        each other spelling's option (`-b` of `-b/--batch-size`), and an
+        HfArgumentParser's dataclass fields."""
         if id(parser) in self._parsers:
             return
         self._parsers.add(id(parser))
         for action in parser._actions:
             if isinstance(action, (argparse._HelpAction, argparse._VersionAction)):
                 continue
+            name = next(
+                (option for option in action.option_strings if option.startswith("--")),
+                action.option_strings[0] if action.option_strings else None,
+            )
             for option in action.option_strings:
                 if option not in self.options:
                     self.options.append(option)
+                if option != name and name is not None:
+                    self.aliases.setdefault(option, name)
                 if action.nargs not in (0, "?") and option not in self.option_values:
                     choices = action.choices
                     self.option_values[option] = (
@@ -247,7 +255,8 @@ class FrameworkDetector:
     # ------------------------------------------------------------ result
     def capture(self) -> dict:
         """The capture keys: `framework`, `script_options`,
-        `script_option_values` and `script_dataclasses`."""
+        `script_option_values`, `script_option_aliases` and
+        `script_dataclasses`."""
         found = self.found or {"name": "plain", "entry": None, "module": None, "seen_at": None}
         framework = dict(found)
         framework["version"] = _version_of(found["name"], found.get("module"))
@@ -255,6 +264,7 @@ class FrameworkDetector:
             "framework": framework,
             "script_options": list(self.options),
             "script_option_values": dict(self.option_values),
+            "script_option_aliases": dict(self.aliases),
             "script_dataclasses": dict(self.dataclasses),
         }
 

@@ -17,7 +17,7 @@ The `context` every method takes is a plain dict; each key is optional:
 | `optimizer` | lighter_optimizer: the optimizer measured (`Adafactor`) |
 | `entry`, `module`, `version` | the snapshot's `framework.entry` (`Trainer`, `Fabric`, ...), import name and version |
 | `command` | the snapshot's `command`: `[SCRIPT, *ARGS]` or `["-m", MODULE, *ARGS]` |
-| `script_options`, `script_option_values` | the snapshot's keys of the same names |
+| `script_options`, `script_option_values`, `script_option_aliases` | the snapshot's keys of the same names |
 
 Torch-free: the parent imports this.
 """
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import shlex
 
-from oomdoc.script_flags import BATCH_FLAGS
+from oomdoc.script_flags import batch_flags, is_short
 
 FIX_NAMES = (
     "smaller_batch",
@@ -206,7 +206,7 @@ def choices_of(option: str, context: dict) -> list[str]:
 
 def find_option(args: list[str], option: str) -> tuple[int, str | None] | None:
     """(index, value or None) of the last `option` in args, as `--x v`,
-    `--x=v` or a bare `--x` (value None)."""
+    `--x=v`, a bare `--x` (value None), or for a short option `-x5`."""
     found = None
     for index, arg in enumerate(args):
         if arg == option:
@@ -214,12 +214,15 @@ def find_option(args: list[str], option: str) -> tuple[int, str | None] | None:
             found = (index, None if value is None or value.startswith("--") else value)
         elif arg.startswith(option + "="):
             found = (index, arg[len(option) + 1 :])
+        elif is_short(option) and arg.startswith(option) and not arg.startswith("--"):
+            found = (index, arg[len(option) :])
     return found
 
 
 def with_option(args: list[str], option: str, value: str | None = None) -> list[str]:
     """args with `option` set to `value` (a bare switch when None): an
-    occurrence already there is rewritten, else the option is appended."""
+    occurrence already there is rewritten in its form, else the option is
+    appended."""
     rewritten = list(args)
     found = find_option(rewritten, option)
     if found is None:
@@ -227,6 +230,8 @@ def with_option(args: list[str], option: str, value: str | None = None) -> list[
     index, old = found
     if rewritten[index].startswith(option + "="):
         rewritten[index] = option if value is None else f"{option}={value}"
+    elif rewritten[index] != option:  # a short option's attached value: -b64
+        rewritten[index] = option + (value or "")
     elif old is not None:
         if value is None:
             del rewritten[index + 1]
@@ -317,7 +322,14 @@ def generic_flag_variant(
     if fix == "smaller_batch":
         micro, steps = context.get("micro_batch"), context.get("accumulation_steps")
         how = context.get("how") or ""
-        batch_flag = how if how.startswith("-") else declared(script_options, *BATCH_FLAGS)
+        batch_flag = (
+            how
+            if how.startswith("-")
+            else declared(
+                script_options,
+                *batch_flags(script_options, context.get("script_option_aliases")),
+            )
+        )
         accumulation_flag = declared(script_options, *ACCUMULATION_FLAGS)
         if not micro or not steps or not batch_flag or not accumulation_flag:
             return None

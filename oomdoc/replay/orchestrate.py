@@ -57,7 +57,7 @@ from oomdoc.replay.lanes import (
 from oomdoc.replay.progress import Progress
 from oomdoc.replay.rank import best_pair
 from oomdoc.runner import ChildRequest, ChildResult, ChildSignals, WarmPool, run_child
-from oomdoc.script_flags import LONG_BATCH_FLAGS, listed
+from oomdoc.script_flags import LONG_BATCH_FLAGS, batch_flags, is_short, listed
 from oomdoc.sizes import format_bytes
 
 MIN_REPLAY_TIMEOUT_S = 120.0
@@ -132,26 +132,41 @@ def check_replay_options(
     return parse_fix_names(names)
 
 
-def find_batch_arg(args: list[str], flag: str | None = None) -> tuple[int, str, int] | None:
+def find_batch_arg(
+    args: list[str], flag: str | None = None, flags: tuple[str, ...] = LONG_BATCH_FLAGS
+) -> tuple[int, str, int] | None:
     """(index of the value, flag, batch size) of the last batch-size flag on
-    the command line, as `--batch-size 64` or `--batch-size=64`."""
-    flags = (flag,) if flag else LONG_BATCH_FLAGS
+    the command line (`flag`, else one of `flags`), as `--batch-size 64`,
+    `--batch-size=64`, or for a short flag also `-b64`."""
+    names = (flag,) if flag else flags
     found = None
     for index, arg in enumerate(args):
-        for name in flags:
+        for name in names:
             if arg == name and index + 1 < len(args) and args[index + 1].isdigit():
                 found = (index + 1, name, int(args[index + 1]))
             elif arg.startswith(name + "=") and arg[len(name) + 1 :].isdigit():
                 found = (index, name, int(arg[len(name) + 1 :]))
+            elif is_short(name) and arg.startswith(name) and arg[len(name) :].isdigit():
+                found = (index, name, int(arg[len(name) :]))
     return found
 
 
 def with_batch_size(args: list[str], position: int, flag: str, batch_size: int) -> list[str]:
+    """args with the batch at `position` (find_batch_arg's) set, in its form."""
     rewritten = list(args)
-    rewritten[position] = (
-        f"{flag}={batch_size}" if rewritten[position].startswith(flag + "=") else str(batch_size)
-    )
+    current = rewritten[position]
+    if current.startswith(flag + "="):
+        rewritten[position] = f"{flag}={batch_size}"
+    elif is_short(flag) and current.startswith(flag):
+        rewritten[position] = f"{flag}{batch_size}"
+    else:
+        rewritten[position] = str(batch_size)
     return rewritten
+
+
+def script_batch_flags(snapshot: Snapshot) -> tuple[str, ...]:
+    """The batch flags looked for on the script's command line."""
+    return batch_flags(snapshot.script_options, snapshot.script_option_aliases)
 
 
 @dataclass
@@ -884,7 +899,11 @@ def batch_size_in(
     args with that flag rewritten, the flag), or (None, None)."""
     args = list(replayer.request.args)
     source = state.batch_info.get("source") or ""
-    found = find_batch_arg(args, replayer.options.batch_arg) if source.startswith("-") else None
+    found = (
+        find_batch_arg(args, replayer.options.batch_arg, script_batch_flags(replayer.snapshot))
+        if source.startswith("-")
+        else None
+    )
     if found is None:
         payload.update(
             batch_mode="dataloader", original_batch_size=state.batch_info.get("original_batch_size")
@@ -1045,7 +1064,7 @@ def search_batch(
     """The largest batch size that fits. Returns (search result or None,
     information for the report, reason when it could not be searched)."""
     args = list(replayer.request.args)
-    found = find_batch_arg(args, options.batch_arg)
+    found = find_batch_arg(args, options.batch_arg, script_batch_flags(snapshot))
     baseline = batch_model.observe(snapshot, 0)
     info: dict = {}
     if found is not None:
