@@ -533,6 +533,10 @@ class Snapshot:
     modules: List[ModuleUsage] = field(default_factory=list)
     framework: Optional[Framework] = None
     script_options: List[str] = field(default_factory=list)
+    # How the script takes its options (oomdoc.script_flags): `argparse`
+    # (`--key value`, `--key=value`, short flags) or `configurator` (only
+    # `--key=value`, each key a global of the script's module); None: unknown.
+    script_option_syntax: Optional[str] = None
     # Each other spelling of a declared option to the option's name, its
     # first long spelling (argparse `-b/--batch-size`: {"-b": "--batch-size"}).
     script_option_aliases: Dict[str, str] = field(default_factory=dict)

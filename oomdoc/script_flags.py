@@ -1,6 +1,8 @@
 """The flags scripts commonly give a batch size: one list, read by the batch
 search (oomdoc.replay.orchestrate), the framework units (oomdoc.frameworks)
-and the CLI's help. Imports nothing: the CLI reads it at startup."""
+and the CLI's help; and how a script takes its options (the snapshot's
+`script_option_syntax`), for every replay and snippet to write them so.
+Imports nothing: the CLI reads it at startup."""
 
 from __future__ import annotations
 
@@ -21,6 +23,12 @@ BATCH_FLAGS = (
     "-b",
 )
 LONG_BATCH_FLAGS = tuple(flag for flag in BATCH_FLAGS if flag.startswith("--"))
+
+# The snapshot's `script_option_syntax`: argparse takes `--key value`,
+# `--key=value` and short flags; a configurator (nanoGPT's configurator.py,
+# exec'd over the script's module globals) only `--key=value`.
+ARGPARSE = "argparse"
+CONFIGURATOR = "configurator"
 
 
 def listed(flags: tuple[str, ...] = BATCH_FLAGS) -> str:
@@ -53,3 +61,13 @@ def is_short(option: str) -> bool:
     """`-b`: one dash and one character, which argparse also takes with its
     value attached (`-b64`)."""
     return len(option) == 2 and option[0] == "-" and option[1] != "-"
+
+
+def equals_only(syntax: str | None) -> bool:
+    """Whether the script takes an option's value only as `--key=value`."""
+    return syntax == CONFIGURATOR
+
+
+def spelled(option: str, value: object, syntax: str | None = None) -> str:
+    """`--batch_size=4` for a configurator script, else `--batch-size 4`."""
+    return f"{option}={value}" if equals_only(syntax) else f"{option} {value}"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import os
 import sys
 
 import pytest
@@ -837,3 +838,54 @@ def test_checkpointing_snippets_loop_over_every_run_of_blocks_wrapped():
     assert text.count("x = checkpoint(block, x, use_reentrant=False)") == 4
     inside = Lightning().snippet("checkpointing", {**context, "entry": "Trainer"})
     assert "        for block in self.layer4:  # Bottleneck x 3" in inside
+
+
+def test_a_configurators_globals_are_its_options(detector):
+    """No parser read the command line and each `--key=value` names a plain
+    global of the script's module: each such global is an option, written
+    `--key=value` only."""
+    detector, _ = detector
+    namespace = {"batch_size": 12, "lr": 1e-3, "compile": False, "out": "x", "_p": 1, "os": os}
+    detector.learn_configurator(namespace, ["cfg.py", "--batch_size=4"])
+    keys = detector.capture()
+    assert keys["script_option_syntax"] == "configurator"
+    assert keys["script_options"] == ["--batch_size", "--lr", "--compile", "--out"]
+    assert set(keys["script_option_values"]) == set(keys["script_options"])
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--batch_size", "4"], ["--batch_size=4", "--unknown=1"], ["--os=1"], []],
+)
+def test_no_configurator_without_its_evidence(detector, argv):
+    detector, _ = detector
+    detector.learn_configurator({"batch_size": 12, "os": os}, argv)
+    assert detector.capture()["script_option_syntax"] is None
+    assert detector.capture()["script_options"] == []
+
+
+def test_a_configurator_script_gets_key_equals_value_everywhere():
+    """Options appended to a configurator script's command line are
+    `--key=value`; the positional configuration file stays."""
+    options = ["--batch_size", "--gradient_accumulation_steps", "--max_iters"]
+    context = {
+        "micro_batch": 4,
+        "accumulation_steps": 2,
+        "how": "--batch_size",
+        "script_option_values": {option: [] for option in options},
+        "script_option_syntax": "configurator",
+        "command": ["train.py", "config/x.py", "--batch_size=8"],
+        "script_options": options,
+    }
+    args = ["config/x.py", "--batch_size=8"]
+    variant = Plain().flag_variant("smaller_batch", args, options, context)
+    assert variant == ["config/x.py", "--batch_size=4", "--gradient_accumulation_steps=2"]
+    raised, _ = with_enough_steps(variant, options, context, 6)
+    assert raised[-1] == "--max_iters=6"
+    snippet = Plain().snippet("smaller_batch", context)
+    assert snippet.splitlines()[-1] == (
+        "python train.py config/x.py --batch_size=4 --gradient_accumulation_steps=2"
+    )
+    assert "optimizer.step()" not in snippet
+    head = Plain().snippet("smaller_batch", {**context, "script_options": []})
+    assert head.startswith("# --batch_size=4: 2 micro-batches of 4")

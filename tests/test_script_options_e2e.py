@@ -51,3 +51,49 @@ def test_a_short_batch_flag_is_found_and_searched(tmp_path):
     run = largest_batch_is_exact(tmp_path, "1.02MiB", script, lambda batch: ["-b", str(batch)])
     assert run(maximum) == (0, "ok")
     assert run(maximum + 1) == (1, "oom")
+
+
+CONFIGURATOR = SCRIPTS / "opts_configurator"
+
+
+def test_a_configurator_scripts_options_are_written_key_equals_value(tmp_path):
+    """nanoGPT's idiom: globals overridden by a configurator exec'd over
+    them, which takes `--key=value` only (and rejects `--key value`), after
+    a configuration file given as a positional. The replays run with
+    `--batch_size=N`; the snippets and the prescription's command say
+    `--batch_size=N --gradient_accumulation_steps=K` and keep the file."""
+    script, config = CONFIGURATOR / "train.py", CONFIGURATOR / "config" / "tiny.py"
+    completed, document = run_capped(
+        tmp_path / "configurator.json",
+        "2.45MiB",
+        script,
+        [config, "--batch_size=16", "--gradient_accumulation_steps=2"],
+        ["--fixes", "smaller_batch"],
+        cwd=tmp_path,
+    )
+    assert document["outcome"] == "oom", completed.stderr[-3000:]
+    assert document["script_option_syntax"] == "configurator"
+    assert {"--batch_size", "--gradient_accumulation_steps"} <= set(document["script_options"])
+    search = document["replay"]["batch_search"]
+    assert search["source"] == "--batch_size" and search["original_batch_size"] == 16, search
+    maximum = document["max_batch_size"]
+    assert isinstance(maximum, int) and 1 < maximum < 16, search
+    searched = [run["label"] for run in document["replay"]["runs"][: len(search["trials"])]]
+    assert searched == [f"smaller_batch (--batch_size={batch})" for batch, _ in search["trials"]]
+    smaller = next(fix for fix in document["fixes"] if fix["name"] == "smaller_batch")
+    micro, steps = smaller["micro_batch_size"], smaller["accumulation_steps"]
+    own = [str(config), f"--batch_size={micro}", f"--gradient_accumulation_steps={2 * steps}"]
+    assert smaller["snippet"].splitlines()[-1] == f"python {script} {' '.join(own)}"
+    prescription = document["prescription"]
+    micro, steps = prescription["batch_size"], prescription["accumulation_steps"]
+    own = [str(config), f"--batch_size={micro}", f"--gradient_accumulation_steps={2 * steps}"]
+    assert prescription["snippet"].splitlines()[-1] == f"python {script} {' '.join(own)}"
+    checked = prescription["verified_by_flags"]
+    assert checked["args"] == own and checked["outcome"] == "fits", checked
+    assert checked["note"].startswith("--max_iters raised to"), checked
+    assert " --batch_size " not in completed.stderr and "--batch_size=" in completed.stderr
+    run = largest_batch_is_exact(
+        tmp_path, "2.45MiB", script, lambda batch: [config, f"--batch_size={batch}"]
+    )
+    assert run(maximum) == (0, "ok")
+    assert run(maximum + 1) == (1, "oom")

@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 from oomdoc.fixes.base import Effect, Fix
 from oomdoc.model import Snapshot
+from oomdoc.script_flags import spelled
 from oomdoc.sizes import format_bytes
 
 FACTOR = 0.5  # half the batch, two accumulation steps
@@ -31,9 +32,11 @@ class SmallerBatch(Fix):
     def snippet(self, context: dict) -> str:
         if context.get("micro_batch"):
             micro, steps = context["micro_batch"], context["accumulation_steps"]
-            how = context.get("how", "batch_size")
+            how = spelled(
+                context.get("how", "batch_size"), micro, context.get("script_option_syntax")
+            )
             head = (
-                f"# {how} {micro}: {steps} micro-batches of {micro} keep the effective batch at {micro * steps}\n"
+                f"# {how}: {steps} micro-batches of {micro} keep the effective batch at {micro * steps}\n"
                 f"accumulation_steps = {steps}\n"
             )
         else:

@@ -46,6 +46,7 @@ def context_from_snapshot(snapshot: Snapshot) -> dict:
         "script_options": list(snapshot.script_options),
         "script_option_values": dict(values) if isinstance(values, dict) else {},
         "script_option_aliases": dict(snapshot.script_option_aliases),
+        "script_option_syntax": snapshot.script_option_syntax,
         "device_type": "cuda" if device.on_cuda else "cpu",
         "dtype": "bfloat16" if (not device.on_cuda or device.supports_bf16) else "float16",
     }

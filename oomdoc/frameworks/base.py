@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import shlex
 
-from oomdoc.script_flags import batch_flags, is_short
+from oomdoc.script_flags import batch_flags, equals_only, is_short
 
 FIX_NAMES = (
     "smaller_batch",
@@ -219,13 +219,18 @@ def find_option(args: list[str], option: str) -> tuple[int, str | None] | None:
     return found
 
 
-def with_option(args: list[str], option: str, value: str | None = None) -> list[str]:
+def with_option(
+    args: list[str], option: str, value: str | None = None, syntax: str | None = None
+) -> list[str]:
     """args with `option` set to `value` (a bare switch when None): an
     occurrence already there is rewritten in its form, else the option is
-    appended."""
+    appended, as `--key=value` where the script takes only that (`syntax`,
+    the snapshot's `script_option_syntax`)."""
     rewritten = list(args)
     found = find_option(rewritten, option)
     if found is None:
+        if value is not None and equals_only(syntax):
+            return [*rewritten, f"{option}={value}"]
         return [*rewritten, option] + ([] if value is None else [value])
     index, old = found
     if rewritten[index].startswith(option + "="):
@@ -279,6 +284,7 @@ def with_enough_steps(
     """args with the script's steps flag (`--max_steps`, `--steps`, ...)
     raised to `needed` when it is below that or not given (its default is
     unknown), and a sentence saying so; unchanged without such a flag."""
+    syntax = context.get("script_option_syntax")
     for option in STEPS_FLAGS:
         if option not in (script_options or ()) or not takes_value(option, context):
             continue
@@ -287,14 +293,16 @@ def with_enough_steps(
         if value is not None and value.lstrip("-").isdigit() and int(value) >= needed:
             return args, None
         was = f"from {value}" if value is not None else "(not on the command line)"
-        return with_option(args, option, str(needed)), f"{option} raised to {needed} {was}"
+        return with_option(args, option, str(needed), syntax), f"{option} raised to {needed} {was}"
     return args, None
 
 
 def generic_flag_variant(
     fix: str, args: list[str], script_options, context: dict, dtype_defaults: dict
 ) -> list[str] | None:
-    """The argparse flags a script commonly declares for a fix."""
+    """The flags a script commonly declares for a fix, written as the
+    script takes them (context's `script_option_syntax`)."""
+    syntax = context.get("script_option_syntax")
     if fix == "checkpointing":
         for option in CHECKPOINTING_FLAGS:
             if option in (script_options or ()) and not takes_value(option, context):
@@ -317,7 +325,7 @@ def generic_flag_variant(
             found = find_option(args, option)
             if found is not None and found[1] == value:
                 return None
-            return with_option(args, option, value)
+            return with_option(args, option, value, syntax)
         return None
     if fix == "smaller_batch":
         micro, steps = context.get("micro_batch"), context.get("accumulation_steps")
@@ -336,8 +344,8 @@ def generic_flag_variant(
         if batch_flag not in (script_options or ()) and find_option(args, batch_flag) is None:
             return None
         already = accumulation_on_command_line(args, script_options)
-        variant = with_option(args, batch_flag, str(micro))
-        return with_option(variant, accumulation_flag, str(already * steps))
+        variant = with_option(args, batch_flag, str(micro), syntax)
+        return with_option(variant, accumulation_flag, str(already * steps), syntax)
     if fix == "lighter_optimizer":
         wanted = str(context.get("optimizer") or "Adafactor").lower()
         for option in OPTIMIZER_FLAGS:
@@ -348,7 +356,7 @@ def generic_flag_variant(
             if value is None:
                 continue
             found = find_option(args, option)
-            return None if found and found[1] == value else with_option(args, option, value)
+            return None if found and found[1] == value else with_option(args, option, value, syntax)
         return None
     if fix == "empty_cache":
         switch = declared(script_options, *EMPTY_CACHE_FLAGS)

@@ -51,6 +51,15 @@ class Plain(Framework):
         parts = fix.split("+")
         if len(parts) > 1:
             return "\n\n".join(f"# {part}\n{self.snippet(part, context)}" for part in parts)
+        if fix == "smaller_batch":
+            # A script with its own accumulation option needs no loop change.
+            own = self.command_with_flags([fix], context)
+            if own is not None:
+                micro, steps = context.get("micro_batch"), context.get("accumulation_steps")
+                return (
+                    f"# with your script's own options: micro-batches of {micro} and "
+                    f"{steps} times the accumulation keep the effective batch\n{own}"
+                )
         return catalogue_snippet(fix, context)
 
     def prescription_snippet(self, fixes: list[str], context: dict) -> str:

@@ -57,7 +57,7 @@ from oomdoc.replay.lanes import (
 from oomdoc.replay.progress import Progress
 from oomdoc.replay.rank import best_pair
 from oomdoc.runner import ChildRequest, ChildResult, ChildSignals, WarmPool, run_child
-from oomdoc.script_flags import LONG_BATCH_FLAGS, batch_flags, is_short, listed
+from oomdoc.script_flags import LONG_BATCH_FLAGS, batch_flags, is_short, listed, spelled
 from oomdoc.sizes import format_bytes
 
 MIN_REPLAY_TIMEOUT_S = 120.0
@@ -922,7 +922,11 @@ def saver_trial(
     request = fix.request(snapshot)
     payload = dict(request.payload, also=["smaller_batch"], batch_size=batch_size)
     args, flag = batch_size_in(replayer, state, payload, batch_size)
-    how = f"{flag} {batch_size}" if flag else f"DataLoader batch {batch_size}"
+    how = (
+        spelled(flag, batch_size, snapshot.script_option_syntax)
+        if flag
+        else f"DataLoader batch {batch_size}"
+    )
     return payload, f"{fix.name} ({how})", args, request.env
 
 
@@ -1075,7 +1079,7 @@ def search_batch(
             payload = {"name": "smaller_batch", "batch_mode": "argv", "batch_size": batch_size}
             replay = replayer.run(
                 payload,
-                f"smaller_batch ({flag} {batch_size})",
+                f"smaller_batch ({spelled(flag, batch_size, snapshot.script_option_syntax)})",
                 args=with_batch_size(args, position, flag, batch_size),
             )
             return to_batch_run(replay, batch_size)
@@ -1188,7 +1192,11 @@ def smaller_batch_result(
     assert maximum is not None
     micro, steps = batch_model.accumulation_plan(original, maximum)
     how = info.get("source", "batch size")
-    how_text = f"{how} {maximum}" if how.startswith("-") else f"DataLoader(batch_size={maximum})"
+    how_text = (
+        spelled(how, maximum, snapshot.script_option_syntax)
+        if how.startswith("-")
+        else f"DataLoader(batch_size={maximum})"
+    )
     exactness = (
         f"exact: {maximum + 1} ran out of memory"
         if search.exact
