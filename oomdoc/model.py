@@ -613,6 +613,18 @@ class Snapshot:
         return None
 
     @property
+    def parameter_update(self) -> Optional[str]:
+        """How the script updates its parameters: `optimizer` (it created a
+        torch.optim optimizer), `manual` (backward passes ran and no
+        optimizer was created: it updates them by hand), None when unknown
+        (no backward ran before the run ended)."""
+        if self.optimizers:
+            return "optimizer"
+        if any(step.backward_calls for step in self.steps):
+            return "manual"
+        return None
+
+    @property
     def repeated_blocks(self) -> list[RepeatedBlock]:
         """Each model's outermost repeated blocks."""
         return [blocks[0] for model in self.models if (blocks := model.blocks_outermost_first())]

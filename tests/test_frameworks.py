@@ -889,3 +889,26 @@ def test_a_configurator_script_gets_key_equals_value_everywhere():
     assert "optimizer.step()" not in snippet
     head = Plain().snippet("smaller_batch", {**context, "script_options": []})
     assert head.startswith("# --batch_size=4: 2 micro-batches of 4")
+
+
+def test_accumulation_snippets_of_a_script_that_updates_by_hand():
+    """No optimizer: the loop change keeps the script's own update and
+    zeroes the model's gradients every K micro-batches."""
+    context = {"micro_batch": 4, "accumulation_steps": 3, "update": "manual", "dtype": "float16"}
+    for snippet in (
+        Plain().snippet("smaller_batch", context),
+        Plain().prescription_snippet(["smaller_batch", "autocast"], context),
+    ):
+        assert "optimizer.step()" not in snippet and "scaler" not in snippet, snippet
+        assert "p.data.add_(p.grad, alpha=-lr)" in snippet
+        assert snippet.rstrip().endswith("model.zero_grad()")
+    assert "optimizer.step()" in Plain().snippet("smaller_batch", {**context, "update": None})
+
+
+def test_how_the_script_updates_its_parameters():
+    steps = [{"index": 0, "backward_calls": 1}]
+    assert Snapshot.from_dict({"steps": steps}).parameter_update == "manual"
+    assert Snapshot.from_dict({"steps": steps, "optimizers": ["SGD"]}).parameter_update == (
+        "optimizer"
+    )
+    assert Snapshot.from_dict({"steps": [{"index": 0}]}).parameter_update is None

@@ -27,19 +27,26 @@ def largest_batch_is_exact(tmp_path, capacity, script, args_at):
     return run
 
 
-def test_a_short_batch_flag_is_found_and_searched(tmp_path):
-    """imagenet's `-b/--batch-size`, invoked as `-b 64`: the search rewrites
-    `-b`, and the snippet says `-b N`."""
-    script = SCRIPTS / "opts_short_batch_flag.py"
+def run_search(tmp_path, name, capacity, script, args):
+    """`oomdoc run --fixes smaller_batch` of a script that runs out of
+    memory: the batch search and the prescription only."""
     completed, document = run_capped(
-        tmp_path / "short.json",
-        "1.02MiB",
+        tmp_path / f"{name}.json",
+        capacity,
         script,
-        ["-b", "64"],
+        args,
         ["--fixes", "smaller_batch"],
         cwd=tmp_path,
     )
     assert document["outcome"] == "oom", completed.stderr[-3000:]
+    return completed, document
+
+
+def test_a_short_batch_flag_is_found_and_searched(tmp_path):
+    """imagenet's `-b/--batch-size`, invoked as `-b 64`: the search rewrites
+    `-b`, and the snippet says `-b N`."""
+    script = SCRIPTS / "opts_short_batch_flag.py"
+    completed, document = run_search(tmp_path, "short", "1.02MiB", script, ["-b", "64"])
     assert document["script_option_aliases"]["-b"] == "--batch-size"
     search = document["replay"]["batch_search"]
     assert search["source"] == "-b" and search["original_batch_size"] == 64, search
@@ -63,15 +70,13 @@ def test_a_configurator_scripts_options_are_written_key_equals_value(tmp_path):
     `--batch_size=N`; the snippets and the prescription's command say
     `--batch_size=N --gradient_accumulation_steps=K` and keep the file."""
     script, config = CONFIGURATOR / "train.py", CONFIGURATOR / "config" / "tiny.py"
-    completed, document = run_capped(
-        tmp_path / "configurator.json",
+    completed, document = run_search(
+        tmp_path,
+        "configurator",
         "2.45MiB",
         script,
         [config, "--batch_size=16", "--gradient_accumulation_steps=2"],
-        ["--fixes", "smaller_batch"],
-        cwd=tmp_path,
     )
-    assert document["outcome"] == "oom", completed.stderr[-3000:]
     assert document["script_option_syntax"] == "configurator"
     assert {"--batch_size", "--gradient_accumulation_steps"} <= set(document["script_options"])
     search = document["replay"]["batch_search"]
@@ -94,6 +99,32 @@ def test_a_configurator_scripts_options_are_written_key_equals_value(tmp_path):
     assert " --batch_size " not in completed.stderr and "--batch_size=" in completed.stderr
     run = largest_batch_is_exact(
         tmp_path, "2.45MiB", script, lambda batch: [config, f"--batch_size={batch}"]
+    )
+    assert run(maximum) == (0, "ok")
+    assert run(maximum + 1) == (1, "oom")
+
+
+def test_a_script_without_an_optimizer_gets_its_own_update_accumulated(tmp_path):
+    """word_language_model's idiom: `--batch_size 20`, no optimizer, the
+    parameters updated by hand. It fails in its first forward (no backward
+    seen), so its update is learned from the search's replays; the
+    accumulation snippets show that update and `model.zero_grad()` every
+    K micro-batches, never `optimizer.step()`."""
+    script = SCRIPTS / "opts_manual_sgd.py"
+    completed, document = run_search(tmp_path, "manual", "1.12MiB", script, ["--batch_size", "20"])
+    assert document["optimizers"] == []
+    search = document["replay"]["batch_search"]
+    assert search["source"] == "--batch_size", search
+    maximum = document["max_batch_size"]
+    assert isinstance(maximum, int) and 1 < maximum < 20, search
+    smaller = next(fix for fix in document["fixes"] if fix["name"] == "smaller_batch")
+    for snippet in (smaller["snippet"], document["prescription"]["snippet"]):
+        assert "optimizer" not in snippet.replace("has no optimizer", ""), snippet
+        assert "p.data.add_(p.grad, alpha=-lr)" in snippet and "model.zero_grad()" in snippet
+        assert "/ accumulation_steps" in snippet
+    assert "optimizer.step()" not in completed.stderr
+    run = largest_batch_is_exact(
+        tmp_path, "1.12MiB", script, lambda batch: ["--batch_size", str(batch)]
     )
     assert run(maximum) == (0, "ok")
     assert run(maximum + 1) == (1, "oom")

@@ -46,8 +46,7 @@ class SmallerBatch(Fix):
             "    loss = loss_fn(model(x), y) / accumulation_steps\n"
             "    loss.backward()\n"
             "    if (i + 1) % accumulation_steps == 0:\n"
-            "        optimizer.step()\n"
-            "        optimizer.zero_grad(set_to_none=True)"
+            + "\n".join(update_lines(context, "        "))
         )
 
     def estimate(self, snapshot: Snapshot) -> Optional[Effect]:
@@ -112,6 +111,28 @@ class SmallerBatch(Fix):
 
         init.__wrapped__ = original_init  # type: ignore[attr-defined]
         loader_class.__init__ = init  # type: ignore[method-assign]
+
+
+def update_lines(context: dict, indent: str, scaled: bool = False) -> list[str]:
+    """The update every `accumulation_steps` micro-batches: the optimizer's
+    step, or for a script without one (context `update` `manual`) its own
+    update by hand and `model.zero_grad()`."""
+    if context.get("update") == "manual":
+        lines = [
+            "# your own update, as before (the script has no optimizer), e.g.",
+            "for p in model.parameters():",
+            "    p.data.add_(p.grad, alpha=-lr)",
+            "model.zero_grad()",
+        ]
+    elif scaled:
+        lines = [
+            "scaler.step(optimizer)",
+            "scaler.update()",
+            "optimizer.zero_grad(set_to_none=True)",
+        ]
+    else:
+        lines = ["optimizer.step()", "optimizer.zero_grad(set_to_none=True)"]
+    return [indent + line for line in lines]
 
 
 def accumulate(steps: int, record: dict) -> None:

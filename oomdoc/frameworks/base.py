@@ -17,6 +17,7 @@ The `context` every method takes is a plain dict; each key is optional:
 | `optimizer` | lighter_optimizer: the optimizer measured (`Adafactor`) |
 | `entry`, `module`, `version` | the snapshot's `framework.entry` (`Trainer`, `Fabric`, ...), import name and version |
 | `command` | the snapshot's `command`: `[SCRIPT, *ARGS]` or `["-m", MODULE, *ARGS]` |
+| `update` | how the script updates its parameters: `optimizer`, `manual` (by hand, no optimizer) or None (unknown) |
 | `script_options`, `script_option_values`, `script_option_aliases` | the snapshot's keys of the same names |
 
 Torch-free: the parent imports this.

@@ -1213,6 +1213,7 @@ def smaller_batch_result(
             "micro_batch": micro,
             "accumulation_steps": steps,
             "how": how if how.startswith("-") else "batch_size",
+            "update": parameter_update(snapshot, search),
         },
     )
     result = result_from(best.replay, fix, detail, snippet)
@@ -1223,6 +1224,18 @@ def smaller_batch_result(
         # Accumulation processes the original batch in `steps` micro-steps.
         result.step_time_ratio = round(steps * best.step_s * (micro / maximum) / reference_s, 3)
     return result
+
+
+def parameter_update(
+    snapshot: Snapshot, search: Optional[batch_model.SearchResult]
+) -> Optional[str]:
+    """How the script updates its parameters (Snapshot.parameter_update):
+    as the failing run showed, else as the largest fitting batch's replay
+    did (a run that failed in its first forward ran no backward)."""
+    best = search.best_run if search is not None else None
+    replay = getattr(best, "replay", None)
+    capture = replay.capture if replay is not None else None
+    return snapshot.parameter_update or (capture.parameter_update if capture else None)
 
 
 def static_breakdown(snapshot: Snapshot, replayer: Replayer) -> Breakdown:
@@ -1642,6 +1655,7 @@ def prescription_context(
     what their replays learned, for the framework units."""
     changes = list(prescription.fixes)
     context = context_from_snapshot(snapshot)
+    context["update"] = parameter_update(snapshot, state.search)
     for name in prescription.fixes:
         context.update(state.contexts.get(name) or {})
     if prescription.batch_size and prescription.accumulation_steps > 1:
