@@ -11,6 +11,7 @@ from typing import Annotated, List, Optional
 import typer
 
 from oomdoc.errors import UsageError
+from oomdoc.script_flags import listed
 from oomdoc.sizes import parse_size
 from oomdoc.snapshot import SnapshotError
 
@@ -136,7 +137,7 @@ def run(
         None,
         "--batch-arg",
         metavar="FLAG",
-        help="The script's batch-size flag, if not --batch-size/--batch_size/--bs/--per_device_train_batch_size.",
+        help=f"The script's batch-size flag, if not one of {listed()}.",
     ),
     html: Optional[str] = typer.Option(
         None,

@@ -553,6 +553,13 @@ class Snapshot:
     modules: List[ModuleUsage] = field(default_factory=list)
     framework: Optional[Framework] = None
     script_options: List[str] = field(default_factory=list)
+    # How the script takes its options (oomdoc.script_flags): `argparse`
+    # (`--key value`, `--key=value`, short flags) or `configurator` (only
+    # `--key=value`, each key a global of the script's module); None: unknown.
+    script_option_syntax: Optional[str] = None
+    # Each other spelling of a declared option to the option's name, its
+    # first long spelling (argparse `-b/--batch-size`: {"-b": "--batch-size"}).
+    script_option_aliases: Dict[str, str] = field(default_factory=dict)
     # Heavy installed packages the script imported, in import order.
     imported_packages: List[str] = field(default_factory=list)
     prescription: Optional[Prescription] = None
@@ -623,6 +630,18 @@ class Snapshot:
             return self.oom.step
         if self.breakdown_at == "peak" and self.peak is not None:
             return self.peak.step
+        return None
+
+    @property
+    def parameter_update(self) -> Optional[str]:
+        """How the script updates its parameters: `optimizer` (it created a
+        torch.optim optimizer), `manual` (backward passes ran and no
+        optimizer was created: it updates them by hand), None when unknown
+        (no backward ran before the run ended)."""
+        if self.optimizers:
+            return "optimizer"
+        if any(step.backward_calls for step in self.steps):
+            return "manual"
         return None
 
     @property

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import os
 import sys
 
 import pytest
@@ -481,6 +482,33 @@ def test_steps_flag_is_raised_for_replays_with_accumulation():
     assert accumulation_on_command_line(["--batch-size", "4"], options) == 1
 
 
+def test_short_options_with_their_value_attached():
+    """argparse takes `-b 64`, `-b64` and `-b=64`: each is found and
+    rewritten in its own form."""
+    assert find_option(["-b64", "--x", "1"], "-b") == (0, "64")
+    assert find_option(["-b", "64"], "-b") == (0, "64")
+    assert find_option(["-b=64"], "-b") == (0, "64")
+    assert find_option(["--bs", "64"], "-b") is None
+    assert with_option(["-b64", "--x", "1"], "-b", "16") == ["-b16", "--x", "1"]
+    assert with_option(["-b", "64"], "-b", "16") == ["-b", "16"]
+    assert with_option(["-b=64"], "-b", "16") == ["-b=16"]
+
+
+def test_the_accumulation_variant_of_a_short_batch_flag():
+    """A script invoked as `-b64` that declares `-b/--batch-size` and an
+    accumulation flag: the batch is rewritten in place."""
+    context = {
+        "micro_batch": 16,
+        "accumulation_steps": 4,
+        "how": "-b",
+        "script_option_values": {"-b": [], "--batch-size": [], "--accum-steps": []},
+        "script_option_aliases": {"-b": "--batch-size"},
+    }
+    options = ["-b", "--batch-size", "--accum-steps"]
+    variant = Plain().flag_variant("smaller_batch", ["-b64"], options, context)
+    assert variant == ["-b16", "--accum-steps", "4"]
+
+
 def test_option_helpers():
     assert find_option(["--a", "1", "--b"], "--a") == (0, "1")
     assert find_option(["--a=1"], "--a") == (0, "1")
@@ -553,6 +581,7 @@ def test_argparse_is_recorded_and_unchanged(detector, monkeypatch):
         "-b": [],
         "--precision": ["32", "bf16"],
     }
+    assert keys["script_option_aliases"] == {"-b": "--batch-size"}
     assert keys["framework"] == {
         "name": "plain",
         "entry": None,
@@ -809,3 +838,77 @@ def test_checkpointing_snippets_loop_over_every_run_of_blocks_wrapped():
     assert text.count("x = checkpoint(block, x, use_reentrant=False)") == 4
     inside = Lightning().snippet("checkpointing", {**context, "entry": "Trainer"})
     assert "        for block in self.layer4:  # Bottleneck x 3" in inside
+
+
+def test_a_configurators_globals_are_its_options(detector):
+    """No parser read the command line and each `--key=value` names a plain
+    global of the script's module: each such global is an option, written
+    `--key=value` only."""
+    detector, _ = detector
+    namespace = {"batch_size": 12, "lr": 1e-3, "compile": False, "out": "x", "_p": 1, "os": os}
+    detector.learn_configurator(namespace, ["cfg.py", "--batch_size=4"])
+    keys = detector.capture()
+    assert keys["script_option_syntax"] == "configurator"
+    assert keys["script_options"] == ["--batch_size", "--lr", "--compile", "--out"]
+    assert set(keys["script_option_values"]) == set(keys["script_options"])
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--batch_size", "4"], ["--batch_size=4", "--unknown=1"], ["--os=1"], []],
+)
+def test_no_configurator_without_its_evidence(detector, argv):
+    detector, _ = detector
+    detector.learn_configurator({"batch_size": 12, "os": os}, argv)
+    assert detector.capture()["script_option_syntax"] is None
+    assert detector.capture()["script_options"] == []
+
+
+def test_a_configurator_script_gets_key_equals_value_everywhere():
+    """Options appended to a configurator script's command line are
+    `--key=value`; the positional configuration file stays."""
+    options = ["--batch_size", "--gradient_accumulation_steps", "--max_iters"]
+    context = {
+        "micro_batch": 4,
+        "accumulation_steps": 2,
+        "how": "--batch_size",
+        "script_option_values": {option: [] for option in options},
+        "script_option_syntax": "configurator",
+        "command": ["train.py", "config/x.py", "--batch_size=8"],
+        "script_options": options,
+    }
+    args = ["config/x.py", "--batch_size=8"]
+    variant = Plain().flag_variant("smaller_batch", args, options, context)
+    assert variant == ["config/x.py", "--batch_size=4", "--gradient_accumulation_steps=2"]
+    raised, _ = with_enough_steps(variant, options, context, 6)
+    assert raised[-1] == "--max_iters=6"
+    snippet = Plain().snippet("smaller_batch", context)
+    assert snippet.splitlines()[-1] == (
+        "python train.py config/x.py --batch_size=4 --gradient_accumulation_steps=2"
+    )
+    assert "optimizer.step()" not in snippet
+    head = Plain().snippet("smaller_batch", {**context, "script_options": []})
+    assert head.startswith("# --batch_size=4: 2 micro-batches of 4")
+
+
+def test_accumulation_snippets_of_a_script_that_updates_by_hand():
+    """No optimizer: the loop change keeps the script's own update and
+    zeroes the model's gradients every K micro-batches."""
+    context = {"micro_batch": 4, "accumulation_steps": 3, "update": "manual", "dtype": "float16"}
+    for snippet in (
+        Plain().snippet("smaller_batch", context),
+        Plain().prescription_snippet(["smaller_batch", "autocast"], context),
+    ):
+        assert "optimizer.step()" not in snippet and "scaler" not in snippet, snippet
+        assert "p.data.add_(p.grad, alpha=-lr)" in snippet
+        assert snippet.rstrip().endswith("model.zero_grad()")
+    assert "optimizer.step()" in Plain().snippet("smaller_batch", {**context, "update": None})
+
+
+def test_how_the_script_updates_its_parameters():
+    steps = [{"index": 0, "backward_calls": 1}]
+    assert Snapshot.from_dict({"steps": steps}).parameter_update == "manual"
+    assert Snapshot.from_dict({"steps": steps, "optimizers": ["SGD"]}).parameter_update == (
+        "optimizer"
+    )
+    assert Snapshot.from_dict({"steps": [{"index": 0}]}).parameter_update is None

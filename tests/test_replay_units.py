@@ -21,8 +21,10 @@ from adapters import (
 
 from oomdoc.capture.tracker import checkpoint_targets
 from oomdoc.errors import UsageError
+from oomdoc.replay import orchestrate
 from oomdoc.replay.orchestrate import check_replay_options, find_batch_arg, with_batch_size
 from oomdoc.replay.progress import Progress
+from oomdoc.script_flags import BATCH_FLAGS, LONG_BATCH_FLAGS, batch_flags
 from oomdoc.snapshot import SnapshotError, validate
 
 MiB = 1024**2
@@ -60,6 +62,52 @@ def test_fix_names():
 )
 def test_find_batch_arg(args, flag, expected):
     assert find_batch_arg(args, flag) == expected
+
+
+@pytest.mark.parametrize("flag", LONG_BATCH_FLAGS)
+def test_every_long_batch_flag_of_the_one_list_is_found(flag):
+    assert find_batch_arg(["--steps", "3", flag, "8"]) == (3, flag, 8)
+    assert find_batch_arg([f"{flag}=8"]) == (0, flag, 8)
+
+
+def test_one_list_of_batch_flags_for_the_search_the_units_and_the_help():
+    """The batch search, the framework units and `oomdoc run --help` read
+    the same list (issue 27: two lists disagreed, 4 flags against 8)."""
+    import typer.main
+
+    from oomdoc.cli import app
+    from oomdoc.frameworks import base
+
+    assert getattr(base, "BATCH_FLAGS", BATCH_FLAGS) is BATCH_FLAGS
+    assert not hasattr(orchestrate, "BATCH_FLAGS")
+    assert {"-b", "--batch_size", "--batch-size", "--bs", "--train_batch_size"} <= set(BATCH_FLAGS)
+    assert {"--per_device_train_batch_size", "--micro_batch_size"} <= set(BATCH_FLAGS)
+    run = typer.main.get_command(app).commands["run"]  # type: ignore[attr-defined]
+    (batch_arg,) = [param for param in run.params if "--batch-arg" in param.opts]
+    assert all(flag in batch_arg.help for flag in BATCH_FLAGS), batch_arg.help
+
+
+@pytest.mark.parametrize(
+    "args", [["-b", "64"], ["-b64"], ["-b=64"], ["--batch-size", "64"], ["--batch-size=64"]]
+)
+def test_a_short_batch_flag_the_script_declares_is_found_in_every_form(args):
+    """imagenet's `-b/--batch-size`: all that argparse takes is found, and
+    rewritten in its own form."""
+    flags = batch_flags(["-b", "--batch-size", "--lr"], {"-b": "--batch-size"})
+    position, flag, value = find_batch_arg(["--lr", "0.1", *args], None, flags)
+    assert value == 64 and flag in ("-b", "--batch-size")
+    rewritten = with_batch_size(["--lr", "0.1", *args], position, flag, 8)
+    assert rewritten == ["--lr", "0.1", *[arg.replace("64", "8") for arg in args]]
+
+
+def test_a_short_flag_counts_only_for_a_batch_size():
+    assert "-b" not in batch_flags(["-b", "--bits"], {"-b": "--bits"})
+    assert "-b" not in batch_flags([], {})
+    assert "-b" in batch_flags(["-b"], {})
+    assert "-B" in batch_flags(["-B", "--batch_size"], {"-B": "--batch_size"})
+    assert (
+        find_batch_arg(["-b", "4"], None, batch_flags(["-b", "--bits"], {"-b": "--bits"})) is None
+    )
 
 
 def test_with_batch_size_keeps_the_form():

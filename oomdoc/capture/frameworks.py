@@ -14,6 +14,10 @@ wrappers it puts around the model, and for live `Trainer`/`Fabric`/
 The command-line options come from `argparse`: every parser that parses
 `sys.argv` (the script's own, `HfArgumentParser`, a LightningCLI built on
 argparse) is recorded just before it parses; nothing it returns changes.
+A script that no parser reads, whose `--key=value` arguments each name a
+global of its module (a configurator exec'd over its globals, as nanoGPT's
+`configurator.py`), takes `--NAME=value` for each plain global: they are
+read at the first model call, the configuration done by then.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ import dataclasses
 import functools
 import os
 import sys
+
+from oomdoc.script_flags import ARGPARSE, CONFIGURATOR
 
 # Path fragments of a framework's own training code, as (fragment, name,
 # entry). A frame whose file contains the fragment is the framework driving
@@ -82,6 +88,8 @@ class FrameworkDetector:
         self.done = False
         self.options: list[str] = []
         self.option_values: dict[str, list[str]] = {}
+        self.aliases: dict[str, str] = {}
+        self.syntax: str | None = None  # `argparse` or `configurator`
         self.dataclasses: dict[str, list[str]] = {}
         self._seen: set[str] = set()
         self._parsers: set[int] = set()
@@ -142,16 +150,24 @@ class FrameworkDetector:
     def record_parser(self, parser: argparse.ArgumentParser) -> None:
         """The option strings of a parser that reads the command line (help
         and version left out), which of them need a value (with their choices),
-        and an HfArgumentParser's dataclass fields."""
+        each other spelling's option (`-b` of `-b/--batch-size`), and an
+        HfArgumentParser's dataclass fields."""
         if id(parser) in self._parsers:
             return
         self._parsers.add(id(parser))
+        self.syntax = ARGPARSE
         for action in parser._actions:
             if isinstance(action, (argparse._HelpAction, argparse._VersionAction)):
                 continue
+            name = next(
+                (option for option in action.option_strings if option.startswith("--")),
+                action.option_strings[0] if action.option_strings else None,
+            )
             for option in action.option_strings:
                 if option not in self.options:
                     self.options.append(option)
+                if option != name and name is not None:
+                    self.aliases.setdefault(option, name)
                 if action.nargs not in (0, "?") and option not in self.option_values:
                     choices = action.choices
                     self.option_values[option] = (
@@ -165,11 +181,35 @@ class FrameworkDetector:
                     f.name for f in dataclasses.fields(dataclass_type) if f.init
                 ]
 
+    # ------------------------------------------------------------ configurator
+    def learn_configurator(self, namespace: dict, argv: list[str]) -> None:
+        """A configurator script's options: when no parser read the command
+        line and each `--key=value` on it names a plain global of the
+        script's module (`namespace`), every such global is an option
+        `--NAME` that takes its value as `--NAME=value` only."""
+        if self.syntax is not None:
+            return
+        keys = [arg[2:].split("=", 1)[0] for arg in argv if arg.startswith("--") and "=" in arg]
+        if not keys or not all(_is_setting(namespace, key) for key in keys):
+            return
+        self.syntax = CONFIGURATOR
+        for name in list(namespace):
+            option = f"--{name}"
+            if _is_setting(namespace, name) and option not in self.options:
+                self.options.append(option)
+                self.option_values[option] = []
+
     # ------------------------------------------------------------ evidence
     def _on_forward(self, module) -> None:
         if self.done or "forward" in self._seen:
             return
         self._seen.add("forward")
+        try:
+            main = sys.modules.get("__main__")
+            if main is not None:
+                self.learn_configurator(vars(main), sys.argv[1:])
+        except Exception:
+            pass  # best effort, like the rest of the detection
         self._observe_module(module)
         self._observe("forward", sys._getframe(1))
 
@@ -247,7 +287,8 @@ class FrameworkDetector:
     # ------------------------------------------------------------ result
     def capture(self) -> dict:
         """The capture keys: `framework`, `script_options`,
-        `script_option_values` and `script_dataclasses`."""
+        `script_option_values`, `script_option_aliases`,
+        `script_option_syntax` and `script_dataclasses`."""
         found = self.found or {"name": "plain", "entry": None, "module": None, "seen_at": None}
         framework = dict(found)
         framework["version"] = _version_of(found["name"], found.get("module"))
@@ -255,8 +296,19 @@ class FrameworkDetector:
             "framework": framework,
             "script_options": list(self.options),
             "script_option_values": dict(self.option_values),
+            "script_option_aliases": dict(self.aliases),
+            "script_option_syntax": self.syntax,
             "script_dataclasses": dict(self.dataclasses),
         }
+
+
+def _is_setting(namespace: dict, name: str) -> bool:
+    """A plain global a configurator can set: a public int, float, bool or str."""
+    return (
+        name.isidentifier()
+        and not name.startswith("_")
+        and type(namespace.get(name)) in (int, float, bool, str)
+    )
 
 
 def parses_command_line(given, argv: list[str]) -> bool:

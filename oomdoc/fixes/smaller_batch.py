@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 from oomdoc.fixes.base import Effect, Fix
 from oomdoc.model import Snapshot
+from oomdoc.script_flags import spelled
 from oomdoc.sizes import format_bytes
 
 FACTOR = 0.5  # half the batch, two accumulation steps
@@ -31,9 +32,11 @@ class SmallerBatch(Fix):
     def snippet(self, context: dict) -> str:
         if context.get("micro_batch"):
             micro, steps = context["micro_batch"], context["accumulation_steps"]
-            how = context.get("how", "batch_size")
+            how = spelled(
+                context.get("how", "batch_size"), micro, context.get("script_option_syntax")
+            )
             head = (
-                f"# {how} {micro}: {steps} micro-batches of {micro} keep the effective batch at {micro * steps}\n"
+                f"# {how}: {steps} micro-batches of {micro} keep the effective batch at {micro * steps}\n"
                 f"accumulation_steps = {steps}\n"
             )
         else:
@@ -43,8 +46,7 @@ class SmallerBatch(Fix):
             "    loss = loss_fn(model(x), y) / accumulation_steps\n"
             "    loss.backward()\n"
             "    if (i + 1) % accumulation_steps == 0:\n"
-            "        optimizer.step()\n"
-            "        optimizer.zero_grad(set_to_none=True)"
+            + "\n".join(update_lines(context, "        "))
         )
 
     def estimate(self, snapshot: Snapshot) -> Optional[Effect]:
@@ -109,6 +111,28 @@ class SmallerBatch(Fix):
 
         init.__wrapped__ = original_init  # type: ignore[attr-defined]
         loader_class.__init__ = init  # type: ignore[method-assign]
+
+
+def update_lines(context: dict, indent: str, scaled: bool = False) -> list[str]:
+    """The update every `accumulation_steps` micro-batches: the optimizer's
+    step, or for a script without one (context `update` `manual`) its own
+    update by hand and `model.zero_grad()`."""
+    if context.get("update") == "manual":
+        lines = [
+            "# your own update, as before (the script has no optimizer), e.g.",
+            "for p in model.parameters():",
+            "    p.data.add_(p.grad, alpha=-lr)",
+            "model.zero_grad()",
+        ]
+    elif scaled:
+        lines = [
+            "scaler.step(optimizer)",
+            "scaler.update()",
+            "optimizer.zero_grad(set_to_none=True)",
+        ]
+    else:
+        lines = ["optimizer.step()", "optimizer.zero_grad(set_to_none=True)"]
+    return [indent + line for line in lines]
 
 
 def accumulate(steps: int, record: dict) -> None:

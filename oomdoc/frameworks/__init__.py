@@ -34,6 +34,7 @@ def framework_for(name: str | None) -> Framework:
 def context_from_snapshot(snapshot: Snapshot) -> dict:
     """The part of a unit's context that the snapshot itself holds: the
     framework's entry and import name, the command, the script's options,
+    how it updates its parameters (`update`: `optimizer`, `manual` or None),
     and the autocast device and dtype the replays use."""
     framework = snapshot.framework
     device = snapshot.device
@@ -45,6 +46,9 @@ def context_from_snapshot(snapshot: Snapshot) -> dict:
         "command": list(snapshot.command),
         "script_options": list(snapshot.script_options),
         "script_option_values": dict(values) if isinstance(values, dict) else {},
+        "script_option_aliases": dict(snapshot.script_option_aliases),
+        "script_option_syntax": snapshot.script_option_syntax,
+        "update": snapshot.parameter_update,
         "device_type": "cuda" if device.on_cuda else "cpu",
         "dtype": "bfloat16" if (not device.on_cuda or device.supports_bf16) else "float16",
     }

@@ -17,7 +17,8 @@ The `context` every method takes is a plain dict; each key is optional:
 | `optimizer` | lighter_optimizer: the optimizer measured (`Adafactor`) |
 | `entry`, `module`, `version` | the snapshot's `framework.entry` (`Trainer`, `Fabric`, ...), import name and version |
 | `command` | the snapshot's `command`: `[SCRIPT, *ARGS]` or `["-m", MODULE, *ARGS]` |
-| `script_options`, `script_option_values` | the snapshot's keys of the same names |
+| `update` | how the script updates its parameters: `optimizer`, `manual` (by hand, no optimizer) or None (unknown) |
+| `script_options`, `script_option_values`, `script_option_aliases` | the snapshot's keys of the same names |
 
 Torch-free: the parent imports this.
 """
@@ -25,6 +26,8 @@ Torch-free: the parent imports this.
 from __future__ import annotations
 
 import shlex
+
+from oomdoc.script_flags import batch_flags, equals_only, is_short
 
 FIX_NAMES = (
     "smaller_batch",
@@ -38,16 +41,6 @@ EXPANDABLE_ENV = "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
 
 # Command-line flags scripts commonly declare for each fix, most specific
 # first. A flag is used only when the script declares it (`script_options`).
-BATCH_FLAGS = (
-    "--per_device_train_batch_size",
-    "--per-device-train-batch-size",
-    "--batch-size",
-    "--batch_size",
-    "--bs",
-    "--micro-batch-size",
-    "--micro_batch_size",
-    "--data.batch_size",
-)
 ACCUMULATION_FLAGS = (
     "--gradient_accumulation_steps",
     "--gradient-accumulation-steps",
@@ -214,7 +207,7 @@ def choices_of(option: str, context: dict) -> list[str]:
 
 def find_option(args: list[str], option: str) -> tuple[int, str | None] | None:
     """(index, value or None) of the last `option` in args, as `--x v`,
-    `--x=v` or a bare `--x` (value None)."""
+    `--x=v`, a bare `--x` (value None), or for a short option `-x5`."""
     found = None
     for index, arg in enumerate(args):
         if arg == option:
@@ -222,19 +215,29 @@ def find_option(args: list[str], option: str) -> tuple[int, str | None] | None:
             found = (index, None if value is None or value.startswith("--") else value)
         elif arg.startswith(option + "="):
             found = (index, arg[len(option) + 1 :])
+        elif is_short(option) and arg.startswith(option) and not arg.startswith("--"):
+            found = (index, arg[len(option) :])
     return found
 
 
-def with_option(args: list[str], option: str, value: str | None = None) -> list[str]:
+def with_option(
+    args: list[str], option: str, value: str | None = None, syntax: str | None = None
+) -> list[str]:
     """args with `option` set to `value` (a bare switch when None): an
-    occurrence already there is rewritten, else the option is appended."""
+    occurrence already there is rewritten in its form, else the option is
+    appended, as `--key=value` where the script takes only that (`syntax`,
+    the snapshot's `script_option_syntax`)."""
     rewritten = list(args)
     found = find_option(rewritten, option)
     if found is None:
+        if value is not None and equals_only(syntax):
+            return [*rewritten, f"{option}={value}"]
         return [*rewritten, option] + ([] if value is None else [value])
     index, old = found
     if rewritten[index].startswith(option + "="):
         rewritten[index] = option if value is None else f"{option}={value}"
+    elif rewritten[index] != option:  # a short option's attached value: -b64
+        rewritten[index] = option + (value or "")
     elif old is not None:
         if value is None:
             del rewritten[index + 1]
@@ -282,6 +285,7 @@ def with_enough_steps(
     """args with the script's steps flag (`--max_steps`, `--steps`, ...)
     raised to `needed` when it is below that or not given (its default is
     unknown), and a sentence saying so; unchanged without such a flag."""
+    syntax = context.get("script_option_syntax")
     for option in STEPS_FLAGS:
         if option not in (script_options or ()) or not takes_value(option, context):
             continue
@@ -290,14 +294,16 @@ def with_enough_steps(
         if value is not None and value.lstrip("-").isdigit() and int(value) >= needed:
             return args, None
         was = f"from {value}" if value is not None else "(not on the command line)"
-        return with_option(args, option, str(needed)), f"{option} raised to {needed} {was}"
+        return with_option(args, option, str(needed), syntax), f"{option} raised to {needed} {was}"
     return args, None
 
 
 def generic_flag_variant(
     fix: str, args: list[str], script_options, context: dict, dtype_defaults: dict
 ) -> list[str] | None:
-    """The argparse flags a script commonly declares for a fix."""
+    """The flags a script commonly declares for a fix, written as the
+    script takes them (context's `script_option_syntax`)."""
+    syntax = context.get("script_option_syntax")
     if fix == "checkpointing":
         for option in CHECKPOINTING_FLAGS:
             if option in (script_options or ()) and not takes_value(option, context):
@@ -320,20 +326,27 @@ def generic_flag_variant(
             found = find_option(args, option)
             if found is not None and found[1] == value:
                 return None
-            return with_option(args, option, value)
+            return with_option(args, option, value, syntax)
         return None
     if fix == "smaller_batch":
         micro, steps = context.get("micro_batch"), context.get("accumulation_steps")
         how = context.get("how") or ""
-        batch_flag = how if how.startswith("-") else declared(script_options, *BATCH_FLAGS)
+        batch_flag = (
+            how
+            if how.startswith("-")
+            else declared(
+                script_options,
+                *batch_flags(script_options, context.get("script_option_aliases")),
+            )
+        )
         accumulation_flag = declared(script_options, *ACCUMULATION_FLAGS)
         if not micro or not steps or not batch_flag or not accumulation_flag:
             return None
         if batch_flag not in (script_options or ()) and find_option(args, batch_flag) is None:
             return None
         already = accumulation_on_command_line(args, script_options)
-        variant = with_option(args, batch_flag, str(micro))
-        return with_option(variant, accumulation_flag, str(already * steps))
+        variant = with_option(args, batch_flag, str(micro), syntax)
+        return with_option(variant, accumulation_flag, str(already * steps), syntax)
     if fix == "lighter_optimizer":
         wanted = str(context.get("optimizer") or "Adafactor").lower()
         for option in OPTIMIZER_FLAGS:
@@ -344,7 +357,7 @@ def generic_flag_variant(
             if value is None:
                 continue
             found = find_option(args, option)
-            return None if found and found[1] == value else with_option(args, option, value)
+            return None if found and found[1] == value else with_option(args, option, value, syntax)
         return None
     if fix == "empty_cache":
         switch = declared(script_options, *EMPTY_CACHE_FLAGS)

@@ -4,6 +4,7 @@ snippets, unchanged), and the script's own argparse flags where it has them."""
 from __future__ import annotations
 
 from oomdoc.fixes import fix_named
+from oomdoc.fixes.smaller_batch import update_lines
 from oomdoc.frameworks.base import EXPANDABLE_ENV, Framework, effective_batch_comment
 
 
@@ -51,6 +52,15 @@ class Plain(Framework):
         parts = fix.split("+")
         if len(parts) > 1:
             return "\n\n".join(f"# {part}\n{self.snippet(part, context)}" for part in parts)
+        if fix == "smaller_batch":
+            # A script with its own accumulation option needs no loop change.
+            own = self.command_with_flags([fix], context)
+            if own is not None:
+                micro, steps = context.get("micro_batch"), context.get("accumulation_steps")
+                return (
+                    f"# with your script's own options: micro-batches of {micro} and "
+                    f"{steps} times the accumulation keep the effective batch\n{own}"
+                )
         return catalogue_snippet(fix, context)
 
     def prescription_snippet(self, fixes: list[str], context: dict) -> str:
@@ -79,7 +89,13 @@ class Plain(Framework):
                 f"accumulation_steps = {steps}"
                 + (f"  # batch size {micro}: {comment}" if comment else "")
             )
-        if "autocast" in fixes and context.get("dtype") == "float16":
+        # GradScaler steps an optimizer: a script updating by hand goes without.
+        scaled = (
+            "autocast" in fixes
+            and context.get("dtype") == "float16"
+            and context.get("update") != "manual"
+        )
+        if scaled:
             loop.append("scaler = torch.amp.GradScaler()  # float16 needs loss scaling")
         loop.append("for i, (x, y) in enumerate(loader):")
         body = "loss = loss_fn(model(x), y)" + (" / accumulation_steps" if accumulate else "")
@@ -92,17 +108,12 @@ class Plain(Framework):
             loop.append(f"        {body}")
         else:
             loop.append(f"    {body}")
-        scaled = "autocast" in fixes and context.get("dtype") == "float16"
         loop.append("    scaler.scale(loss).backward()" if scaled else "    loss.backward()")
         indent = "    "
         if accumulate:
             loop.append("    if (i + 1) % accumulation_steps == 0:")
             indent = "        "
-        if scaled:
-            loop += [f"{indent}scaler.step(optimizer)", f"{indent}scaler.update()"]
-        else:
-            loop.append(f"{indent}optimizer.step()")
-        loop.append(f"{indent}optimizer.zero_grad(set_to_none=True)")
+        loop += update_lines(context, indent, scaled)
         if "empty_cache" in fixes:
             loop.append(f"{indent}torch.cuda.empty_cache()")
         lines.append("\n".join(loop))

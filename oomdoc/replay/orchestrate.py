@@ -57,9 +57,9 @@ from oomdoc.replay.lanes import (
 from oomdoc.replay.progress import Progress
 from oomdoc.replay.rank import best_pair
 from oomdoc.runner import ChildRequest, ChildResult, ChildSignals, WarmPool, run_child
+from oomdoc.script_flags import LONG_BATCH_FLAGS, batch_flags, is_short, listed, spelled
 from oomdoc.sizes import format_bytes
 
-BATCH_FLAGS = ("--batch-size", "--batch_size", "--bs", "--per_device_train_batch_size")
 MIN_REPLAY_TIMEOUT_S = 120.0
 # Under a leak, replays run this many steps: enough to see whether memory
 # still grows per step (and by how much), far fewer than the failing run.
@@ -132,26 +132,41 @@ def check_replay_options(
     return parse_fix_names(names)
 
 
-def find_batch_arg(args: list[str], flag: str | None = None) -> tuple[int, str, int] | None:
+def find_batch_arg(
+    args: list[str], flag: str | None = None, flags: tuple[str, ...] = LONG_BATCH_FLAGS
+) -> tuple[int, str, int] | None:
     """(index of the value, flag, batch size) of the last batch-size flag on
-    the command line, as `--batch-size 64` or `--batch-size=64`."""
-    flags = (flag,) if flag else BATCH_FLAGS
+    the command line (`flag`, else one of `flags`), as `--batch-size 64`,
+    `--batch-size=64`, or for a short flag also `-b64`."""
+    names = (flag,) if flag else flags
     found = None
     for index, arg in enumerate(args):
-        for name in flags:
+        for name in names:
             if arg == name and index + 1 < len(args) and args[index + 1].isdigit():
                 found = (index + 1, name, int(args[index + 1]))
             elif arg.startswith(name + "=") and arg[len(name) + 1 :].isdigit():
                 found = (index, name, int(arg[len(name) + 1 :]))
+            elif is_short(name) and arg.startswith(name) and arg[len(name) :].isdigit():
+                found = (index, name, int(arg[len(name) :]))
     return found
 
 
 def with_batch_size(args: list[str], position: int, flag: str, batch_size: int) -> list[str]:
+    """args with the batch at `position` (find_batch_arg's) set, in its form."""
     rewritten = list(args)
-    rewritten[position] = (
-        f"{flag}={batch_size}" if rewritten[position].startswith(flag + "=") else str(batch_size)
-    )
+    current = rewritten[position]
+    if current.startswith(flag + "="):
+        rewritten[position] = f"{flag}={batch_size}"
+    elif is_short(flag) and current.startswith(flag):
+        rewritten[position] = f"{flag}{batch_size}"
+    else:
+        rewritten[position] = str(batch_size)
     return rewritten
+
+
+def script_batch_flags(snapshot: Snapshot) -> tuple[str, ...]:
+    """The batch flags looked for on the script's command line."""
+    return batch_flags(snapshot.script_options, snapshot.script_option_aliases)
 
 
 @dataclass
@@ -893,7 +908,11 @@ def batch_size_in(
     args with that flag rewritten, the flag), or (None, None)."""
     args = list(replayer.request.args)
     source = state.batch_info.get("source") or ""
-    found = find_batch_arg(args, replayer.options.batch_arg) if source.startswith("-") else None
+    found = (
+        find_batch_arg(args, replayer.options.batch_arg, script_batch_flags(replayer.snapshot))
+        if source.startswith("-")
+        else None
+    )
     if found is None:
         payload.update(
             batch_mode="dataloader", original_batch_size=state.batch_info.get("original_batch_size")
@@ -912,7 +931,11 @@ def saver_trial(
     request = fix.request(snapshot)
     payload = dict(request.payload, also=["smaller_batch"], batch_size=batch_size)
     args, flag = batch_size_in(replayer, state, payload, batch_size)
-    how = f"{flag} {batch_size}" if flag else f"DataLoader batch {batch_size}"
+    how = (
+        spelled(flag, batch_size, snapshot.script_option_syntax)
+        if flag
+        else f"DataLoader batch {batch_size}"
+    )
     return payload, f"{fix.name} ({how})", args, request.env
 
 
@@ -1054,7 +1077,7 @@ def search_batch(
     """The largest batch size that fits. Returns (search result or None,
     information for the report, reason when it could not be searched)."""
     args = list(replayer.request.args)
-    found = find_batch_arg(args, options.batch_arg)
+    found = find_batch_arg(args, options.batch_arg, script_batch_flags(snapshot))
     baseline = batch_model.observe(snapshot, 0)
     info: dict = {}
     if found is not None:
@@ -1065,7 +1088,7 @@ def search_batch(
             payload = {"name": "smaller_batch", "batch_mode": "argv", "batch_size": batch_size}
             replay = replayer.run(
                 payload,
-                f"smaller_batch ({flag} {batch_size})",
+                f"smaller_batch ({spelled(flag, batch_size, snapshot.script_option_syntax)})",
                 args=with_batch_size(args, position, flag, batch_size),
             )
             return to_batch_run(replay, batch_size)
@@ -1087,8 +1110,8 @@ def search_batch(
                 None,
                 info,
                 (
-                    "the script has no batch-size flag on its command line (--batch-size, --batch_size, --bs, "
-                    "--per_device_train_batch_size or one named with --batch-arg) and creates no DataLoader with a batch size"
+                    f"the script has no batch-size flag on its command line ({listed()}, "
+                    "or one named with --batch-arg) and creates no DataLoader with a batch size"
                 ),
             )
         if not record.get("original_batch_size") or not record.get("batch_size"):
@@ -1178,7 +1201,11 @@ def smaller_batch_result(
     assert maximum is not None
     micro, steps = batch_model.accumulation_plan(original, maximum)
     how = info.get("source", "batch size")
-    how_text = f"{how} {maximum}" if how.startswith("-") else f"DataLoader(batch_size={maximum})"
+    how_text = (
+        spelled(how, maximum, snapshot.script_option_syntax)
+        if how.startswith("-")
+        else f"DataLoader(batch_size={maximum})"
+    )
     exactness = (
         f"exact: {maximum + 1} ran out of memory"
         if search.exact
@@ -1195,6 +1222,7 @@ def smaller_batch_result(
             "micro_batch": micro,
             "accumulation_steps": steps,
             "how": how if how.startswith("-") else "batch_size",
+            "update": parameter_update(snapshot, search),
         },
     )
     result = result_from(best.replay, fix, detail, snippet)
@@ -1205,6 +1233,18 @@ def smaller_batch_result(
         # Accumulation processes the original batch in `steps` micro-steps.
         result.step_time_ratio = round(steps * best.step_s * (micro / maximum) / reference_s, 3)
     return result
+
+
+def parameter_update(
+    snapshot: Snapshot, search: Optional[batch_model.SearchResult]
+) -> Optional[str]:
+    """How the script updates its parameters (Snapshot.parameter_update):
+    as the failing run showed, else as the largest fitting batch's replay
+    did (a run that failed in its first forward ran no backward)."""
+    best = search.best_run if search is not None else None
+    replay = getattr(best, "replay", None)
+    capture = replay.capture if replay is not None else None
+    return snapshot.parameter_update or (capture.parameter_update if capture else None)
 
 
 def static_breakdown(snapshot: Snapshot, replayer: Replayer) -> Breakdown:
@@ -1624,6 +1664,7 @@ def prescription_context(
     what their replays learned, for the framework units."""
     changes = list(prescription.fixes)
     context = context_from_snapshot(snapshot)
+    context["update"] = parameter_update(snapshot, state.search)
     for name in prescription.fixes:
         context.update(state.contexts.get(name) or {})
     if prescription.batch_size and prescription.accumulation_steps > 1:

@@ -1,0 +1,73 @@
+"""The flags scripts commonly give a batch size: one list, read by the batch
+search (oomdoc.replay.orchestrate), the framework units (oomdoc.frameworks)
+and the CLI's help; and how a script takes its options (the snapshot's
+`script_option_syntax`), for every replay and snippet to write them so.
+Imports nothing: the CLI reads it at startup."""
+
+from __future__ import annotations
+
+# Most specific first: where a script declares several, the first is its
+# batch on one device. A short flag counts only as the script declares it,
+# as one spelling of a long batch flag (`-b`/`--batch-size`).
+BATCH_FLAGS = (
+    "--per_device_train_batch_size",
+    "--per-device-train-batch-size",
+    "--train_batch_size",
+    "--train-batch-size",
+    "--batch-size",
+    "--batch_size",
+    "--bs",
+    "--micro-batch-size",
+    "--micro_batch_size",
+    "--data.batch_size",
+    "-b",
+)
+LONG_BATCH_FLAGS = tuple(flag for flag in BATCH_FLAGS if flag.startswith("--"))
+
+# The snapshot's `script_option_syntax`: argparse takes `--key value`,
+# `--key=value` and short flags; a configurator (nanoGPT's configurator.py,
+# exec'd over the script's module globals) only `--key=value`.
+ARGPARSE = "argparse"
+CONFIGURATOR = "configurator"
+
+
+def listed(flags: tuple[str, ...] = BATCH_FLAGS) -> str:
+    """`--a, --b or -c`: the flags as a phrase."""
+    return ", ".join(flags[:-1]) + f" or {flags[-1]}" if len(flags) > 1 else "".join(flags)
+
+
+def batch_flags(script_options=(), aliases=None) -> tuple[str, ...]:
+    """A script's batch flags, most specific first: the long ones of
+    BATCH_FLAGS, then the short ones it declares for its batch size: `-b` of
+    `-b/--batch-size` or a `-b` of its own (not the `-b` of `-b/--bits`),
+    and any other short spelling of a long batch flag (`aliases`: the
+    snapshot's `script_option_aliases`)."""
+    aliases = aliases or {}
+    declared = set(script_options or ())
+    short = [
+        flag
+        for flag in BATCH_FLAGS
+        if not flag.startswith("--") and flag in declared and aliases.get(flag, flag) in BATCH_FLAGS
+    ]
+    short += [
+        spelling
+        for spelling, option in aliases.items()
+        if option in LONG_BATCH_FLAGS and is_short(spelling) and spelling not in short
+    ]
+    return LONG_BATCH_FLAGS + tuple(short)
+
+
+def is_short(option: str) -> bool:
+    """`-b`: one dash and one character, which argparse also takes with its
+    value attached (`-b64`)."""
+    return len(option) == 2 and option[0] == "-" and option[1] != "-"
+
+
+def equals_only(syntax: str | None) -> bool:
+    """Whether the script takes an option's value only as `--key=value`."""
+    return syntax == CONFIGURATOR
+
+
+def spelled(option: str, value: object, syntax: str | None = None) -> str:
+    """`--batch_size=4` for a configurator script, else `--batch-size 4`."""
+    return f"{option}={value}" if equals_only(syntax) else f"{option} {value}"
