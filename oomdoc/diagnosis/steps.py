@@ -70,10 +70,12 @@ def eval_steps(snapshot: Snapshot) -> tuple[list[Step], int]:
         if step.eval_mode_forward_calls_with_grad > 0:
             # A module in eval mode under autograd without a backward for it.
             unused = min(surplus, step.eval_mode_forward_calls_with_grad)
+        elif died_here:
+            # The training step may simply not have reached its backward (a
+            # script without an optimizer that dies in its first forward).
+            continue
         elif not any_backward and not has_optimizer:
             unused = surplus  # a pure evaluation script
-        elif died_here:
-            continue  # the training step may simply not have reached its backward
         elif step.backward_calls == 0 and any_backward:
             unused = surplus
         elif surplus > regular_surplus:

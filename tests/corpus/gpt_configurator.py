@@ -19,6 +19,7 @@ from ast import literal_eval
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
 
 # ----------------------------------------------------------------------------- config
 batch_size = 16
@@ -34,6 +35,8 @@ eval_interval = 4
 eval_iters = 2
 gradient_accumulation_steps = 2
 grad_clip = 1.0
+dtype = "float32"  # or "bfloat16": autocast, as nanoGPT's `ctx`
+use_checkpoint = False  # activation checkpointing of each block
 seed = 1337
 # the configurator: --key=value overrides of the globals above
 for arg in sys.argv[1:]:
@@ -121,7 +124,10 @@ class GPT(nn.Module):
         pos = torch.arange(idx.size(1), device=idx.device)
         x = self.wte(idx) + self.wpe(pos)
         for block in self.h:
-            x = block(x)
+            if use_checkpoint and torch.is_grad_enabled():
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         logits = self.lm_head(self.ln_f(x))
         loss = None
         if targets is not None:
@@ -139,6 +145,7 @@ class GPT(nn.Module):
 
 
 model = GPT().to(device)
+ctx = torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=dtype == "bfloat16")
 optimizer = model.configure_optimizers(0.1, learning_rate)
 
 
@@ -150,7 +157,8 @@ def estimate_loss():
         losses = torch.zeros(eval_iters)
         for k in range(eval_iters):
             X, Y = get_batch(split)
-            logits, loss = model(X, Y)
+            with ctx:
+                logits, loss = model(X, Y)
             losses[k] = loss.item()
         out[split] = losses.mean()
     model.train()
@@ -171,8 +179,9 @@ for iter_num in range(max_iters + 1):
     if iter_num == max_iters:
         break
     for _micro_step in range(gradient_accumulation_steps):
-        logits, loss = model(X, Y)
-        loss = loss / gradient_accumulation_steps
+        with ctx:
+            logits, loss = model(X, Y)
+            loss = loss / gradient_accumulation_steps
         X, Y = get_batch("train")
         loss.backward()
     if grad_clip != 0.0:

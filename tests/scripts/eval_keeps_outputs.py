@@ -24,8 +24,12 @@ torch.manual_seed(0)
 features = torch.randn(256, 64)
 labels = torch.randint(args.classes, (256,))
 train_loader = DataLoader(TensorDataset(features[:128], labels[:128]), batch_size=args.batch_size)
-val_loader = DataLoader(TensorDataset(features[128:], labels[128:]), batch_size=args.eval_batch_size)
-model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, args.classes), nn.LogSoftmax(dim=1))
+val_loader = DataLoader(
+    TensorDataset(features[128:], labels[128:]), batch_size=args.eval_batch_size
+)
+model = nn.Sequential(
+    nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, args.classes), nn.LogSoftmax(dim=1)
+)
 criterion = nn.NLLLoss()
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 

@@ -1,0 +1,207 @@
+"""The run model on scripts written in other people's idioms (tests/corpus,
+issue 23), end to end on the simulated device. Every claim a user acts on is
+checked against a plain capped run of the same script (`--no-replay`): the
+largest batch fits and one more runs out of memory, the prescription fits
+with its peak within 5% of the one reported."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import REPO_ROOT, SCRIPTS, run_capped, run_oomdoc
+
+CORPUS = REPO_ROOT / "tests" / "corpus"
+GPT = CORPUS / "gpt_configurator.py"
+WORD_LM = CORPUS / "word_lm_style.py"
+IMAGENET = CORPUS / "imagenet_style.py"
+
+
+def plain(tmp_path, capacity, script, args) -> dict:
+    """The script under the same cap without replays: its snapshot."""
+    name = "plain-" + "-".join(arg.strip("-").replace("=", "_") for arg in args)[:80]
+    _completed, document = run_capped(
+        tmp_path / f"{name}.json", capacity, script, args, ["--no-replay"], cwd=tmp_path
+    )
+    return document
+
+
+def diagnoses_of(path: Path) -> list[dict]:
+    """What `oomdoc suggest --format json` diagnoses from a snapshot."""
+    completed = run_oomdoc(["suggest", path, "--format", "json"])
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    return json.loads(completed.stdout)["diagnoses"]
+
+
+def peak_of(document: dict) -> int:
+    return document["peak"]["allocated_bytes"]
+
+
+def test_gpt_trainer_evaluating_at_iteration_0(tmp_path):
+    """nanoGPT's idiom: the optimizer exists before the loss is estimated at
+    iteration 0 under no_grad, so those calls are step 0's evaluation, the
+    OOM is in step 0's training forward, and the replays run into training.
+    Before, the 4 evaluation calls were steps 0-3, the OOM 'step 4', and the
+    reported largest batch (15) ran out of memory by hand."""
+    capacity = "48MiB"
+    completed, document = run_capped(
+        tmp_path / "gpt.json", capacity, GPT, ["--batch_size=32"], [], cwd=tmp_path
+    )
+    assert document["outcome"] == "oom", completed.stderr[-3000:]
+    assert document["step_unit"] == "optimizer"
+    assert (document["oom"]["step"], document["oom"]["phase"]) == (0, "forward")
+    first = document["steps"][0]
+    assert first["evaluation_calls"] == 4 and first["phase_peaks"]["evaluation"] > 0
+    maximum = document["max_batch_size"]
+    assert maximum is not None and maximum >= 1
+    assert plain(tmp_path, capacity, GPT, [f"--batch_size={maximum}"])["outcome"] == "ok"
+    assert plain(tmp_path, capacity, GPT, [f"--batch_size={maximum + 1}"])["outcome"] == "oom"
+
+    prescription = document["prescription"]
+    assert prescription is not None and prescription["peak_allocated_bytes"]
+    # The script's own knobs for what the replays applied to it.
+    knobs = {"autocast": "--dtype=bfloat16", "checkpointing": "--use_checkpoint=True"}
+    assert set(prescription["fixes"]) <= set(knobs), prescription
+    args = [knobs[name] for name in prescription["fixes"]]
+    args.append(f"--batch_size={prescription['batch_size'] or 32}")
+    if (prescription.get("accumulation_steps") or 1) > 1:
+        args.append(f"--gradient_accumulation_steps={2 * prescription['accumulation_steps']}")
+    by_hand = plain(tmp_path, capacity, GPT, args)
+    assert by_hand["outcome"] == "ok", args
+    assert peak_of(by_hand) == pytest.approx(prescription["peak_allocated_bytes"], rel=0.05)
+
+
+def test_word_lm_with_a_criterion_module_and_a_manual_update(tmp_path):
+    """pytorch/examples' word_language_model idiom: no optimizer (a manual
+    SGD update), `nn.NLLLoss()` called as a module, evaluation after the
+    epoch. A backward ends an iteration; the loss module splits nothing;
+    memory is flat, so neither grad_in_eval nor leak is diagnosed; the
+    largest batch is exact by hand."""
+    capacity = "12MiB"
+    completed, document = run_capped(
+        tmp_path / "lm.json",
+        capacity,
+        WORD_LM,
+        ["--batch_size", "64", "--epochs", "1"],
+        ["--fixes", "smaller_batch"],
+        cwd=tmp_path,
+    )
+    assert document["outcome"] == "oom", completed.stderr[-3000:]
+    # It ran out of memory in its first forward, before any backward.
+    assert (document["oom"]["step"], document["oom"]["phase"]) == (0, "forward")
+    kinds = {diagnosis["kind"] for diagnosis in diagnoses_of(tmp_path / "lm.json")}
+    assert not kinds & {"grad_in_eval", "leak"}, kinds
+    maximum = document["max_batch_size"]
+    assert maximum is not None
+    fits = plain(tmp_path, capacity, WORD_LM, ["--batch_size", str(maximum), "--epochs", "1"])
+    assert fits["outcome"] == "ok"
+    assert fits["step_unit"] == "backward" and len(fits["steps"]) > 2
+    plain_snapshot = next(tmp_path.glob(f"plain-batch_size-{maximum}-*.json"))
+    kinds = {diagnosis["kind"] for diagnosis in diagnoses_of(plain_snapshot)}
+    assert not kinds & {"grad_in_eval", "leak"}, kinds
+    over = plain(tmp_path, capacity, WORD_LM, ["--batch_size", str(maximum + 1), "--epochs", "1"])
+    assert over["outcome"] == "oom"
+
+
+def test_imagenet_trainer_with_transform_modules_and_a_short_flag(tmp_path):
+    """pytorch/examples' ImageNet idiom: `-b`, transforms that are modules
+    called per sample in the main process (`-j 0`), `nn.CrossEntropyLoss()`.
+    Neither the transforms nor the loss closes a step: one step per
+    optimizer step, and the largest batch found through `-b` is exact."""
+    capacity = "40MiB"
+    args = ["-j", "0", "--train-samples", "192", "--val-samples", "64"]
+    completed, document = run_capped(
+        tmp_path / "imagenet.json",
+        capacity,
+        IMAGENET,
+        ["-b", "64", *args],
+        ["--fixes", "smaller_batch"],
+        cwd=tmp_path,
+    )
+    assert document["outcome"] == "oom", completed.stderr[-3000:]
+    assert (document["oom"]["step"], document["oom"]["phase"]) == (0, "forward")
+    maximum = document["max_batch_size"]
+    assert maximum is not None
+    fits = plain(tmp_path, capacity, IMAGENET, ["-b", str(maximum), *args])
+    assert fits["outcome"] == "ok"
+    optimizer_steps = sum(step["optimizer_steps"] for step in fits["steps"])
+    assert len(fits["steps"]) == optimizer_steps == -(-192 // maximum)
+    assert fits["steps"][-1]["evaluation_calls"] == -(-64 // maximum)
+    assert plain(tmp_path, capacity, IMAGENET, ["-b", str(maximum + 1), *args])["outcome"] == "oom"
+
+
+@pytest.mark.parametrize(
+    "script, args",
+    [
+        (IMAGENET, ["-b", "16", "-j", "2", "--train-samples", "96", "--val-samples", "32"]),
+        (SCRIPTS / "worker_encoder.py", ["--workers", "2"]),
+    ],
+    ids=["transforms", "encoder-with-parameters"],
+)
+def test_dataloader_workers_that_call_modules_do_not_fail(tmp_path, script, args):
+    """Forked DataLoader workers whose dataset calls modules (transforms,
+    an encoder with parameters) carry no step hooks: `--max-steps` (as a
+    replay's stop) stops the script, never a worker."""
+    completed, document = run_capped(
+        tmp_path / "capture.json", "64MiB", script, args, ["--no-replay", "--max-steps", "2"]
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert "exited unexpectedly" not in completed.stderr
+    assert len(document["steps"]) == 2
+    assert sum(step["optimizer_steps"] for step in document["steps"]) == 2
+
+
+def test_an_evaluation_oom_is_named_and_its_held_outputs_measured(tmp_path):
+    """A validation loop at a larger batch than training, keeping the last
+    batch's log-probabilities in `logits` while the next forward runs: the
+    OOM is in evaluation, the held outputs and their variable are named,
+    checkpointing is neither tried nor advised, and no fix is called
+    fitting unless its replay ran through that evaluation."""
+    script = SCRIPTS / "eval_keeps_outputs.py"
+    completed, document = run_capped(
+        tmp_path / "eval.json",
+        "9.6MiB",
+        script,
+        ["--eval-batch-size", "32"],
+        ["--fixes", "autocast,checkpointing"],
+        cwd=tmp_path,
+    )
+    assert document["outcome"] == "oom", completed.stderr[-3000:]
+    oom = document["oom"]
+    assert oom["phase"] == "evaluation" and oom["evaluation_pass"] == 1
+    assert oom["previous_outputs"]["variable"] == "logits"
+    assert oom["previous_outputs"]["bytes"] == 32 * 4096 * 4
+    diagnoses = diagnoses_of(tmp_path / "eval.json")
+    first = diagnoses[0]
+    assert first["kind"] == "evaluation_oom"
+    assert "--eval-batch-size" in first["remedy"]
+    assert "`logits`" in " ".join(first["evidence"])
+    assert all("checkpointing" not in d["fixes"] for d in diagnoses)
+    skipped = {entry["name"]: entry["reason"] for entry in document["replay"]["skipped"]}
+    assert "evaluation" in skipped["checkpointing"]
+    for fix in document["fixes"]:
+        if fix.get("fits"):
+            # A fitting replay ran through the failing evaluation pass.
+            assert fix["outcome"] == "fits"
+    by_hand = plain(tmp_path, "9.6MiB", script, ["--eval-batch-size", "16"])
+    assert by_hand["outcome"] == "ok"
+
+
+@pytest.mark.parametrize("script", [GPT, WORD_LM, IMAGENET], ids=lambda p: Path(p).stem)
+def test_corpus_scripts_run_plainly(script, tmp_path):
+    """The corpus scripts are ordinary scripts: they run without oomdoc."""
+    import subprocess
+    import sys
+
+    args = {GPT: ["--max_iters=1"], WORD_LM: ["--epochs", "1", "--train_tokens", "2000"]}.get(
+        script, ["--train-samples", "32", "--val-samples", "16", "-b", "16"]
+    )
+    completed = subprocess.run(
+        [sys.executable, str(script), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert completed.returncode == 0, completed.stderr[-2000:]
