@@ -80,8 +80,28 @@ def fixes_for(snapshot: Snapshot) -> tuple[list[FixResult], bool]:
     return estimate_fixes(snapshot), False
 
 
+def uncaptured_work(snapshot: Snapshot) -> str:
+    """When the script's training ran in processes oomdoc did not capture
+    (started with `multiprocessing.Process`, not torch's spawn) and its own
+    process trained nothing: what to do instead, else ''."""
+    processes = snapshot.uncaptured_processes
+    if not processes or snapshot.steps or snapshot.ranks:
+        return ""
+    count = sum(max(1, entry.count) for entry in processes)
+    functions = ", ".join(f"`{entry.function}`" for entry in processes[:3])
+    return (
+        f"Not captured: the script's work ran in {count} process(es) it started with "
+        f"multiprocessing.Process ({functions}), which oomdoc does not see; start them with "
+        f"torch.multiprocessing.spawn (captured as ranks), or launch one process per device "
+        f"with `oomdoc run --nproc-per-node {count} SCRIPT`"
+    )
+
+
 def headline(snapshot: Snapshot) -> str:
     """One sentence that says what happened."""
+    uncaptured = uncaptured_work(snapshot)
+    if uncaptured:
+        return uncaptured
     capacity = snapshot.device.capacity_bytes
     if snapshot.is_oom:
         oom = snapshot.oom

@@ -223,6 +223,19 @@ class Breakdown:
 
 
 @dataclass
+class StartedProcesses:
+    """Processes the script started itself: `torch.multiprocessing.spawn`'s
+    (`nprocs`, captured as ranks) or `multiprocessing.Process` children
+    (`count`, not captured)."""
+
+    function: str = "?"
+    nprocs: int = 0
+    count: int = 0
+    launcher: Optional[str] = None
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
 class HeldOutputs:
     """At an OOM in evaluation: the previous evaluation call's outputs that
     were still alive (the variable that held them, where it was read)."""
@@ -553,6 +566,8 @@ class Snapshot:
     modules: List[ModuleUsage] = field(default_factory=list)
     framework: Optional[Framework] = None
     script_options: List[str] = field(default_factory=list)
+    spawned_ranks: List[StartedProcesses] = field(default_factory=list)
+    uncaptured_processes: List[StartedProcesses] = field(default_factory=list)
     # How the script takes its options (oomdoc.script_flags): `argparse`
     # (`--key value`, `--key=value`, short flags) or `configurator` (only
     # `--key=value`, each key a global of the script's module); None: unknown.

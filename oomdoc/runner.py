@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import site
@@ -22,9 +23,12 @@ from typing import Any
 
 import oomdoc
 from oomdoc.capture import CONFIG_ENV, CONFIG_FD_ENV, PREIMPORT_PREFIX, STARTED_ENV
+from oomdoc.distributed.merge import merge_rank_captures
 from oomdoc.errors import UsageError
 from oomdoc.model import Breakdown, Device, Options, Snapshot
 from oomdoc.snapshot import SCHEMA_VERSION, default_snapshot_path, utc_now
+
+SPAWNED_PATTERN = re.compile(r"^capture-spawned(\d+)\.json$")
 
 
 @dataclass
@@ -521,6 +525,9 @@ def run_child(
                 capture = None  # only the device: the child died before its capture
         if capture is not None and request.artifact_dir is None:
             capture["artifacts"] = {}  # the files died with the temporary directory
+        # The ranks the script started with torch.multiprocessing.spawn
+        # (oomdoc.capture.spawned) wrote their captures beside the child's.
+        capture = with_spawned_ranks(capture, read_spawned_captures(workdir))
         return ChildResult(
             exit_code=returncode,
             capture=capture,
@@ -532,6 +539,46 @@ def run_child(
             lock_wait_s=round(lock_wait_s, 3),
             cancelled=cancelled,
         )
+
+
+def read_spawned_captures(workdir: str) -> list[dict]:
+    """The captures of the ranks spawned by the script, by index."""
+    found = []
+    for name in sorted(os.listdir(workdir)):
+        match = SPAWNED_PATTERN.match(name)
+        if match is None:
+            continue
+        try:
+            with open(os.path.join(workdir, name), encoding="utf-8") as handle:
+                capture = json.load(handle)
+        except (OSError, json.JSONDecodeError):
+            continue
+        if isinstance(capture, dict) and not capture.get("partial"):
+            found.append((int(match.group(1)), capture))
+    return [capture for _index, capture in sorted(found, key=lambda item: item[0])]
+
+
+def with_spawned_ranks(capture: dict | None, spawned: list[dict]) -> dict | None:
+    """The script's own capture, or, when it spawned ranks that used the
+    device, the job they form (the script's process only launched them)."""
+    if not spawned:
+        return capture
+    job = merge_rank_captures(spawned, launch={"launcher": "torch.multiprocessing.spawn"})
+    if capture is not None:
+        for key in ("spawned_ranks", "uncaptured_processes", "script_options", "command"):
+            if key in capture and key not in job:
+                job[key] = capture[key]
+        own_steps = len(capture.get("steps") or [])
+        if own_steps:
+            job.setdefault("notes", []).append(
+                f"The script's own process also ran {own_steps} step(s) itself; "
+                "the report is the spawned ranks'."
+            )
+    job.setdefault("notes", []).append(
+        f"The script started {len(spawned)} process(es) with torch.multiprocessing.spawn: "
+        "each was capped and captured as a rank of one job."
+    )
+    return job
 
 
 # ------------------------------------------------------- running a script

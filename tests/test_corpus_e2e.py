@@ -205,3 +205,47 @@ def test_corpus_scripts_run_plainly(script, tmp_path):
         cwd=tmp_path,
     )
     assert completed.returncode == 0, completed.stderr[-2000:]
+
+
+def test_a_spawned_job_is_captured_per_rank_and_its_largest_batch_is_exact(tmp_path):
+    """The `--multiprocessing-distributed` pattern: the script's process
+    only calls torch.multiprocessing.spawn. Each spawned rank is capped and
+    captured (never "0 steps, peak 0 bytes"), the OOM's rank is named, and
+    the largest batch found by replays of the whole job is exact by hand."""
+    capacity = "40MiB"
+    args = ["-j", "0", "--multiprocessing-distributed", "--world-size", "2"]
+    args += ["--train-samples", "128", "--val-samples", "32"]
+    completed, document = run_capped(
+        tmp_path / "spawned.json",
+        capacity,
+        IMAGENET,
+        ["-b", "64", *args],
+        ["--fixes", "smaller_batch"],
+        cwd=tmp_path,
+    )
+    assert document["outcome"] == "oom", completed.stderr[-3000:]
+    assert document["world_size"] == 2 and len(document["ranks"]) == 2
+    assert document["first_oom_rank"] in (0, 1)
+    assert document["spawned_ranks"][0]["nprocs"] == 2
+    assert document["oom"]["step"] == 0 and document["steps"]
+    assert "captured as a rank" in completed.stderr
+    maximum = document["max_batch_size"]
+    assert maximum is not None
+    assert plain(tmp_path, capacity, IMAGENET, ["-b", str(maximum), *args])["outcome"] == "ok"
+    over = plain(tmp_path, capacity, IMAGENET, ["-b", str(maximum + 1), *args])
+    assert over["outcome"] == "oom" and len(over["ranks"]) == 2
+
+
+def test_training_in_uncaptured_processes_is_named_first(tmp_path):
+    """Children started with multiprocessing.Process are not captured: the
+    first line says so and what to run instead, never "0 steps, 0 bytes"."""
+    completed, document = run_capped(
+        tmp_path / "mp.json", "64MiB", SCRIPTS / "mp_process_workers.py", [], ["--no-replay"]
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert document["uncaptured_processes"] == [
+        {"function": "train", "count": 2, "launcher": "multiprocessing.Process"}
+    ]
+    first = next(line for line in completed.stderr.splitlines() if line.startswith("oomdoc:"))
+    assert first.startswith("oomdoc: Not captured: the script's work ran in 2 process(es)")
+    assert "torch.multiprocessing.spawn" in first and "--nproc-per-node 2" in first

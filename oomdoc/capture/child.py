@@ -12,9 +12,11 @@ import json
 import os
 import runpy
 import signal
+import socket
 import sys
 import time
 import traceback
+from typing import Any, Callable
 
 # Seconds since the epoch when this module started importing: with the
 # process's creation time it says what start-up (Python, `import torch`) cost.
@@ -30,6 +32,7 @@ from oomdoc.capture import (
     PREIMPORT_PREFIX,
     STARTED_ENV,
     choose_device,
+    spawned,
 )
 from oomdoc.capture.backends import CudaBackend, OutOfMemoryError, SimulatedBackend
 from oomdoc.capture.frameworks import capture_keys as framework_keys
@@ -212,6 +215,15 @@ def run(config: dict, imported_at: float | None = None, preimported: dict | None
     detector = detect_framework(tracker)
     if config.get("fix"):
         apply_fix(config["fix"], tracker)
+    # Processes the script starts: torch.multiprocessing.spawn's are
+    # captured as ranks, others are named (oomdoc.capture.spawned).
+    undo_processes = []
+    if not config.get("distributed"):
+        tracker.spawned_ranks, tracker.uncaptured_processes = [], []
+        undo_processes = [
+            spawned.install(config, tracker.spawned_ranks, _RUN_RANK),
+            spawned.watch_processes(tracker.uncaptured_processes),
+        ]
 
     target = config["target"]
     script_args = list(config.get("args", []))
@@ -278,12 +290,79 @@ def run(config: dict, imported_at: float | None = None, preimported: dict | None
     if gate is not None and gate.shared:
         gate.release()  # its last step is closed: nor for its exit
     detector.uninstall()
+    for undo in undo_processes:
+        undo()
     tracker.uninstall()
     backend.uninstall()
     if system_exit is not None:
         sys.stdout.flush()
         raise system_exit
     return exit_code
+
+
+# run_rank by name, for the spawned processes (this module is `__main__` here).
+_RUN_RANK = "oomdoc.capture.child:run_rank"
+
+
+def run_rank(config: dict, index: int, nprocs: int, fn: Callable, args: tuple) -> Any:
+    """Run the script's function as the rank `index` that torch.multiprocessing.spawn
+    started, under the same capture as the script (oomdoc.capture.spawned)."""
+    config = dict(config)
+    config["result_path"] = config["result_path"].format(index=index)
+    config["artifact_dir"] = os.path.join(config.get("artifact_dir") or ".", f"spawned{index}")
+    os.makedirs(config["artifact_dir"], exist_ok=True)
+    timings = {"run_started": time.time(), "imported": time.time()}
+    rank = {
+        "rank": index,
+        "local_rank": index,
+        "world_size": nprocs,
+        "local_world_size": nprocs,
+        "node_rank": None,
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "launcher": "torch.multiprocessing.spawn",
+    }
+    parallel = ParallelCapture(config, rank=rank)
+    backend = make_backend(config)
+    tracker = Tracker(
+        backend,
+        max_steps=config.get("max_steps"),
+        micro_batches_per_step=config.get("micro_batches_per_step"),
+        expected_unit=config.get("expected_unit"),
+        stop_after_evaluation=config.get("stop_after_evaluation"),
+    )
+    tracker.install()
+    backend.install(tracker)
+    parallel.install(
+        tracker, backend, lambda o, c: _watcher_write(config, backend, tracker, o, c, timings)
+    )
+    if config.get("fix"):
+        apply_fix(config["fix"], tracker)
+    outcome, exit_code, error, failure = "ok", 0, None, None
+    timings["script_started"] = time.time()
+    try:
+        try:
+            return fn(index, *args)
+        finally:
+            _script_ended(backend)
+    except StopRun:
+        return None  # a replay's stop: this rank ends cleanly
+    except OutOfMemoryError as exc:
+        outcome, exit_code, failure = "oom", 1, exc
+        error = {"type": type(exc).__name__, "message": str(exc)}
+        raise
+    except BaseException as exc:
+        outcome, exit_code, failure = "error", 1, exc
+        error = {"type": type(exc).__name__, "message": str(exc)[:2000]}
+        raise
+    finally:
+        if failure is not None:
+            parallel.note_failure(failure)
+        timings["script_ended"] = time.time()
+        parallel.finish()
+        write_capture(config, backend, tracker, outcome, exit_code, error, timings)
+        tracker.uninstall()
+        backend.uninstall()
 
 
 def _watcher_write(config, backend, tracker, outcome, exit_code, timings) -> None:
@@ -409,6 +488,9 @@ def write_capture(config, backend, tracker, outcome, exit_code, error, timings=N
         "imported_packages": getattr(tracker, "imported_packages", []),
         **framework_keys(tracker),
     }
+    for key in ("spawned_ranks", "uncaptured_processes"):
+        if getattr(tracker, key, None):
+            capture[key] = getattr(tracker, key)
     if getattr(tracker, "parallel_capture", None) is not None:
         capture.update(tracker.parallel_capture.fields())  # oomdoc.distributed
     if timings:

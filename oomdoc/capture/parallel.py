@@ -103,10 +103,12 @@ def stack_of_exception(exc: BaseException) -> list[tuple[str, Any, str]]:
 class ParallelCapture:
     """Data-parallel wrappers seen, and the rank-aware parts of a child."""
 
-    def __init__(self, config: dict):
+    def __init__(self, config: dict, rank: dict | None = None):
+        """`rank`: this process's place in the job when no launcher's
+        environment says it (a `torch.multiprocessing.spawn` child)."""
         self.config = config
         self.distributed = bool(config.get("distributed"))
-        self.rank: dict[str, Any] = rank_environment() if self.distributed else {}
+        self.rank: dict[str, Any] = (rank or rank_environment()) if self.distributed else {}
         self.data_parallel: list[dict] = []
         self.ddp_modules: list = []
         self.oom_time: float | None = None

@@ -100,6 +100,7 @@ PHASE_OFFSETS = {
     "backward": 0.5,
     "optimizer": 0.72,
     "idle": 0.9,
+    "evaluation": 0.95,
 }
 END_OFFSET = 0.8  # right after the step's optimizer.step()
 PHASE_COLORS = {
@@ -108,6 +109,7 @@ PHASE_COLORS = {
     "backward": "#7c3aed",
     "optimizer": "#d97706",
     "idle": "#0d9488",
+    "evaluation": "#db2777",
 }
 CATEGORY_COLORS = {
     "parameters": "#3b82f6",

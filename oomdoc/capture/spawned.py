@@ -1,0 +1,120 @@
+"""Processes the script starts with `torch.multiprocessing.spawn` (the
+`--multiprocessing-distributed` pattern): each is captured as a rank.
+
+The script's process (the capture child) hands `start_processes` a
+picklable wrapper of the function it was given; in each spawned process the
+wrapper installs the same capture as the child's (device cap, tracker, rank
+fields), runs the function, writes `capture-spawned{index}.json` beside the
+child's own capture, and lets the function's exception go on as it would
+without oomdoc, so the script's own error handling and exit status are
+unchanged. The parent merges those captures as the ranks of one job
+(oomdoc.runner). Processes started otherwise (`multiprocessing.Process`)
+are not captured: the child names them (`started_processes`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Any, Callable
+
+SPAWNED_CAPTURE = "capture-spawned{index}.json"
+
+
+class CapturedRank:
+    """What `start_processes` runs in each spawned process instead of the
+    script's function: pickled by reference like the function itself.
+    `runner` names the function that runs it under capture (`module:name`,
+    oomdoc.capture.child's run_rank: that module runs as `__main__` in the
+    script's process, so it is named, not pickled)."""
+
+    def __init__(self, fn: Callable, config: dict, nprocs: int, runner: str):
+        self.fn = fn
+        self.config = config
+        self.nprocs = nprocs
+        self.runner = runner
+
+    def __call__(self, index: int, *args: Any) -> Any:
+        module, name = self.runner.split(":")
+        run_rank = getattr(importlib.import_module(module), name)
+        return run_rank(self.config, index, self.nprocs, self.fn, args)
+
+
+def rank_config(config: dict) -> dict:
+    """The spawned ranks' configuration: the child's, writing beside it."""
+    directory = os.path.dirname(config["result_path"])
+    spawned = {
+        key: value
+        for key, value in config.items()
+        if key not in ("device_lock", "result_path", "distributed", "fix")
+    }
+    spawned["result_path"] = os.path.join(directory, SPAWNED_CAPTURE)
+    spawned["distributed"] = {"spawned": True}
+    if config.get("fix"):
+        spawned["fix"] = config["fix"]
+    return spawned
+
+
+def install(config: dict, started: list, runner: str) -> Callable[[], None]:
+    """Wrap `torch.multiprocessing`'s start_processes (which `spawn` calls)
+    so that its processes are captured by the function `runner` names
+    (`run_rank(config, index, nprocs, fn, args)`); `started` collects what
+    was spawned. Returns the undo."""
+    import torch.multiprocessing as mp
+
+    # (`torch.multiprocessing.spawn` the attribute is the function.)
+    spawn_module = importlib.import_module("torch.multiprocessing.spawn")
+    original = spawn_module.start_processes
+    spawned = rank_config(config)
+
+    def start_processes(fn, args=(), nprocs=1, *rest, **kwargs):
+        started.append({"function": getattr(fn, "__qualname__", repr(fn)), "nprocs": int(nprocs)})
+        captured = CapturedRank(fn, spawned, int(nprocs), runner)
+        return original(captured, args, nprocs, *rest, **kwargs)
+
+    start_processes.__wrapped__ = original  # type: ignore[attr-defined]
+    owners = [
+        module
+        for module in (spawn_module, mp)
+        if getattr(module, "start_processes", None) is original
+    ]
+    for module in owners:
+        module.start_processes = start_processes
+
+    def undo() -> None:
+        for module in owners:
+            module.start_processes = original
+
+    return undo
+
+
+def watch_processes(started: list) -> Callable[[], None]:
+    """Note the processes the script starts with `multiprocessing` itself
+    (not torch's own: DataLoader workers, the ranks `spawn` starts, which
+    are captured): their work is not captured, and the report says so.
+    Returns the undo."""
+    import multiprocessing.process as process
+
+    original = process.BaseProcess.start
+
+    def start(self, *args, **kwargs):
+        target = getattr(self, "_target", None)
+        module = getattr(target, "__module__", "") or ""
+        if target is not None and not module.startswith(("torch.", "oomdoc.")):
+            name = getattr(target, "__qualname__", None) or repr(target)
+            for entry in started:
+                if entry["function"] == name:
+                    entry["count"] += 1
+                    break
+            else:
+                started.append(
+                    {"function": name, "count": 1, "launcher": "multiprocessing.Process"}
+                )
+        return original(self, *args, **kwargs)
+
+    process.BaseProcess.start = start  # type: ignore[method-assign]
+
+    def undo() -> None:
+        process.BaseProcess.start = original  # type: ignore[method-assign]
+
+    return undo
