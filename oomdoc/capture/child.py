@@ -361,6 +361,13 @@ def write_capture(config, backend, tracker, outcome, exit_code, error, timings=N
 
     steps = tracker.steps
     peak_step = max(steps, key=lambda s: s["peak_allocated_bytes"], default=None)
+    outside_allocated, outside_reserved, outside_phase = tracker.peak_outside_steps
+    peak_allocated = max(
+        [s["peak_allocated_bytes"] for s in steps] + [oom["allocated_bytes"] if oom else 0]
+    )
+    if outside_allocated > peak_allocated:
+        # Held outside every step (e.g. a script without a training loop).
+        peak_allocated, peak_step = outside_allocated, None
     capture = {
         "torch_version": torch.__version__,
         "device": backend.device_info(),
@@ -374,20 +381,15 @@ def write_capture(config, backend, tracker, outcome, exit_code, error, timings=N
         "breakdown_at": breakdown_at,
         "category_peaks": dict(tracker.category_peaks),
         "peak": {
-            "allocated_bytes": int(
-                max(
-                    [s["peak_allocated_bytes"] for s in steps]
-                    + [oom["allocated_bytes"] if oom else 0]
-                )
-            ),
+            "allocated_bytes": int(peak_allocated),
             "reserved_bytes": int(
                 max(
                     [s["peak_reserved_bytes"] for s in steps]
-                    + [oom["reserved_bytes"] if oom else 0]
+                    + [oom["reserved_bytes"] if oom else 0, outside_reserved]
                 )
             ),
             "step": peak_step["index"] if peak_step else None,
-            "phase": peak_step["peak_phase"] if peak_step else None,
+            "phase": peak_step["peak_phase"] if peak_step else outside_phase,
         },
         "steps": steps,
         "top_allocations": top,

@@ -105,6 +105,9 @@ class Tracker:
         self.device_to_itself = True
         self._step_alone = True
         self.peak_sample: dict | None = None
+        # (allocated, reserved) peak after the last step, or of a run without
+        # steps: no step record holds it, the run's peak must (finish()).
+        self.peak_outside_steps: tuple[int, int, str | None] = (0, 0, None)
         # The most each category held at any phase boundary (or the OOM):
         # what `oomdoc check` gates, since the categories peak at different
         # moments (activations at the end of forward, gradients after backward).
@@ -350,6 +353,11 @@ class Tracker:
             self._close_step()
         else:
             self._fold_peak()
+            self.peak_outside_steps = (
+                int(current["peak_allocated_bytes"]),
+                int(current["peak_reserved_bytes"]),
+                current["peak_phase"],
+            )
         if self._step_timer is not None:
             self._step_timer.collect(block=True)
         sample = self.peak_sample
