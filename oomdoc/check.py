@@ -29,6 +29,7 @@ from oomdoc.analysis import analyse, headline
 from oomdoc.errors import UsageError
 from oomdoc.formatting import relative_path
 from oomdoc.model import CATEGORIES, Location, Snapshot
+from oomdoc.output_paths import check_output_file, write_new_file
 from oomdoc.reporters import render
 from oomdoc.runner import (
     RunOptions,
@@ -420,9 +421,8 @@ def run_check(options: CheckOptions, stderr: TextIO | None = None) -> int:
             if not options.update_baseline:
                 raise
             unreadable = f"the previous baseline could not be read and is replaced ({exc})"
-    for flag, artifact in (("--junit", options.junit_path), ("--html", options.html_path)):
-        if artifact and Path(artifact).is_dir():
-            raise UsageError(f"{flag} {artifact}: is a directory")
+    if options.update_baseline:
+        check_output_file(baseline_path, "--baseline", replace=True, create_parents=True)
 
     snapshot, wall_s = measure(options)
     result = evaluate(snapshot, baseline, options, wall_s)
@@ -435,7 +435,7 @@ def run_check(options: CheckOptions, stderr: TextIO | None = None) -> int:
     if options.junit_path:
         write_atomic(options.junit_path, render("junit", result), overwrite=True)
     if options.html_path:
-        write_atomic(options.html_path, render("html", analyse(snapshot)), overwrite=True)
+        write_new_file(options.html_path, render("html", analyse(snapshot)))
     summary_path = os.environ.get("GITHUB_STEP_SUMMARY")
     if summary_path:
         with open(summary_path, "a", encoding="utf-8") as handle:

@@ -238,20 +238,11 @@ SUGGEST_FORMATS = ("table", "json", "markdown", "html")
 
 
 def new_file_option(path: Optional[str], flag: str) -> Optional[str]:
-    """A file oomdoc will write: refused when it exists (nothing the user had
-    is overwritten) or its directory does not."""
-    if path is None:
-        return None
-    import os
+    """A file oomdoc will write: refused before anything runs when it exists
+    (nothing the user had is overwritten) or cannot be written."""
+    from oomdoc.output_paths import check_output_file
 
-    if os.path.isdir(path):
-        raise UsageError(f"{flag} {path}: is a directory")
-    if os.path.exists(path):
-        raise UsageError(f"{flag} {path}: already exists (oomdoc never overwrites a file)")
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        raise UsageError(f"{flag} {path}: no such directory {parent}")
-    return path
+    return check_output_file(path, flag)
 
 
 @app.command()
@@ -318,13 +309,16 @@ def check(
         help="Write (or refresh) the baseline from this run instead of failing on growth.",
     ),
     junit: Optional[str] = typer.Option(
-        None, "--junit", metavar="FILE", help="Also write the comparison as JUnit XML."
+        None,
+        "--junit",
+        metavar="FILE",
+        help="Also write the comparison as JUnit XML (replaced if it exists).",
     ),
     html: Optional[str] = typer.Option(
         None,
         "--html",
         metavar="PATH",
-        help="Also write the run's report as one HTML page (a CI artifact; replaced if it exists).",
+        help="Also write the run's report as one HTML page (a CI artifact; never overwritten).",
     ),
     module: ModuleFlag = False,
     device: DeviceOption = "auto",
@@ -338,6 +332,7 @@ def check(
     failed script, 2 on a usage error.
     """
     from oomdoc.check import CheckOptions, run_check
+    from oomdoc.output_paths import check_output_file
     from oomdoc.sizes import parse_tolerance
 
     try:
@@ -353,8 +348,8 @@ def check(
         tolerance_bytes=absolute_bytes,
         tolerance_text=tolerance.strip(),
         update_baseline=update_baseline,
-        junit_path=junit,
-        html_path=html,
+        junit_path=check_output_file(junit, "--junit", replace=True),
+        html_path=new_file_option(html, "--html"),
     )
     return run_check(options)
 

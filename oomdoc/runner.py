@@ -672,16 +672,16 @@ def guess_device_kind() -> str:
 
 
 def output_path(options: RunOptions) -> Path:
-    if options.output:
-        path = Path(options.output)
-        if path.exists():
-            raise UsageError(
-                f"-o/--output: {path} already exists (oomdoc never overwrites a snapshot)"
-            )
-        if path.is_dir():
-            raise UsageError(f"-o/--output: {path} is a directory")
+    """Where the snapshot is meant to go, checked before the run (the name
+    actually written may differ: oomdoc.output_paths.write_new_file)."""
+    from oomdoc.output_paths import check_output_file
+
+    if options.output is None:
+        path = default_snapshot_path(options.target)
+        check_output_file(path, "snapshot", create_parents=True)
         return path
-    return default_snapshot_path(options.target)
+    check_output_file(options.output, "-o/--output", create_parents=True)
+    return Path(options.output)
 
 
 def remove_if_empty(directory: Path) -> None:

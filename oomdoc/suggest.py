@@ -9,8 +9,8 @@ from typing import TextIO, Union
 
 from oomdoc.analysis import analyse
 from oomdoc.loaders import LoadedSnapshot, load_snapshot
+from oomdoc.output_paths import write_new_file
 from oomdoc.reporters import render
-from oomdoc.snapshot import write_atomic
 
 
 def run_suggest(
@@ -35,8 +35,8 @@ def run_suggest(
     if output_format == "table":
         text = text.lstrip("\n")
     if output:
-        write_atomic(output, text)
-        print(f"oomdoc: wrote {output}", file=sys.stderr)
+        written = write_new_file(output, text)
+        print(f"oomdoc: wrote {written}", file=sys.stderr)
     else:
         stdout.write(text)
     return 0

@@ -27,3 +27,69 @@ def test_memory_held_outside_any_step_is_the_peak_and_check_gates_it(tmp_path):
     grown = run_oomdoc([*common, script, "100"], cwd=tmp_path)
     assert grown.returncode == 1, grown.stderr
     assert "peak allocated grew" in grown.stderr
+
+
+def test_a_name_taken_during_the_run_never_loses_the_snapshot(tmp_path):
+    """Item 1: the -o file, the --html file or the default name made while
+    the script runs (another run in the same second, a dangling link): the
+    snapshot goes beside it, the user's file stays as it was."""
+    script = SCRIPTS / "take_output_names.py"
+    wanted, html = tmp_path / "run.json", tmp_path / "run.html"
+    common = ["run", "--device", "cpu", "--device-memory", "64MiB"]
+    ran = run_oomdoc(
+        [*common, "-o", wanted, "--html", html, script, f"file:{wanted}", f"link:{html}"],
+        cwd=tmp_path,
+    )
+    assert ran.returncode == 0, ran.stderr
+    assert wanted.read_text() == "the user's\n" and html.is_symlink()
+    assert load_json(tmp_path / "run-1.json")["outcome"] == "ok"
+    assert (tmp_path / "run-1.html").read_text().startswith("<!")
+    assert "Snapshot: " + str(tmp_path / "run-1.json") in ran.stderr
+
+    stamps = f"stamps:{tmp_path / '.oomdoc' / 'take_output_names'}"
+    ran = run_oomdoc([*common, script, stamps], cwd=tmp_path)
+    assert ran.returncode == 0, ran.stderr
+    written = [
+        path for path in (tmp_path / ".oomdoc").glob("*.json") if path.read_text() != "the user's\n"
+    ]
+    assert len(written) == 1 and load_json(written[0])["outcome"] == "ok", ran.stderr
+    assert f"Snapshot: .oomdoc/{written[0].name}" in ran.stderr or str(written[0]) in ran.stderr
+
+
+def one_line_usage_error(result) -> str:
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr and "script ran" not in result.stdout
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("oomdoc: error: "), result.stderr
+    return lines[0]
+
+
+def test_unwritable_output_paths_are_refused_before_the_run(tmp_path):
+    """Item 10: -o, --html, check --junit/--html and the baseline that cannot
+    be written: one line and exit status 2, before the script runs."""
+    script = SCRIPTS / "take_output_names.py"
+    a_file = tmp_path / "a_file"
+    a_file.write_text("the user's\n")
+    dangling = tmp_path / "dangling.json"
+    dangling.symlink_to(tmp_path / "nowhere")
+    run = ["run", "--device", "cpu", "--device-memory", "64MiB", "--no-replay"]
+    check = ["check", "--device", "cpu", "--device-memory", "64MiB"]
+    baseline = ["--baseline", tmp_path / "baseline.json", "--update-baseline"]
+    cases = {
+        "not a directory": [*run, "-o", a_file / "run.json", script],
+        "permission denied": [*run, "-o", "/proc/oomdoc-run.json", script],
+        "is a directory": [*run, "-o", tmp_path, script],
+        "the path is empty": [*run, "-o", "", script],
+        "already exists (a symbolic link": [*run, "-o", dangling, script],
+        "file name too long": [*run, "--html", tmp_path / ("x" * 300), script],
+        "already exists (a file": [*run, "--html", a_file, script],
+        "cannot write in /proc": [*check, *baseline, "--junit", "/proc/junit.xml", script],
+        "never overwrites": [*check, *baseline, "--html", a_file, script],
+        "is not a regular file": [*check, *baseline, "--junit", dangling, script],
+        "--baseline": [*check, "--baseline", "/proc/b.json", "--update-baseline", script],
+    }
+    for expected, arguments in cases.items():
+        assert expected in one_line_usage_error(run_oomdoc(arguments, cwd=tmp_path)), expected
+    assert a_file.read_text() == "the user's\n"
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["a_file", "dangling.json"]
+
