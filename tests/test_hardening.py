@@ -93,3 +93,27 @@ def test_unwritable_output_paths_are_refused_before_the_run(tmp_path):
     assert a_file.read_text() == "the user's\n"
     assert sorted(path.name for path in tmp_path.iterdir()) == ["a_file", "dangling.json"]
 
+
+def test_bad_tolerances_are_refused_before_the_run(tmp_path):
+    """Item 11 (and a bare number, which would have meant bytes)."""
+    for tolerance in ("nan%", "inf%", "1e400%", "-inf%", "5"):
+        result = run_oomdoc(
+            [
+                "check",
+                "--device",
+                "cpu",
+                "--tolerance",
+                tolerance,
+                "--baseline",
+                tmp_path / "b.json",
+                "--update-baseline",
+                SCRIPTS / "take_output_names.py",
+            ],
+            cwd=tmp_path,
+        )
+        assert "--tolerance" in one_line_usage_error(result), tolerance
+    fraction = run_oomdoc(
+        ["run", "--device", "cpu", "--device-memory", "1.5", SCRIPTS / "take_output_names.py"],
+        cwd=tmp_path,
+    )
+    assert "a fraction of a byte" in one_line_usage_error(fraction)
