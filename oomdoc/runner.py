@@ -303,12 +303,26 @@ class WarmPool:
         shutil.rmtree(self.log_dir, ignore_errors=True)
 
 
+def interrupt_reached_the_group() -> bool:
+    """Whether a SIGINT was, most likely, a terminal's Ctrl-C: oomdoc runs in
+    the foreground process group of its terminal, whose every process (its
+    children too) the terminal signals. Otherwise it was sent to oomdoc alone
+    and must be passed on (the child ignores the echo of one it already had)."""
+    for descriptor in (0, 1, 2):
+        try:
+            if os.isatty(descriptor):
+                return os.tcgetpgrp(descriptor) == os.getpgrp()
+        except OSError:
+            continue
+    return False
+
+
 class ChildSignals:
     """What SIGINT and SIGTERM do to oomdoc while its children run.
 
     Ctrl-C reaches the children from the terminal directly (one process
     group): oomdoc only notes it (`interrupted`) and lets each child write its
-    capture. SIGTERM sent to oomdoc is passed on to every running child
+    capture; a SIGINT sent to oomdoc alone is passed on to the children. SIGTERM sent to oomdoc is passed on to every running child
     (`terminated`). Installed from the main thread, once for a whole phase of
     children that several threads may start (the replays), or by run_child
     for one child. Handlers, unlike SIG_IGN, are not inherited by the
@@ -341,6 +355,14 @@ class ChildSignals:
 
     def _on_interrupt(self, signum, frame) -> None:
         self.interrupted = True
+        if interrupt_reached_the_group():
+            return  # the terminal's Ctrl-C: the children have it already
+        # `kill -INT <oomdoc>` (a supervisor, a script): only oomdoc got it.
+        with self._lock:
+            processes = list(self._processes)
+        for process in processes:
+            if process.poll() is None:
+                process.send_signal(signum)
 
     def _on_terminate(self, signum, frame) -> None:
         self.terminated = True

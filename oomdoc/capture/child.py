@@ -65,6 +65,20 @@ def _on_sigterm(signum, frame):
     raise Terminated()
 
 
+# A second SIGINT this soon after the first is the same interrupt twice: a
+# process group's signal that oomdoc, not seeing a terminal, passed on too.
+SIGINT_ECHO_S = 1.0
+_last_interrupt = [float("-inf")]
+
+
+def _on_sigint(signum, frame):
+    now = time.monotonic()
+    if now - _last_interrupt[0] < SIGINT_ECHO_S:
+        return
+    _last_interrupt[0] = now
+    raise KeyboardInterrupt
+
+
 class DeviceUnavailable(Exception):
     """The configuration asks for a device this machine does not have."""
 
@@ -214,6 +228,8 @@ def run(config: dict, imported_at: float | None = None, preimported: dict | None
     target = config["target"]
     script_args = list(config.get("args", []))
     signal.signal(signal.SIGTERM, _on_sigterm)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _on_sigint)
 
     outcome, exit_code, error, system_exit, failure = "ok", 0, None, None, None
     loaded_before = frozenset(sys.modules)
