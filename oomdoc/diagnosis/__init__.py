@@ -6,7 +6,7 @@ one line each. Order, most important first: bugs (grad_in_eval, leak), then
 causes that decided the OOM on their own (fragmentation, other processes, a
 host that ran out of RAM), then what filled the device, largest first.
 
-Kinds: leak, grad_in_eval, fragmentation, other_processes, host_memory,
+Kinds: oversized_request (one request larger than the device), leak, grad_in_eval, fragmentation, other_processes, host_memory,
 activations, optimizer_state, parameters, gradients, unattributed (the
 breakdown's `other`: tensors made outside the model and optimizer).
 """
@@ -23,6 +23,7 @@ from oomdoc.diagnosis import (
     host_memory,
     leak,
     other_processes,
+    oversized_request,
 )
 from oomdoc.diagnosis.base import (
     BUG_KINDS,
@@ -48,6 +49,7 @@ __all__ = [
 RuleResult = Union[Diagnosis, "list[Diagnosis]", None]
 
 RULES: tuple[Callable[[Snapshot], RuleResult], ...] = (
+    oversized_request.rule,
     grad_in_eval.rule,
     leak.rule,
     fragmentation.rule,
