@@ -535,6 +535,9 @@ class Snapshot:
     script_options: List[str] = field(default_factory=list)
     # Heavy installed packages the script imported, in import order.
     imported_packages: List[str] = field(default_factory=list)
+    # Batch sizes of the DataLoaders the script made that a smaller-batch
+    # replay could change; None when not known (a replay, an older snapshot).
+    dataloader_batch_sizes: Optional[List[int]] = None
     prescription: Optional[Prescription] = None
     # A distributed job: one entry per rank; the top-level fields are the
     # primary rank's (the first to run out of memory).

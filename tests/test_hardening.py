@@ -117,3 +117,30 @@ def test_bad_tolerances_are_refused_before_the_run(tmp_path):
         cwd=tmp_path,
     )
     assert "a fraction of a byte" in one_line_usage_error(fraction)
+
+
+def test_no_smaller_batch_replay_for_a_script_without_a_dataloader(tmp_path):
+    """Item 8: the failing run shows that the script made no DataLoader (and
+    has no batch flag): no smaller-batch replay runs, and the report's "not
+    tried" says why."""
+    snapshot_path = tmp_path / "oom.json"
+    ran = run_oomdoc(
+        [
+            "run",
+            "--device",
+            "cpu",
+            "--device-memory",
+            "96MiB",
+            "-o",
+            snapshot_path,
+            SCRIPTS / "oom_without_dataloader.py",
+        ],
+        cwd=tmp_path,
+    )
+    assert ran.returncode == 1, ran.stderr
+    assert "smaller_batch (DataLoader" not in ran.stderr
+    assert "not tried: smaller_batch: the script has no batch-size flag" in ran.stderr
+    document = load_json(snapshot_path)
+    assert document["dataloader_batch_sizes"] == []
+    labels = [run["label"] for run in document["replay"]["runs"]]
+    assert labels and not [label for label in labels if "smaller_batch" in label], labels

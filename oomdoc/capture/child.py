@@ -224,6 +224,11 @@ def run(config: dict, imported_at: float | None = None, preimported: dict | None
     detector = detect_framework(tracker)
     if config.get("fix"):
         apply_fix(config["fix"], tracker)
+    else:
+        from oomdoc.fixes.smaller_batch import watch_dataloaders
+
+        tracker.dataloader_batch_sizes = []
+        watch_dataloaders(tracker.dataloader_batch_sizes)
 
     target = config["target"]
     script_args = list(config.get("args", []))
@@ -420,6 +425,8 @@ def write_capture(config, backend, tracker, outcome, exit_code, error, timings=N
         # Heavy installed packages the script imported: the replays' warm
         # children import them ahead (oomdoc.capture.imports).
         "imported_packages": getattr(tracker, "imported_packages", []),
+        # DataLoaders whose batch size the smaller-batch fix could change.
+        "dataloader_batch_sizes": getattr(tracker, "dataloader_batch_sizes", None),
         **framework_keys(tracker),
     }
     if getattr(tracker, "parallel_capture", None) is not None:

@@ -1039,6 +1039,12 @@ def result_from(replay: Replay, fix: Fix, detail: str, snippet: str) -> FixResul
 # ---------------------------------------------------------------- batch size
 
 
+NO_BATCH_SIZE = (
+    "the script has no batch-size flag on its command line (--batch-size, --batch_size, --bs, "
+    "--per_device_train_batch_size or one named with --batch-arg) and creates no DataLoader with a batch size"
+)
+
+
 def search_batch(
     replayer: Replayer, snapshot: Snapshot, options: Any
 ) -> tuple[Optional[batch_model.SearchResult], dict, Optional[str]]:
@@ -1067,6 +1073,9 @@ def search_batch(
             replayer.progress.header(
                 f"{options.batch_arg} is not on the command line: trying the DataLoader's batch size"
             )
+        if snapshot.dataloader_batch_sizes == []:
+            # The failing run made no DataLoader a replay could change.
+            return None, info, NO_BATCH_SIZE
         divisor = batch_model.probe_divisor(snapshot)
         probe_replay = replayer.run(
             {"name": "smaller_batch", "batch_mode": "dataloader", "batch_divisor": divisor},
@@ -1074,14 +1083,7 @@ def search_batch(
         )
         record = probe_replay.applied.get("smaller_batch") or {}
         if probe_replay.outcome in ("fits", "oom") and not record.get("patched"):
-            return (
-                None,
-                info,
-                (
-                    "the script has no batch-size flag on its command line (--batch-size, --batch_size, --bs, "
-                    "--per_device_train_batch_size or one named with --batch-arg) and creates no DataLoader with a batch size"
-                ),
-            )
+            return None, info, NO_BATCH_SIZE
         if not record.get("original_batch_size") or not record.get("batch_size"):
             return None, info, f"the first smaller-batch replay failed: {probe_replay.message}"
         original = int(record["original_batch_size"])
