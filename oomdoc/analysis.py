@@ -113,7 +113,7 @@ def headline(snapshot: Snapshot) -> str:
     )
     if peak is not None and peak.step is not None:
         peak_text += f" in step {peak.step} during {peak.phase}"
-    steps = len(snapshot.steps)
+    steps = snapshot.step_count
     if snapshot.outcome == "ok":
         used = peak_reserved if peak_reserved is not None else (peak_allocated or 0)
         return f"The run fit: {peak_text}; headroom {format_bytes(capacity - used)} over {steps} step(s)"

@@ -188,7 +188,7 @@ def measurement(snapshot: Snapshot, steps_requested: int) -> dict:
         },
         "command": list(snapshot.command),
         "steps": int(steps_requested),
-        "steps_run": len(snapshot.steps),
+        "steps_run": snapshot.step_count,
         "peak": {
             "allocated_bytes": (peak.allocated_bytes if peak else None) or 0,
             "reserved_bytes": (peak.reserved_bytes if peak else None) or 0,

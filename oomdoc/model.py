@@ -520,6 +520,9 @@ class Snapshot:
     category_peaks: Optional[Breakdown] = None
     peak: Optional[Peak] = None
     steps: List[Step] = field(default_factory=list)
+    # Steps of a long run whose records were not kept (the first, the
+    # highest peaks and the last ones are): 0 in older snapshots.
+    steps_omitted: int = 0
     top_allocations: List[Site] = field(default_factory=list)
     allocator: Optional[Allocator] = None
     optimizers: List[str] = field(default_factory=list)
@@ -565,6 +568,11 @@ class Snapshot:
     @property
     def is_oom(self) -> bool:
         return self.outcome == "oom" and self.oom is not None
+
+    @property
+    def step_count(self) -> int:
+        """How many steps the run closed, kept records or not."""
+        return len(self.steps) + max(0, int(self.steps_omitted or 0))
 
     @property
     def capacity_bytes(self) -> int:

@@ -232,6 +232,8 @@ def validate(document: Any) -> None:
             f"{where}.peak_phase must be one of {', '.join(PHASES)}",
         )
 
+    _check_int(document, "steps_omitted", "snapshot", optional=True)
+
     top = document.get("top_allocations")
     _expect(isinstance(top, list), "top_allocations must be a list")
     for position, site in enumerate(top):

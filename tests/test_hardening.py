@@ -144,3 +144,52 @@ def test_no_smaller_batch_replay_for_a_script_without_a_dataloader(tmp_path):
     assert document["dataloader_batch_sizes"] == []
     labels = [run["label"] for run in document["replay"]["runs"]]
     assert labels and not [label for label in labels if "smaller_batch" in label], labels
+
+
+def test_bounded_steps_keep_the_first_the_peaks_and_the_last():
+    """Item 12, the unit: however many records, the first, the highest peaks
+    and the last stay exact; the list never grows past twice its bound."""
+    from oomdoc.capture.step_records import BoundedSteps
+
+    bounded = BoundedSteps(keep_first=3, keep_last=4, keep_peaks=2)
+    steps: list[dict] = []
+    peaks = {500: 900, 7000: 800, 9000: 100}
+    for index in range(10_000):
+        peak = peaks.get(index, index % 7)
+        steps.append({"index": index, "peak_allocated_bytes": peak, "peak_reserved_bytes": peak})
+        bounded.trim(steps)
+        assert len(steps) <= 2 * bounded.bound
+    kept = [step["index"] for step in steps]
+    assert kept[:3] == [0, 1, 2] and kept[-4:] == [9996, 9997, 9998, 9999]
+    assert 500 in kept and 7000 in kept and kept == sorted(kept)
+
+
+def test_a_long_run_writes_a_bounded_snapshot_with_the_steps_that_matter(tmp_path):
+    """Item 12: 2,000 steps keep a bounded list of records, the first, the
+    peak and the last exact, and the run still counts every step."""
+    from oomdoc.capture.step_records import BoundedSteps
+
+    snapshot_path = tmp_path / "long.json"
+    ran = run_oomdoc(
+        [
+            "run",
+            "--device",
+            "cpu",
+            "--device-memory",
+            "64MiB",
+            "-o",
+            snapshot_path,
+            SCRIPTS / "many_steps.py",
+            "2000",
+            "1000",
+        ],
+        cwd=tmp_path,
+    )
+    assert ran.returncode == 0, ran.stderr
+    document = load_json(snapshot_path)
+    indices = [step["index"] for step in document["steps"]]
+    assert len(indices) <= 2 * BoundedSteps().bound
+    assert len(indices) + document["steps_omitted"] == 2000
+    assert indices[0] == 0 and indices[-1] == 1999 and 1000 in indices
+    assert document["peak"]["step"] == 1000
+    assert "over 2000 step(s)" in ran.stderr

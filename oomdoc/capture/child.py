@@ -413,6 +413,8 @@ def write_capture(config, backend, tracker, outcome, exit_code, error, timings=N
             "phase": peak_step["peak_phase"] if peak_step else outside_phase,
         },
         "steps": steps,
+        # Steps closed but not kept (oomdoc.capture.step_records).
+        "steps_omitted": max(0, tracker.step_index - len(steps)),
         "top_allocations": top,
         # Bytes per module and category where the breakdown was taken
         # (oomdoc.capture.modules; docs/snapshot.md).

@@ -23,6 +23,7 @@ import torch.nn as nn
 from oomdoc import frames
 from oomdoc.capture.backends import Backend, storage_key, storage_sites
 from oomdoc.capture.modules import ModuleScopes, block_categories, simulated_attribution
+from oomdoc.capture.step_records import BoundedSteps
 from oomdoc.snapshot import CATEGORIES
 
 
@@ -73,6 +74,9 @@ class Tracker:
         self.phase = "setup"
         self.unit = "module"  # becomes "optimizer" at the first optimizer step
         self.steps: list[dict] = []
+        # Only the steps that matter are kept, however long the run
+        # (step_records); step_index still counts every step closed.
+        self._bounded_steps = BoundedSteps()
         self.oom: dict | None = None
         self.modules: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self.optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
@@ -337,6 +341,7 @@ class Tracker:
                 self.backend.retained_activation_bytes(current["index"])
             )
         self.steps.append(current)
+        self._bounded_steps.trim(self.steps)
         self.step_index += 1
         self._pending_close = False
         self._new_step()
@@ -501,7 +506,7 @@ class Tracker:
             self._first_step()
         if self._pending_close or (self.unit == "module" and self._current["forward_calls"]):
             limit = self._step_limit()
-            last = limit is not None and len(self.steps) + 1 >= limit
+            last = limit is not None and self.step_index + 1 >= limit
             if not last:
                 # Taken before this step's end is timed: a wait for it is
                 # left out of this step (exclude_seconds), and the next step
