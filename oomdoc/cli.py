@@ -22,8 +22,24 @@ app = typer.Typer(
 )
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        import oomdoc
+
+        print(f"oomdoc {oomdoc.__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
-def _root() -> None:
+def _root(
+    version: bool = typer.Option(
+        False,
+        "--version",
+        callback=_print_version,
+        is_eager=True,
+        help="Print oomdoc's version and exit.",
+    ),
+) -> None:
     """oomdoc: the out-of-memory doctor for PyTorch."""
 
 
