@@ -369,7 +369,7 @@ def measure(options: CheckOptions) -> tuple[Snapshot, float]:
         # a fixed seed makes two checks of the same code count the same bytes.
         extra_env["PYTHONHASHSEED"] = "0"
     # The child resolves `--device auto` itself: the parent never imports torch.
-    result = run_child(child_request(run_options, extra_env=extra_env))
+    result = run_child(child_request(run_options, extra_env=extra_env, serial_dataloaders=True))
     raise_child_usage_error(result)
     return build_snapshot(run_options, result), result.wall_s
 
@@ -384,6 +384,12 @@ def evaluate(
         comparisons = compare(baseline, current, options)
         changes = site_changes(baseline.get("top_allocations") or [], current["top_allocations"])
         notes = mismatch_notes(baseline, current)
+    if measured and snapshot.dataloader_workers_removed:
+        notes.append(
+            f"{len(snapshot.dataloader_workers_removed)} DataLoader(s) with worker processes "
+            f"(num_workers={max(snapshot.dataloader_workers_removed)}) loaded in the script's process instead, "
+            "so that every check counts the same batches"
+        )
     if measured and snapshot.device.kind == "simulated":
         notes.append(
             "on the simulated device every CPU tensor of the script counts, its dataset in memory included."

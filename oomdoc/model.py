@@ -541,6 +541,9 @@ class Snapshot:
     # Batch sizes of the DataLoaders the script made that a smaller-batch
     # replay could change; None when not known (a replay, an older snapshot).
     dataloader_batch_sizes: Optional[List[int]] = None
+    # oomdoc check: the num_workers of each DataLoader made to load in the
+    # script's process instead (oomdoc.capture.serial_dataloaders).
+    dataloader_workers_removed: List[int] = field(default_factory=list)
     prescription: Optional[Prescription] = None
     # A distributed job: one entry per rank; the top-level fields are the
     # primary rank's (the first to run out of memory).

@@ -55,6 +55,9 @@ class ChildRequest:
     # the lock shared (its timed steps alone); False, it keeps the device
     # alone from its first device work to its end (a replay timed again).
     share_device: bool | None = None
+    # oomdoc check: DataLoaders load in the script's process (num_workers=0),
+    # so that two runs of the same code count the same batches.
+    serial_dataloaders: bool = False
 
 
 @dataclass
@@ -471,6 +474,7 @@ def run_child(
             "fix": request.fix,
             "result_path": result_path,
             "artifact_dir": request.artifact_dir or workdir,
+            "serial_dataloaders": request.serial_dataloaders,
         }
         if request.device_lock:
             lock: dict[str, Any] = {"path": request.device_lock, "status": status_path}

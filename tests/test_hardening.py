@@ -193,3 +193,18 @@ def test_a_long_run_writes_a_bounded_snapshot_with_the_steps_that_matter(tmp_pat
     assert indices[0] == 0 and indices[-1] == 1999 and 1000 in indices
     assert document["peak"]["step"] == 1000
     assert "over 2000 step(s)" in ran.stderr
+
+
+def test_check_with_dataloader_workers_gives_the_same_numbers_every_run(tmp_path):
+    """Item 3: with num_workers > 0, how many batches had arrived from the
+    workers at the peak changed from run to run; check now loads them in the
+    script's process and says so, and five checks count the same bytes."""
+    baseline = tmp_path / "baseline.json"
+    script = SCRIPTS / "check_dataloader_workers.py"
+    common = ["check", "--device", "cpu", "--tolerance", "0%", "--baseline", baseline]
+    made = run_oomdoc([*common, "--update-baseline", script], cwd=tmp_path)
+    assert made.returncode == 0, made.stderr
+    assert "loaded in the script's process instead" in made.stderr
+    for _ in range(5):
+        checked = run_oomdoc([*common, script], cwd=tmp_path)
+        assert checked.returncode == 0, checked.stderr

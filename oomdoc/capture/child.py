@@ -222,6 +222,11 @@ def run(config: dict, imported_at: float | None = None, preimported: dict | None
         tracker, backend, lambda o, c: _watcher_write(config, backend, tracker, o, c, timings)
     )
     detector = detect_framework(tracker)
+    if config.get("serial_dataloaders"):  # oomdoc check: the same batches every run
+        from oomdoc.capture.serial_dataloaders import load_in_process
+
+        tracker.dataloader_workers_removed = []
+        load_in_process(tracker.dataloader_workers_removed)
     if config.get("fix"):
         apply_fix(config["fix"], tracker)
     else:
@@ -429,6 +434,8 @@ def write_capture(config, backend, tracker, outcome, exit_code, error, timings=N
         "imported_packages": getattr(tracker, "imported_packages", []),
         # DataLoaders whose batch size the smaller-batch fix could change.
         "dataloader_batch_sizes": getattr(tracker, "dataloader_batch_sizes", None),
+        # oomdoc check: the num_workers of DataLoaders made to load in-process.
+        "dataloader_workers_removed": getattr(tracker, "dataloader_workers_removed", []),
         **framework_keys(tracker),
     }
     if getattr(tracker, "parallel_capture", None) is not None:
