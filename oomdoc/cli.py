@@ -17,6 +17,7 @@ from oomdoc.snapshot import SnapshotError
 app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,
     no_args_is_help=True,
     help="oomdoc: the out-of-memory doctor for PyTorch.",
 )
@@ -77,7 +78,9 @@ ModuleFlag = Annotated[
 DeviceOption = Annotated[
     str,
     typer.Option(
-        "--device", help="auto (CUDA when available), cuda, or cpu (the simulated device)."
+        "--device",
+        metavar="auto|cuda|cpu",
+        help="auto (CUDA when available), cuda, or cpu (the simulated device).",
     ),
 ]
 DeviceMemoryOption = Annotated[
@@ -128,7 +131,11 @@ def run(
         help="Where to write the snapshot (default .oomdoc/<script>-<UTC time>.json).",
     ),
     max_steps: Optional[int] = typer.Option(
-        None, "--max-steps", min=1, help="Stop the script cleanly (exit 0) after N training steps."
+        None,
+        "--max-steps",
+        min=1,
+        metavar="N",
+        help="Stop the script cleanly (exit 0) after N training steps.",
     ),
     no_replay: bool = typer.Option(
         False, "--no-replay", help="Do not replay the failing step with fixes."
@@ -317,7 +324,7 @@ def check(
         help="How much each quantity may grow: a percentage of its baseline value, or a size.",
     ),
     steps: int = typer.Option(
-        3, "--steps", min=1, help="Training steps to run before stopping the script."
+        3, "--steps", min=1, metavar="N", help="Training steps to run before stopping the script."
     ),
     update_baseline: bool = typer.Option(
         False,
@@ -389,9 +396,26 @@ def _click_exception_types() -> tuple[
     return tuple(usage_errors), tuple(aborts)
 
 
+def plain_help(command) -> None:
+    """Help in the words of the usage line: `SCRIPT [ARGS]...` rather than
+    typer's `{SCRIPT} [[ARGS]...]...`, and an option's value named (`N`,
+    `DEVICE`) rather than its Python type (`<int range>`, `<str>`)."""
+    for sub in getattr(command, "commands", {}).values():
+        plain_help(sub)
+    for param in getattr(command, "params", []):
+        if param.param_type_name == "argument":
+            name = param.metavar or param.name.upper()
+            param._usage_display_name = lambda name=name: name
+            param._rich_display_name = lambda name=name: name
+            param.display_type_rich = lambda ctx=None: None
+        elif not getattr(param, "is_flag", False) and param.metavar is None:
+            param.metavar = param.name.upper()
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     click_usage_errors, click_aborts = _click_exception_types()
     command = typer.main.get_command(app)
+    plain_help(command)
     try:
         status = command.main(args=argv, prog_name="oomdoc", standalone_mode=False)
     except click_usage_errors as exc:

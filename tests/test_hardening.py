@@ -208,3 +208,16 @@ def test_check_with_dataloader_workers_gives_the_same_numbers_every_run(tmp_path
     for _ in range(5):
         checked = run_oomdoc([*common, script], cwd=tmp_path)
         assert checked.returncode == 0, checked.stderr
+
+
+def test_version_and_help_in_plain_words():
+    """Smaller findings: `--version` exists; help shows no Python types
+    (`<bool>`, `<str>`) and no `{SCRIPT} [[ARGS]...]...`."""
+    version = run_oomdoc(["--version"])
+    assert version.returncode == 0 and version.stdout.startswith("oomdoc "), version
+    for command in (["--help"], ["run", "--help"], ["check", "--help"], ["suggest", "--help"]):
+        shown = run_oomdoc(command)
+        assert shown.returncode == 0, shown.stderr
+        assert "<" not in shown.stdout.replace("<script>", "").replace("<UTC", ""), shown.stdout
+        assert "{" not in shown.stdout and "[[" not in shown.stdout, shown.stdout
+    assert "Usage: oomdoc run [OPTIONS] SCRIPT [ARGS]..." in run_oomdoc(["run", "--help"]).stdout
