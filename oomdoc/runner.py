@@ -23,7 +23,7 @@ from typing import Any
 import oomdoc
 from oomdoc.capture import CONFIG_ENV, CONFIG_FD_ENV, PREIMPORT_PREFIX, STARTED_ENV
 from oomdoc.errors import UsageError
-from oomdoc.model import Breakdown, Device, Options, Snapshot
+from oomdoc.model import Breakdown, Device, ErrorInfo, Options, Snapshot
 from oomdoc.snapshot import SCHEMA_VERSION, default_snapshot_path, utc_now
 
 
@@ -662,12 +662,21 @@ def build_snapshot(options: RunOptions, result: ChildResult) -> Snapshot:
         snapshot.device = Device(
             kind=kind, name="unknown", capacity_bytes=int(options.capacity_bytes or 0)
         )
-        snapshot.outcome = "interrupted" if result.exit_code in (130, 137, 143) else "error"
+        # Ctrl-C and SIGTERM interrupt; SIGKILL is no request to stop (the
+        # kernel's OOM killer sends it when the host runs out of memory).
+        snapshot.outcome = "interrupted" if result.exit_code in (130, 143) else "error"
         snapshot.breakdown = Breakdown()
         snapshot.breakdown_at = "none"
-        snapshot.notes = [
-            "The script's process ended without writing its capture (it was killed or crashed)."
-        ]
+        if result.signal_name == "SIGKILL" or result.exit_code == 137:
+            snapshot.error = ErrorInfo(type="killed by SIGKILL", message="")
+            snapshot.notes = [
+                "The script's process was killed (SIGKILL) without writing its capture: by the "
+                "kernel's OOM killer when the host ran out of memory (see `dmesg`), or by another process."
+            ]
+        else:
+            snapshot.notes = [
+                "The script's process ended without writing its capture (it was killed or crashed)."
+            ]
     return snapshot
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from conftest import SCRIPTS, load_json, run_oomdoc
 
 MIB = 1024**2
@@ -221,3 +223,41 @@ def test_version_and_help_in_plain_words():
         assert "<" not in shown.stdout.replace("<script>", "").replace("<UTC", ""), shown.stdout
         assert "{" not in shown.stdout and "[[" not in shown.stdout, shown.stdout
     assert "Usage: oomdoc run [OPTIONS] SCRIPT [ARGS]..." in run_oomdoc(["run", "--help"]).stdout
+
+
+def test_a_script_that_never_ran_gets_its_own_error_and_no_empty_report(tmp_path):
+    """Smaller finding: a SyntaxError prints as python prints it (no runpy
+    frames) and the report is the headline, without tables of zeros."""
+    script = tmp_path / "broken.py"
+    script.write_text("import torch\nx = (\n")
+    ran = run_oomdoc(["run", "--device", "cpu", "-o", tmp_path / "s.json", script], cwd=tmp_path)
+    assert ran.returncode == 1, ran.stderr
+    assert "SyntaxError: '(' was never closed" in ran.stderr
+    assert "runpy" not in ran.stderr and "Traceback" not in ran.stderr
+    assert "The script failed (SyntaxError)" in ran.stderr
+    assert "What filled" not in ran.stderr and "parameters" not in ran.stderr
+
+
+def test_a_run_that_fit_with_room_to_spare_gets_no_breakdown_diagnoses(tmp_path):
+    """Smaller finding: a run that used a sliver of the device is not told
+    what filled it."""
+    snapshot_path = tmp_path / "fit.json"
+    ran = run_oomdoc(
+        [
+            "run",
+            "--device",
+            "cpu",
+            "--device-memory",
+            "1GiB",
+            "-o",
+            snapshot_path,
+            SCRIPTS / "many_steps.py",
+            "3",
+            "1",
+        ],
+        cwd=tmp_path,
+    )
+    assert ran.returncode == 0, ran.stderr
+    assert "The run fit" in ran.stderr and "Diagnosis" not in ran.stderr
+    suggested = run_oomdoc(["suggest", "--format", "json", snapshot_path])
+    assert json.loads(suggested.stdout)["diagnoses"] == []

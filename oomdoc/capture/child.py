@@ -116,17 +116,22 @@ def _host_memory() -> dict:
 _OOMDOC_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _not_the_scripts(filename: str) -> bool:
+    """oomdoc's own hooks, and runpy's frames (the only ones left when the
+    script never ran: a SyntaxError in it)."""
+    return filename == "<frozen runpy>" or os.path.abspath(filename).startswith(
+        (_OOMDOC_DIR + os.sep, os.path.splitext(runpy.__file__)[0])
+    )
+
+
 def _without_oomdoc_frames(summary: traceback.TracebackException) -> None:
-    """Drop the frames of oomdoc's own hooks, here and in chained exceptions."""
+    """Drop the frames of oomdoc's own hooks and runpy's, here and in chained
+    exceptions."""
     seen = set()
     while summary is not None and id(summary) not in seen:
         seen.add(id(summary))
         summary.stack = traceback.StackSummary.from_list(
-            [
-                frame
-                for frame in summary.stack
-                if not os.path.abspath(frame.filename).startswith(_OOMDOC_DIR + os.sep)
-            ]
+            [frame for frame in summary.stack if not _not_the_scripts(frame.filename)]
         )
         for chained in (summary.__cause__, summary.__context__):
             if chained is not None:

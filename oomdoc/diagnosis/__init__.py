@@ -69,5 +69,20 @@ def diagnose(snapshot: Snapshot) -> list[Diagnosis]:
             found.extend(result)
         elif result is not None:
             found.append(result)
+    if fit_with_headroom(snapshot):
+        # What filled a device that was mostly free is no finding.
+        found = [diagnosis for diagnosis in found if diagnosis.tier != TIER_BREAKDOWN]
     found.sort(key=lambda diagnosis: (diagnosis.tier, -diagnosis.bytes))
     return found
+
+
+# A run that fit using less than this share of the capacity gets no
+# diagnoses of what filled the device (bugs are still said).
+QUIET_BELOW_SHARE = 0.5
+
+
+def fit_with_headroom(snapshot: Snapshot) -> bool:
+    capacity = snapshot.capacity_bytes
+    if snapshot.outcome != "ok" or capacity <= 0 or snapshot.ranks:
+        return False
+    return snapshot.needed_bytes < QUIET_BELOW_SHARE * capacity
