@@ -261,3 +261,35 @@ def test_a_run_that_fit_with_room_to_spare_gets_no_breakdown_diagnoses(tmp_path)
     assert "The run fit" in ran.stderr and "Diagnosis" not in ran.stderr
     suggested = run_oomdoc(["suggest", "--format", "json", snapshot_path])
     assert json.loads(suggested.stdout)["diagnoses"] == []
+
+
+def test_suggest_refuses_impossible_sizes_and_the_same_file_twice_and_escapes_controls(tmp_path):
+    """Smaller findings: negative sizes and a 0-byte device are refused in one
+    line; the same snapshot given twice is not a 2-rank job; escape sequences
+    in a snapshot's strings are written out, not sent to the terminal."""
+    from suggest_builders import MiB, oom_document
+
+    def write(name, document):
+        path = tmp_path / name
+        path.write_text(json.dumps(document))
+        return path
+
+    negative = oom_document(allocated=100 * MiB, requested=-5, capacity=128 * MiB)
+    zero = oom_document(allocated=100 * MiB, requested=8 * MiB, capacity=0)
+    for path, expected in (
+        (write("negative.json", negative), "oom.requested_bytes must be at least 0"),
+        (write("zero.json", zero), "device.capacity_bytes must be positive"),
+    ):
+        assert expected in one_line_usage_error(run_oomdoc(["suggest", path]))
+
+    good = write(
+        "good.json", oom_document(allocated=100 * MiB, requested=60 * MiB, capacity=128 * MiB)
+    )
+    twice = run_oomdoc(["suggest", good, tmp_path / "." / "good.json"])
+    assert "given twice" in one_line_usage_error(twice)
+
+    hostile = oom_document(allocated=100 * MiB, requested=60 * MiB, capacity=128 * MiB)
+    hostile["oom"]["location"]["function"] = "main\x1b[2J\x1b[31m"
+    shown = run_oomdoc(["suggest", write("hostile.json", hostile)])
+    assert shown.returncode == 0, shown.stderr
+    assert "\x1b" not in shown.stdout and "main\\x1b[2J\\x1b[31m" in shown.stdout

@@ -6,7 +6,7 @@ from __future__ import annotations
 from tabulate import tabulate
 
 from oomdoc.analysis import Analysis
-from oomdoc.formatting import format_location
+from oomdoc.formatting import format_location, printable
 from oomdoc.reporters import tables
 from oomdoc.reporters.ranks import rank_section_lines
 
@@ -76,7 +76,7 @@ class TextReporter:
                 lines.append(
                     f"PyTorch memory snapshot (drag into https://pytorch.org/memory_viz): {torch_snapshot}"
                 )
-        return "\n".join(lines) + "\n"
+        return printable("\n".join(lines) + "\n")
 
     def _short(self, lines: list[str]) -> str:
         """A run that put nothing on the device: the headline, the notes, no tables."""
@@ -86,7 +86,7 @@ class TextReporter:
         lines.extend(f"note: {note}" for note in self.analysis.snapshot.notes)
         if self.snapshot_path:
             lines += ["", f"Snapshot: {self.snapshot_path}"]
-        return "\n".join(lines) + "\n"
+        return printable("\n".join(lines) + "\n")
 
     def _module_lines(self) -> list[str]:
         rows = tables.module_rows(self.analysis.snapshot)
