@@ -324,6 +324,27 @@ def site_changes(baseline_sites: list[dict], current_sites: list[dict]) -> list[
     return changes
 
 
+def script_of(command: list) -> str | None:
+    """The script (or `-m module`) a recorded command ran, its path normalised."""
+    if not command:
+        return None
+    if command[0] == "-m":
+        return f"-m {command[1]}" if len(command) > 1 else None
+    return os.path.normpath(str(command[0])).replace(os.sep, "/")
+
+
+def refuse_another_scripts_baseline(baseline: dict, run: RunOptions, path: Path) -> None:
+    """A baseline recorded for another script measures other code: comparing
+    with it would pass or fail at random. Other arguments are only noted."""
+    recorded = script_of(list(baseline.get("command") or []))
+    current = script_of(run.command)
+    if recorded is not None and current is not None and recorded != current:
+        raise UsageError(
+            f"--baseline {path}: recorded for {recorded}, not {current} "
+            "(give that script's baseline, or write one for this script with --update-baseline)"
+        )
+
+
 def mismatch_notes(baseline: dict, current: dict) -> list[str]:
     """Differences in how the two were measured, said plainly."""
     notes = []
@@ -427,6 +448,8 @@ def run_check(options: CheckOptions, stderr: TextIO | None = None) -> int:
             if not options.update_baseline:
                 raise
             unreadable = f"the previous baseline could not be read and is replaced ({exc})"
+    if baseline is not None and not options.update_baseline:
+        refuse_another_scripts_baseline(baseline, options.run, baseline_path)
     if options.update_baseline:
         check_output_file(baseline_path, "--baseline", replace=True, create_parents=True)
 

@@ -293,3 +293,18 @@ def test_suggest_refuses_impossible_sizes_and_the_same_file_twice_and_escapes_co
     shown = run_oomdoc(["suggest", write("hostile.json", hostile)])
     assert shown.returncode == 0, shown.stderr
     assert "\x1b" not in shown.stdout and "main\\x1b[2J\\x1b[31m" in shown.stdout
+
+
+def test_check_refuses_the_baseline_of_another_script(tmp_path):
+    """Smaller finding: a baseline recorded for another script is refused
+    before the run, one line, exit status 2."""
+    baseline = tmp_path / "baseline.json"
+    common = ["check", "--device", "cpu", "--baseline", baseline]
+    made = run_oomdoc(
+        [*common, "--update-baseline", SCRIPTS / "many_steps.py", "3", "1"], cwd=tmp_path
+    )
+    assert made.returncode == 0, made.stderr
+    other = run_oomdoc([*common, SCRIPTS / "take_output_names.py"], cwd=tmp_path)
+    assert "recorded for" in one_line_usage_error(other)
+    same = run_oomdoc([*common, SCRIPTS / "many_steps.py", "3", "2"], cwd=tmp_path)
+    assert same.returncode == 0, same.stderr  # other arguments are only noted
