@@ -2,12 +2,20 @@
 PYTHON ?= python3
 PIP ?= $(PYTHON) -m pip
 # torch is installed only when missing, so an existing (CUDA or CPU) build is kept.
-TORCH ?= torch>=2.4
+# Without an NVIDIA GPU (no working nvidia-smi) the CPU build is installed: the
+# default wheel pulls gigabytes of CUDA libraries that such a machine never uses.
+TORCH ?= torch==2.13.0
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 
 .PHONY: install demo lint test test-gpu bench clean
 
 install:
-	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install "$(TORCH)"
+	@$(PYTHON) -c "import torch" 2>/dev/null || { \
+		if nvidia-smi -L >/dev/null 2>&1; then \
+			$(PIP) install "$(TORCH)"; \
+		else \
+			$(PIP) install "$(TORCH)" --index-url "$(TORCH_CPU_INDEX)"; \
+		fi; }
 	$(PIP) install -q -e ".[dev]"
 	@# The simulated device's compiled op check, built once per torch install
 	@# (without a C++ compiler the device counts the same, more slowly).

@@ -31,6 +31,9 @@ class Analysis:
     path: Optional[str] = None
     top: int = 5
     notes: list[str] = field(default_factory=list)
+    # The script stopped before it put anything on the device (a SyntaxError,
+    # an error at import): there is no breakdown to show.
+    measured_nothing: bool = False
 
     @property
     def shown_fixes(self) -> list[FixResult]:
@@ -69,6 +72,19 @@ def analyse(
         path=path,
         top=top,
         notes=notes,
+        measured_nothing=measured_nothing(snapshot),
+    )
+
+
+def measured_nothing(snapshot: Snapshot) -> bool:
+    """A run that ended (failed or stopped) before any step and any byte on the device."""
+    peak = snapshot.peak.allocated_bytes if snapshot.peak else None
+    return (
+        snapshot.outcome in ("error", "interrupted")
+        and not snapshot.steps
+        and not snapshot.ranks
+        and not peak
+        and snapshot.breakdown.total == 0
     )
 
 
@@ -133,7 +149,7 @@ def headline(snapshot: Snapshot) -> str:
     )
     if peak is not None and peak.step is not None:
         peak_text += f" in step {peak.step} during {peak.phase}"
-    steps = len(snapshot.steps)
+    steps = snapshot.step_count
     if snapshot.outcome == "ok":
         used = peak_reserved if peak_reserved is not None else (peak_allocated or 0)
         return f"The run fit: {peak_text}; headroom {format_bytes(capacity - used)} over {steps} step(s)"

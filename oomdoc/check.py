@@ -29,6 +29,7 @@ from oomdoc.analysis import analyse, headline
 from oomdoc.errors import UsageError
 from oomdoc.formatting import relative_path
 from oomdoc.model import CATEGORIES, Location, Snapshot
+from oomdoc.output_paths import check_output_file, write_new_file
 from oomdoc.reporters import render
 from oomdoc.runner import (
     RunOptions,
@@ -187,7 +188,7 @@ def measurement(snapshot: Snapshot, steps_requested: int) -> dict:
         },
         "command": list(snapshot.command),
         "steps": int(steps_requested),
-        "steps_run": len(snapshot.steps),
+        "steps_run": snapshot.step_count,
         "peak": {
             "allocated_bytes": (peak.allocated_bytes if peak else None) or 0,
             "reserved_bytes": (peak.reserved_bytes if peak else None) or 0,
@@ -323,6 +324,27 @@ def site_changes(baseline_sites: list[dict], current_sites: list[dict]) -> list[
     return changes
 
 
+def script_of(command: list) -> str | None:
+    """The script (or `-m module`) a recorded command ran, its path normalised."""
+    if not command:
+        return None
+    if command[0] == "-m":
+        return f"-m {command[1]}" if len(command) > 1 else None
+    return os.path.normpath(str(command[0])).replace(os.sep, "/")
+
+
+def refuse_another_scripts_baseline(baseline: dict, run: RunOptions, path: Path) -> None:
+    """A baseline recorded for another script measures other code: comparing
+    with it would pass or fail at random. Other arguments are only noted."""
+    recorded = script_of(list(baseline.get("command") or []))
+    current = script_of(run.command)
+    if recorded is not None and current is not None and recorded != current:
+        raise UsageError(
+            f"--baseline {path}: recorded for {recorded}, not {current} "
+            "(give that script's baseline, or write one for this script with --update-baseline)"
+        )
+
+
 def mismatch_notes(baseline: dict, current: dict) -> list[str]:
     """Differences in how the two were measured, said plainly."""
     notes = []
@@ -368,7 +390,7 @@ def measure(options: CheckOptions) -> tuple[Snapshot, float]:
         # a fixed seed makes two checks of the same code count the same bytes.
         extra_env["PYTHONHASHSEED"] = "0"
     # The child resolves `--device auto` itself: the parent never imports torch.
-    result = run_child(child_request(run_options, extra_env=extra_env))
+    result = run_child(child_request(run_options, extra_env=extra_env, serial_dataloaders=True))
     raise_child_usage_error(result)
     return build_snapshot(run_options, result), result.wall_s
 
@@ -383,6 +405,12 @@ def evaluate(
         comparisons = compare(baseline, current, options)
         changes = site_changes(baseline.get("top_allocations") or [], current["top_allocations"])
         notes = mismatch_notes(baseline, current)
+    if measured and snapshot.dataloader_workers_removed:
+        notes.append(
+            f"{len(snapshot.dataloader_workers_removed)} DataLoader(s) with worker processes "
+            f"(num_workers={max(snapshot.dataloader_workers_removed)}) loaded in the script's process instead, "
+            "so that every check counts the same batches"
+        )
     if measured and snapshot.device.kind == "simulated":
         notes.append(
             "on the simulated device every CPU tensor of the script counts, its dataset in memory included."
@@ -420,9 +448,10 @@ def run_check(options: CheckOptions, stderr: TextIO | None = None) -> int:
             if not options.update_baseline:
                 raise
             unreadable = f"the previous baseline could not be read and is replaced ({exc})"
-    for flag, artifact in (("--junit", options.junit_path), ("--html", options.html_path)):
-        if artifact and Path(artifact).is_dir():
-            raise UsageError(f"{flag} {artifact}: is a directory")
+    if baseline is not None and not options.update_baseline:
+        refuse_another_scripts_baseline(baseline, options.run, baseline_path)
+    if options.update_baseline:
+        check_output_file(baseline_path, "--baseline", replace=True, create_parents=True)
 
     snapshot, wall_s = measure(options)
     result = evaluate(snapshot, baseline, options, wall_s)
@@ -435,7 +464,7 @@ def run_check(options: CheckOptions, stderr: TextIO | None = None) -> int:
     if options.junit_path:
         write_atomic(options.junit_path, render("junit", result), overwrite=True)
     if options.html_path:
-        write_atomic(options.html_path, render("html", analyse(snapshot)), overwrite=True)
+        write_new_file(options.html_path, render("html", analyse(snapshot)))
     summary_path = os.environ.get("GITHUB_STEP_SUMMARY")
     if summary_path:
         with open(summary_path, "a", encoding="utf-8") as handle:

@@ -18,13 +18,30 @@ from oomdoc.snapshot import SnapshotError
 app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,
     no_args_is_help=True,
     help="oomdoc: the out-of-memory doctor for PyTorch.",
 )
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        import oomdoc
+
+        print(f"oomdoc {oomdoc.__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
-def _root() -> None:
+def _root(
+    version: bool = typer.Option(
+        False,
+        "--version",
+        callback=_print_version,
+        is_eager=True,
+        help="Print oomdoc's version and exit.",
+    ),
+) -> None:
     """oomdoc: the out-of-memory doctor for PyTorch."""
 
 
@@ -62,7 +79,9 @@ ModuleFlag = Annotated[
 DeviceOption = Annotated[
     str,
     typer.Option(
-        "--device", help="auto (CUDA when available), cuda, or cpu (the simulated device)."
+        "--device",
+        metavar="auto|cuda|cpu",
+        help="auto (CUDA when available), cuda, or cpu (the simulated device).",
     ),
 ]
 DeviceMemoryOption = Annotated[
@@ -113,7 +132,11 @@ def run(
         help="Where to write the snapshot (default .oomdoc/<script>-<UTC time>.json).",
     ),
     max_steps: Optional[int] = typer.Option(
-        None, "--max-steps", min=1, help="Stop the script cleanly (exit 0) after N training steps."
+        None,
+        "--max-steps",
+        min=1,
+        metavar="N",
+        help="Stop the script cleanly (exit 0) after N training steps.",
     ),
     no_replay: bool = typer.Option(
         False, "--no-replay", help="Do not replay the failing step with fixes."
@@ -239,20 +262,11 @@ SUGGEST_FORMATS = ("table", "json", "markdown", "html")
 
 
 def new_file_option(path: Optional[str], flag: str) -> Optional[str]:
-    """A file oomdoc will write: refused when it exists (nothing the user had
-    is overwritten) or its directory does not."""
-    if path is None:
-        return None
-    import os
+    """A file oomdoc will write: refused before anything runs when it exists
+    (nothing the user had is overwritten) or cannot be written."""
+    from oomdoc.output_paths import check_output_file
 
-    if os.path.isdir(path):
-        raise UsageError(f"{flag} {path}: is a directory")
-    if os.path.exists(path):
-        raise UsageError(f"{flag} {path}: already exists (oomdoc never overwrites a file)")
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        raise UsageError(f"{flag} {path}: no such directory {parent}")
-    return path
+    return check_output_file(path, flag)
 
 
 @app.command()
@@ -311,7 +325,7 @@ def check(
         help="How much each quantity may grow: a percentage of its baseline value, or a size.",
     ),
     steps: int = typer.Option(
-        3, "--steps", min=1, help="Training steps to run before stopping the script."
+        3, "--steps", min=1, metavar="N", help="Training steps to run before stopping the script."
     ),
     update_baseline: bool = typer.Option(
         False,
@@ -319,13 +333,16 @@ def check(
         help="Write (or refresh) the baseline from this run instead of failing on growth.",
     ),
     junit: Optional[str] = typer.Option(
-        None, "--junit", metavar="FILE", help="Also write the comparison as JUnit XML."
+        None,
+        "--junit",
+        metavar="FILE",
+        help="Also write the comparison as JUnit XML (replaced if it exists).",
     ),
     html: Optional[str] = typer.Option(
         None,
         "--html",
         metavar="PATH",
-        help="Also write the run's report as one HTML page (a CI artifact; replaced if it exists).",
+        help="Also write the run's report as one HTML page (a CI artifact; never overwritten).",
     ),
     module: ModuleFlag = False,
     device: DeviceOption = "auto",
@@ -339,6 +356,7 @@ def check(
     failed script, 2 on a usage error.
     """
     from oomdoc.check import CheckOptions, run_check
+    from oomdoc.output_paths import check_output_file
     from oomdoc.sizes import parse_tolerance
 
     try:
@@ -354,8 +372,8 @@ def check(
         tolerance_bytes=absolute_bytes,
         tolerance_text=tolerance.strip(),
         update_baseline=update_baseline,
-        junit_path=junit,
-        html_path=html,
+        junit_path=check_output_file(junit, "--junit", replace=True),
+        html_path=new_file_option(html, "--html"),
     )
     return run_check(options)
 
@@ -379,9 +397,26 @@ def _click_exception_types() -> tuple[
     return tuple(usage_errors), tuple(aborts)
 
 
+def plain_help(command) -> None:
+    """Help in the words of the usage line: `SCRIPT [ARGS]...` rather than
+    typer's `{SCRIPT} [[ARGS]...]...`, and an option's value named (`N`,
+    `DEVICE`) rather than its Python type (`<int range>`, `<str>`)."""
+    for sub in getattr(command, "commands", {}).values():
+        plain_help(sub)
+    for param in getattr(command, "params", []):
+        if param.param_type_name == "argument":
+            name = param.metavar or param.name.upper()
+            param._usage_display_name = lambda name=name: name
+            param._rich_display_name = lambda name=name: name
+            param.display_type_rich = lambda ctx=None: None
+        elif not getattr(param, "is_flag", False) and param.metavar is None:
+            param.metavar = param.name.upper()
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     click_usage_errors, click_aborts = _click_exception_types()
     command = typer.main.get_command(app)
+    plain_help(command)
     try:
         status = command.main(args=argv, prog_name="oomdoc", standalone_mode=False)
     except click_usage_errors as exc:

@@ -5,6 +5,7 @@ oomdoc.sizes.format_bytes; this module turns records into short phrases."""
 from __future__ import annotations
 
 import os
+import re
 from typing import Optional
 
 from oomdoc.model import Location, Site
@@ -48,3 +49,14 @@ def index_list(indices: list[int], limit: int = 6) -> str:
     """`1, 2, 3, ... (40 in all)`."""
     shown = ", ".join(str(i) for i in indices[:limit])
     return shown + (f", ... ({len(indices)} in all)" if len(indices) > limit else "")
+
+
+# Control characters, but the line breaks and tabs a report is made of.
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def printable(text: str) -> str:
+    """`text` with control characters written out (`\\x1b`): a snapshot's
+    strings (file names, messages) come from anywhere, and an escape
+    sequence printed raw would recolour or rewrite the user's terminal."""
+    return _CONTROL.sub(lambda match: f"\\x{ord(match.group()):02x}", text)

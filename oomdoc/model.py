@@ -553,6 +553,9 @@ class Snapshot:
     category_peaks: Optional[Breakdown] = None
     peak: Optional[Peak] = None
     steps: List[Step] = field(default_factory=list)
+    # Steps of a long run whose records were not kept (the first, the
+    # highest peaks and the last ones are): 0 in older snapshots.
+    steps_omitted: int = 0
     top_allocations: List[Site] = field(default_factory=list)
     allocator: Optional[Allocator] = None
     optimizers: List[str] = field(default_factory=list)
@@ -577,6 +580,12 @@ class Snapshot:
     script_option_aliases: Dict[str, str] = field(default_factory=dict)
     # Heavy installed packages the script imported, in import order.
     imported_packages: List[str] = field(default_factory=list)
+    # Batch sizes of the DataLoaders the script made that a smaller-batch
+    # replay could change; None when not known (a replay, an older snapshot).
+    dataloader_batch_sizes: Optional[List[int]] = None
+    # oomdoc check: the num_workers of each DataLoader made to load in the
+    # script's process instead (oomdoc.capture.serial_dataloaders).
+    dataloader_workers_removed: List[int] = field(default_factory=list)
     prescription: Optional[Prescription] = None
     # A distributed job: one entry per rank; the top-level fields are the
     # primary rank's (the first to run out of memory).
@@ -604,6 +613,11 @@ class Snapshot:
     @property
     def is_oom(self) -> bool:
         return self.outcome == "oom" and self.oom is not None
+
+    @property
+    def step_count(self) -> int:
+        """How many steps the run closed, kept records or not."""
+        return len(self.steps) + max(0, int(self.steps_omitted or 0))
 
     @property
     def capacity_bytes(self) -> int:

@@ -25,7 +25,7 @@ import oomdoc
 from oomdoc.capture import CONFIG_ENV, CONFIG_FD_ENV, PREIMPORT_PREFIX, STARTED_ENV
 from oomdoc.distributed.merge import merge_rank_captures
 from oomdoc.errors import UsageError
-from oomdoc.model import Breakdown, Device, Options, Snapshot
+from oomdoc.model import Breakdown, Device, ErrorInfo, Options, Snapshot
 from oomdoc.snapshot import SCHEMA_VERSION, default_snapshot_path, utc_now
 
 SPAWNED_PATTERN = re.compile(r"^capture-spawned(\d+)\.json$")
@@ -65,6 +65,9 @@ class ChildRequest:
     # the lock shared (its timed steps alone); False, it keeps the device
     # alone from its first device work to its end (a replay timed again).
     share_device: bool | None = None
+    # oomdoc check: DataLoaders load in the script's process (num_workers=0),
+    # so that two runs of the same code count the same batches.
+    serial_dataloaders: bool = False
 
 
 @dataclass
@@ -313,12 +316,26 @@ class WarmPool:
         shutil.rmtree(self.log_dir, ignore_errors=True)
 
 
+def interrupt_reached_the_group() -> bool:
+    """Whether a SIGINT was, most likely, a terminal's Ctrl-C: oomdoc runs in
+    the foreground process group of its terminal, whose every process (its
+    children too) the terminal signals. Otherwise it was sent to oomdoc alone
+    and must be passed on (the child ignores the echo of one it already had)."""
+    for descriptor in (0, 1, 2):
+        try:
+            if os.isatty(descriptor):
+                return os.tcgetpgrp(descriptor) == os.getpgrp()
+        except OSError:
+            continue
+    return False
+
+
 class ChildSignals:
     """What SIGINT and SIGTERM do to oomdoc while its children run.
 
     Ctrl-C reaches the children from the terminal directly (one process
     group): oomdoc only notes it (`interrupted`) and lets each child write its
-    capture. SIGTERM sent to oomdoc is passed on to every running child
+    capture; a SIGINT sent to oomdoc alone is passed on to the children. SIGTERM sent to oomdoc is passed on to every running child
     (`terminated`). Installed from the main thread, once for a whole phase of
     children that several threads may start (the replays), or by run_child
     for one child. Handlers, unlike SIG_IGN, are not inherited by the
@@ -351,6 +368,14 @@ class ChildSignals:
 
     def _on_interrupt(self, signum, frame) -> None:
         self.interrupted = True
+        if interrupt_reached_the_group():
+            return  # the terminal's Ctrl-C: the children have it already
+        # `kill -INT <oomdoc>` (a supervisor, a script): only oomdoc got it.
+        with self._lock:
+            processes = list(self._processes)
+        for process in processes:
+            if process.poll() is None:
+                process.send_signal(signum)
 
     def _on_terminate(self, signum, frame) -> None:
         self.terminated = True
@@ -461,6 +486,7 @@ def run_child(
             "fix": request.fix,
             "result_path": result_path,
             "artifact_dir": request.artifact_dir or workdir,
+            "serial_dataloaders": request.serial_dataloaders,
         }
         if request.device_lock:
             lock: dict[str, Any] = {"path": request.device_lock, "status": status_path}
@@ -691,12 +717,21 @@ def build_snapshot(options: RunOptions, result: ChildResult) -> Snapshot:
         snapshot.device = Device(
             kind=kind, name="unknown", capacity_bytes=int(options.capacity_bytes or 0)
         )
-        snapshot.outcome = "interrupted" if result.exit_code in (130, 137, 143) else "error"
+        # Ctrl-C and SIGTERM interrupt; SIGKILL is no request to stop (the
+        # kernel's OOM killer sends it when the host runs out of memory).
+        snapshot.outcome = "interrupted" if result.exit_code in (130, 143) else "error"
         snapshot.breakdown = Breakdown()
         snapshot.breakdown_at = "none"
-        snapshot.notes = [
-            "The script's process ended without writing its capture (it was killed or crashed)."
-        ]
+        if result.signal_name == "SIGKILL" or result.exit_code == 137:
+            snapshot.error = ErrorInfo(type="killed by SIGKILL", message="")
+            snapshot.notes = [
+                "The script's process was killed (SIGKILL) without writing its capture: by the "
+                "kernel's OOM killer when the host ran out of memory (see `dmesg`), or by another process."
+            ]
+        else:
+            snapshot.notes = [
+                "The script's process ended without writing its capture (it was killed or crashed)."
+            ]
     return snapshot
 
 
@@ -727,16 +762,16 @@ def guess_device_kind() -> str:
 
 
 def output_path(options: RunOptions) -> Path:
-    if options.output:
-        path = Path(options.output)
-        if path.exists():
-            raise UsageError(
-                f"-o/--output: {path} already exists (oomdoc never overwrites a snapshot)"
-            )
-        if path.is_dir():
-            raise UsageError(f"-o/--output: {path} is a directory")
+    """Where the snapshot is meant to go, checked before the run (the name
+    actually written may differ: oomdoc.output_paths.write_new_file)."""
+    from oomdoc.output_paths import check_output_file
+
+    if options.output is None:
+        path = default_snapshot_path(options.target)
+        check_output_file(path, "snapshot", create_parents=True)
         return path
-    return default_snapshot_path(options.target)
+    check_output_file(options.output, "-o/--output", create_parents=True)
+    return Path(options.output)
 
 
 def remove_if_empty(directory: Path) -> None:

@@ -5,6 +5,7 @@ Everything inside oomdoc is plain integer bytes.
 
 from __future__ import annotations
 
+import math
 import re
 
 _UNITS = {
@@ -45,6 +46,10 @@ def parse_size(text: str) -> int:
         raise ValueError(
             f"invalid size {text!r}: unknown unit {unit!r} (use B, kB, MB, GB, TB, KiB, MiB, GiB or TiB)"
         )
+    if factor == 1 and "." in number and float(number) != int(float(number)):
+        raise ValueError(
+            f"invalid size {text!r}: a fraction of a byte (give a unit, e.g. {number}GiB)"
+        )
     value = float(number) * factor
     if value < 1:
         raise ValueError(f"invalid size {text!r}: must be at least one byte")
@@ -75,9 +80,15 @@ def parse_tolerance(text: str) -> tuple[float, int]:
             fraction = float(stripped[:-1]) / 100.0
         except ValueError:
             raise ValueError(f"invalid tolerance {text!r}: expected e.g. 5% or 256MiB") from None
+        if not math.isfinite(fraction):
+            raise ValueError(f"invalid tolerance {text!r}: must be a finite percentage")
         if fraction < 0:
             raise ValueError(f"invalid tolerance {text!r}: must not be negative")
         return fraction, 0
+    if re.fullmatch(r"[\d.]+", stripped):
+        raise ValueError(
+            f"invalid tolerance {text!r}: say the unit, {stripped}% or {stripped}MiB (a bare number would be bytes)"
+        )
     try:
         return 0.0, parse_size(stripped)
     except ValueError:

@@ -152,11 +152,15 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _check_int(mapping: dict, key: str, where: str, *, optional: bool = False) -> None:
+def _check_int(
+    mapping: dict, key: str, where: str, *, optional: bool = False, minimum: int | None = None
+) -> None:
     value = mapping.get(key)
     if value is None and optional:
         return
     _expect(_is_int(value), f"{where}.{key} must be an integer, got {type(value).__name__}")
+    if minimum is not None and isinstance(value, int) and value < minimum:
+        raise SnapshotError(f"{where}.{key} must be at least {minimum}, got {value}")
 
 
 def _check_location(value: Any, where: str) -> None:
@@ -192,9 +196,15 @@ def validate(document: Any) -> None:
         device.get("kind") in DEVICE_KINDS, f"device.kind must be one of {', '.join(DEVICE_KINDS)}"
     )
     _expect(isinstance(device.get("name"), str), "device.name must be a string")
-    _check_int(device, "capacity_bytes", "device")
+    _check_int(device, "capacity_bytes", "device", minimum=0)
 
     _expect(document.get("outcome") in OUTCOMES, f"outcome must be one of {', '.join(OUTCOMES)}")
+    # Only a run whose process died before it wrote anything has no capacity.
+    _expect(
+        device["capacity_bytes"] > 0
+        or (document["outcome"] in ("error", "interrupted") and not document.get("steps")),
+        "device.capacity_bytes must be positive (a device of 0 bytes holds nothing)",
+    )
     _check_int(document, "exit_code", "snapshot")
 
     oom = document.get("oom")
@@ -203,7 +213,7 @@ def validate(document: Any) -> None:
     if oom is not None:
         _expect(isinstance(oom, dict), "oom must be an object or null")
         for key in ("requested_bytes", "allocated_bytes", "reserved_bytes"):
-            _check_int(oom, key, "oom")
+            _check_int(oom, key, "oom", minimum=0)
         _check_int(oom, "step", "oom", optional=True)
         _expect(oom.get("phase") in PHASES, f"oom.phase must be one of {', '.join(PHASES)}")
         _expect(isinstance(oom.get("message"), str), "oom.message must be a string")
@@ -212,32 +222,35 @@ def validate(document: Any) -> None:
     breakdown = document.get("breakdown")
     _expect(isinstance(breakdown, dict), "breakdown must be an object")
     for category in CATEGORIES:
-        _check_int(breakdown, category, "breakdown")
+        _check_int(breakdown, category, "breakdown", minimum=0)
 
     category_peaks = document.get("category_peaks")
     if category_peaks is not None:
         _expect(isinstance(category_peaks, dict), "category_peaks must be an object")
         for category in CATEGORIES:
-            _check_int(category_peaks, category, "category_peaks")
+            _check_int(category_peaks, category, "category_peaks", minimum=0)
 
     steps = document.get("steps")
     _expect(isinstance(steps, list), "steps must be a list")
     for position, step in enumerate(steps):
         where = f"steps[{position}]"
         _expect(isinstance(step, dict), f"{where} must be an object")
-        for key in ("index", "peak_allocated_bytes", "peak_reserved_bytes", "end_allocated_bytes"):
-            _check_int(step, key, where)
+        _check_int(step, "index", where)
+        for key in ("peak_allocated_bytes", "peak_reserved_bytes", "end_allocated_bytes"):
+            _check_int(step, key, where, minimum=0)
         _expect(
             step.get("peak_phase") in PHASES,
             f"{where}.peak_phase must be one of {', '.join(PHASES)}",
         )
+
+    _check_int(document, "steps_omitted", "snapshot", optional=True, minimum=0)
 
     top = document.get("top_allocations")
     _expect(isinstance(top, list), "top_allocations must be a list")
     for position, site in enumerate(top):
         where = f"top_allocations[{position}]"
         _expect(isinstance(site, dict), f"{where} must be an object")
-        _check_int(site, "bytes", where)
+        _check_int(site, "bytes", where, minimum=0)
         _expect(
             site.get("category") in CATEGORIES,
             f"{where}.category must be one of {', '.join(CATEGORIES)}",
@@ -250,7 +263,7 @@ def validate(document: Any) -> None:
         where = f"fixes[{position}]"
         _expect(isinstance(fix, dict), f"{where} must be an object")
         _expect(isinstance(fix.get("name"), str), f"{where}.name must be a string")
-        _check_int(fix, "peak_allocated_bytes", where, optional=True)
+        _check_int(fix, "peak_allocated_bytes", where, optional=True, minimum=0)
         _check_int(fix, "saved_bytes", where, optional=True)
         _expect(isinstance(fix.get("fits", False), bool), f"{where}.fits must be true or false")
         ratio = fix.get("step_time_ratio")

@@ -8,9 +8,10 @@ import sys
 from typing import TextIO, Union
 
 from oomdoc.analysis import analyse
+from oomdoc.errors import UsageError
 from oomdoc.loaders import LoadedSnapshot, load_snapshot
+from oomdoc.output_paths import write_new_file
 from oomdoc.reporters import render
-from oomdoc.snapshot import write_atomic
 
 
 def run_suggest(
@@ -23,6 +24,14 @@ def run_suggest(
     """Print (or, with `output`, write) the report of the snapshot at `path`;
     several paths, or a directory, are the ranks of one job, merged."""
     stdout = stdout or sys.stdout
+    if not isinstance(path, str):
+        seen: dict[str, str] = {}
+        for given in path:
+            same = seen.setdefault(os.path.realpath(given), given)
+            if same != given or path.count(given) > 1:
+                raise UsageError(
+                    f"{given}: the same snapshot given twice (as {same}); each rank's snapshot once"
+                )
     if not isinstance(path, str) or os.path.isdir(path):
         from oomdoc.distributed.merge import load_job
 
@@ -35,8 +44,8 @@ def run_suggest(
     if output_format == "table":
         text = text.lstrip("\n")
     if output:
-        write_atomic(output, text)
-        print(f"oomdoc: wrote {output}", file=sys.stderr)
+        written = write_new_file(output, text)
+        print(f"oomdoc: wrote {written}", file=sys.stderr)
     else:
         stdout.write(text)
     return 0

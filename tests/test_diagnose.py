@@ -476,3 +476,24 @@ def test_torch_snapshot_diagnosis():
     assert (
         "Allocator events just before the OOM" in text and "/home/me/train.py:42 in forward" in text
     )
+
+
+def test_a_request_larger_than_the_device_is_said_first_with_its_line():
+    """Issue 26, item 6: 390 MiB asked of a 128 MiB device, parameters and
+    optimizer state holding the little in use: the first diagnosis says the
+    one request cannot fit and where it was made."""
+    document = oom_document(allocated=20 * MiB, requested=390 * MiB, capacity=128 * MiB)
+    document["breakdown"] = {
+        "parameters": 10 * MiB,
+        "gradients": 0,
+        "optimizer_state": 10 * MiB,
+        "activations": 0,
+        "other": 0,
+    }
+    first = diagnose(document)[0]
+    assert first["kind"] == "oversized_request"
+    assert "390.00 MiB" in first["summary"] and "128.00 MiB" in first["summary"]
+    assert "train.py:10 in main" in first["summary"]
+    assert "cannot fit" in first["summary"]
+    fitting = oom_document(allocated=120 * MiB, requested=16 * MiB, capacity=128 * MiB)
+    assert "oversized_request" not in [d["kind"] for d in diagnose(fitting)]

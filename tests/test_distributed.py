@@ -85,6 +85,22 @@ def test_rank0_oom_ends_the_job_with_status_1(imbalance_job):
     assert rank1["steps"] and rank0["steps"]
 
 
+def test_a_ranks_peak_is_what_it_held_not_what_it_needed(imbalance_job):
+    """Issue 26, item 13: the ranks table's peak never exceeds the capacity;
+    at an OOM it is what the rank held, and the last column says how much
+    more it needed."""
+    from oomdoc.reporters.ranks import rank_rows
+    from oomdoc.sizes import format_bytes
+
+    _, document = imbalance_job
+    rank0 = document["ranks"][0]
+    held = max(rank0["peak"]["allocated_bytes"], rank0["oom"]["allocated_bytes"])
+    assert held <= rank0["device"]["capacity_bytes"]
+    row = rank_rows(document)[0]
+    assert row[3] == format_bytes(held)
+    assert row[-1] == "needs 8.00 MiB more"
+
+
 def test_the_waiting_rank_says_where_it_waited(imbalance_job):
     result, document = imbalance_job
     waiting = document["ranks"][1]["waiting_at"]
@@ -100,7 +116,9 @@ def test_rank_imbalance_names_rank_0(imbalance_job):
     diagnosis = rank_imbalance(document)
     assert diagnosis is not None
     assert diagnosis["summary"].startswith("Rank 0 holds")
-    assert any(line.startswith("peak per rank: rank 0") for line in diagnosis["evidence"])
+    assert any(
+        line.startswith("need per rank (") and ": rank 0" in line for line in diagnosis["evidence"]
+    )
     # 3 x 8 MiB of cache, the OOM's request of 8 MiB more
     assert diagnosis["bytes"] >= 24 * 2**20
     assert "rank_imbalance: Rank 0 holds" in result.stderr

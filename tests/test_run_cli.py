@@ -353,6 +353,27 @@ def test_ctrl_c_reaches_the_script_and_the_capture_is_kept(tmp_path):
     assert document["outcome"] == "interrupted"
 
 
+def test_sigint_sent_to_oomdoc_alone_stops_the_script(tmp_path):
+    """Issue 26, item 2: `kill -INT <oomdoc>` (no terminal, so the children
+    did not get it) stops the script, which writes its capture."""
+    process = _start(
+        ["run", "--device", "cpu", "-o", tmp_path / "s.json", SCRIPTS / "run_wait.py"],
+        tmp_path,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    _wait_for_ready(process)
+    process.send_signal(signal.SIGINT)
+    try:
+        _, stderr = process.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        raise AssertionError("the script kept training after oomdoc's SIGINT") from None
+    assert process.returncode == 130, stderr
+    assert "KeyboardInterrupt" in stderr
+    assert load_json(tmp_path / "s.json")["outcome"] == "interrupted"
+
+
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
 @pytest.mark.parametrize("command", ["run", "check"])
 def test_device_cuda_without_cuda_is_a_one_line_usage_error(tmp_path, command):

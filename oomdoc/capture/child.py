@@ -68,6 +68,20 @@ def _on_sigterm(signum, frame):
     raise Terminated()
 
 
+# A second SIGINT this soon after the first is the same interrupt twice: a
+# process group's signal that oomdoc, not seeing a terminal, passed on too.
+SIGINT_ECHO_S = 1.0
+_last_interrupt = [float("-inf")]
+
+
+def _on_sigint(signum, frame):
+    now = time.monotonic()
+    if now - _last_interrupt[0] < SIGINT_ECHO_S:
+        return
+    _last_interrupt[0] = now
+    raise KeyboardInterrupt
+
+
 class DeviceUnavailable(Exception):
     """The configuration asks for a device this machine does not have."""
 
@@ -105,17 +119,22 @@ def _host_memory() -> dict:
 _OOMDOC_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _not_the_scripts(filename: str) -> bool:
+    """oomdoc's own hooks, and runpy's frames (the only ones left when the
+    script never ran: a SyntaxError in it)."""
+    return filename == "<frozen runpy>" or os.path.abspath(filename).startswith(
+        (_OOMDOC_DIR + os.sep, os.path.splitext(runpy.__file__)[0])
+    )
+
+
 def _without_oomdoc_frames(summary: traceback.TracebackException) -> None:
-    """Drop the frames of oomdoc's own hooks, here and in chained exceptions."""
+    """Drop the frames of oomdoc's own hooks and runpy's, here and in chained
+    exceptions."""
     seen = set()
     while summary is not None and id(summary) not in seen:
         seen.add(id(summary))
         summary.stack = traceback.StackSummary.from_list(
-            [
-                frame
-                for frame in summary.stack
-                if not os.path.abspath(frame.filename).startswith(_OOMDOC_DIR + os.sep)
-            ]
+            [frame for frame in summary.stack if not _not_the_scripts(frame.filename)]
         )
         for chained in (summary.__cause__, summary.__context__):
             if chained is not None:
@@ -213,8 +232,18 @@ def run(config: dict, imported_at: float | None = None, preimported: dict | None
         tracker, backend, lambda o, c: _watcher_write(config, backend, tracker, o, c, timings)
     )
     detector = detect_framework(tracker)
+    if config.get("serial_dataloaders"):  # oomdoc check: the same batches every run
+        from oomdoc.capture.serial_dataloaders import load_in_process
+
+        tracker.dataloader_workers_removed = []
+        load_in_process(tracker.dataloader_workers_removed)
     if config.get("fix"):
         apply_fix(config["fix"], tracker)
+    else:
+        from oomdoc.fixes.smaller_batch import watch_dataloaders
+
+        tracker.dataloader_batch_sizes = []
+        watch_dataloaders(tracker.dataloader_batch_sizes)
     # Processes the script starts: torch.multiprocessing.spawn's are
     # captured as ranks, others are named (oomdoc.capture.spawned).
     undo_processes = []
@@ -228,6 +257,8 @@ def run(config: dict, imported_at: float | None = None, preimported: dict | None
     target = config["target"]
     script_args = list(config.get("args", []))
     signal.signal(signal.SIGTERM, _on_sigterm)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _on_sigint)
 
     outcome, exit_code, error, system_exit, failure = "ok", 0, None, None, None
     loaded_before = frozenset(sys.modules)
@@ -445,6 +476,13 @@ def write_capture(config, backend, tracker, outcome, exit_code, error, timings=N
 
     steps = tracker.steps
     peak_step = max(steps, key=lambda s: s["peak_allocated_bytes"], default=None)
+    outside_allocated, outside_reserved, outside_phase = tracker.peak_outside_steps
+    peak_allocated = max(
+        [s["peak_allocated_bytes"] for s in steps] + [oom["allocated_bytes"] if oom else 0]
+    )
+    if outside_allocated > peak_allocated:
+        # Held outside every step (e.g. a script without a training loop).
+        peak_allocated, peak_step = outside_allocated, None
     capture = {
         "torch_version": torch.__version__,
         "device": backend.device_info(),
@@ -458,22 +496,19 @@ def write_capture(config, backend, tracker, outcome, exit_code, error, timings=N
         "breakdown_at": breakdown_at,
         "category_peaks": dict(tracker.category_peaks),
         "peak": {
-            "allocated_bytes": int(
-                max(
-                    [s["peak_allocated_bytes"] for s in steps]
-                    + [oom["allocated_bytes"] if oom else 0]
-                )
-            ),
+            "allocated_bytes": int(peak_allocated),
             "reserved_bytes": int(
                 max(
                     [s["peak_reserved_bytes"] for s in steps]
-                    + [oom["reserved_bytes"] if oom else 0]
+                    + [oom["reserved_bytes"] if oom else 0, outside_reserved]
                 )
             ),
             "step": peak_step["index"] if peak_step else None,
-            "phase": peak_step["peak_phase"] if peak_step else None,
+            "phase": peak_step["peak_phase"] if peak_step else outside_phase,
         },
         "steps": steps,
+        # Steps closed but not kept (oomdoc.capture.step_records).
+        "steps_omitted": max(0, tracker.step_index - len(steps)),
         "top_allocations": top,
         # Bytes per module and category where the breakdown was taken
         # (oomdoc.capture.modules; docs/snapshot.md).
@@ -486,6 +521,10 @@ def write_capture(config, backend, tracker, outcome, exit_code, error, timings=N
         # Heavy installed packages the script imported: the replays' warm
         # children import them ahead (oomdoc.capture.imports).
         "imported_packages": getattr(tracker, "imported_packages", []),
+        # DataLoaders whose batch size the smaller-batch fix could change.
+        "dataloader_batch_sizes": getattr(tracker, "dataloader_batch_sizes", None),
+        # oomdoc check: the num_workers of DataLoaders made to load in-process.
+        "dataloader_workers_removed": getattr(tracker, "dataloader_workers_removed", []),
         **framework_keys(tracker),
     }
     for key in ("spawned_ranks", "uncaptured_processes"):

@@ -39,6 +39,7 @@ import torch.nn as nn
 from oomdoc import frames
 from oomdoc.capture.backends import Backend, storage_key, storage_sites
 from oomdoc.capture.modules import ModuleScopes, block_categories, simulated_attribution
+from oomdoc.capture.step_records import BoundedSteps
 from oomdoc.snapshot import CATEGORIES
 
 
@@ -111,6 +112,9 @@ class Tracker:
         self.phase = "setup"
         self.unit = "module"  # moves up to "backward", "optimizer" (UNITS)
         self.steps: list[dict] = []
+        # Only the steps that matter are kept, however long the run
+        # (step_records); step_index still counts every step closed.
+        self._bounded_steps = BoundedSteps()
         self.oom: dict | None = None
         self.modules: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self.optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
@@ -145,6 +149,9 @@ class Tracker:
         self.device_to_itself = True
         self._step_alone = True
         self.peak_sample: dict | None = None
+        # (allocated, reserved) peak after the last step, or of a run without
+        # steps: no step record holds it, the run's peak must (finish()).
+        self.peak_outside_steps: tuple[int, int, str | None] = (0, 0, None)
         # The most each category held at any phase boundary (or the OOM):
         # what `oomdoc check` gates, since the categories peak at different
         # moments (activations at the end of forward, gradients after backward).
@@ -384,6 +391,7 @@ class Tracker:
                 self.backend.retained_activation_bytes(current["index"])
             )
         self.steps.append(current)
+        self._bounded_steps.trim(self.steps)
         self.step_index += 1
         self._pending_close = False
         self._new_step()
@@ -405,6 +413,11 @@ class Tracker:
             self._close_step()
         else:
             self._fold_peak()
+            self.peak_outside_steps = (
+                int(current["peak_allocated_bytes"]),
+                int(current["peak_reserved_bytes"]),
+                current["peak_phase"],
+            )
         if self._step_timer is not None:
             self._step_timer.collect(block=True)
         sample = self.peak_sample
@@ -599,7 +612,7 @@ class Tracker:
             )
         if closes:
             limit = self._step_limit()
-            last = limit is not None and len(self.steps) + 1 >= limit
+            last = limit is not None and self.step_index + 1 >= limit
             if not last:
                 # Taken before this step's end is timed: a wait for it is
                 # left out of this step (exclude_seconds), and the next step

@@ -6,7 +6,7 @@ one line each. Order, most important first: bugs (grad_in_eval, leak), then
 causes that decided the OOM on their own (fragmentation, other processes, a
 host that ran out of RAM), then what filled the device, largest first.
 
-Kinds: leak, grad_in_eval, evaluation_oom, fragmentation, other_processes, host_memory,
+Kinds: oversized_request (one request larger than the device), leak, grad_in_eval, evaluation_oom, fragmentation, other_processes, host_memory,
 activations, optimizer_state, parameters, gradients, unattributed (the
 breakdown's `other`: tensors made outside the model and optimizer).
 """
@@ -24,6 +24,7 @@ from oomdoc.diagnosis import (
     host_memory,
     leak,
     other_processes,
+    oversized_request,
 )
 from oomdoc.diagnosis.base import (
     BUG_KINDS,
@@ -49,6 +50,7 @@ __all__ = [
 RuleResult = Union[Diagnosis, "list[Diagnosis]", None]
 
 RULES: tuple[Callable[[Snapshot], RuleResult], ...] = (
+    oversized_request.rule,
     grad_in_eval.rule,
     leak.rule,
     evaluation.rule,
@@ -69,5 +71,20 @@ def diagnose(snapshot: Snapshot) -> list[Diagnosis]:
             found.extend(result)
         elif result is not None:
             found.append(result)
+    if fit_with_headroom(snapshot):
+        # What filled a device that was mostly free is no finding.
+        found = [diagnosis for diagnosis in found if diagnosis.tier != TIER_BREAKDOWN]
     found.sort(key=lambda diagnosis: (diagnosis.tier, -diagnosis.bytes))
     return found
+
+
+# A run that fit using less than this share of the capacity gets no
+# diagnoses of what filled the device (bugs are still said).
+QUIET_BELOW_SHARE = 0.5
+
+
+def fit_with_headroom(snapshot: Snapshot) -> bool:
+    capacity = snapshot.capacity_bytes
+    if snapshot.outcome != "ok" or capacity <= 0 or snapshot.ranks:
+        return False
+    return snapshot.needed_bytes < QUIET_BELOW_SHARE * capacity

@@ -93,7 +93,7 @@ def rank_imbalance(document: dict) -> dict | None:
     excess = high_peak - next_peak
     category, category_bytes = _largest_difference(high, others)
     evidence = [
-        "peak per rank: "
+        "need per rank (its peak; at an OOM, what it held plus the request that failed): "
         + ", ".join(
             f"{_name(e)} {format_bytes(_peak(e))}"
             for e in sorted(ranks, key=lambda e: e.get("rank") or 0)

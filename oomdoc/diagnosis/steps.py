@@ -33,8 +33,12 @@ def steady_growth(snapshot: Snapshot) -> Optional[tuple[int, int, int, int]]:
 
     The first step is left out: gradients and optimizer state appear there.
     """
-    values = [step.end_allocated_bytes for step in complete_steps(snapshot)[1:]]
-    ends = [value for value in values if value is not None and value >= 0]
+    measured = [
+        (step.index, step.end_allocated_bytes)
+        for step in complete_steps(snapshot)[1:]
+        if step.end_allocated_bytes is not None and step.end_allocated_bytes >= 0
+    ]
+    ends = [end for _, end in measured]
     if len(ends) < 3:
         return None
     deltas = [b - a for a, b in zip(ends, ends[1:])]
@@ -44,7 +48,9 @@ def steady_growth(snapshot: Snapshot) -> Optional[tuple[int, int, int, int]]:
     threshold = max(256 * 1024, snapshot.capacity_bytes // 500)
     if net < threshold or grew < 0.5 * len(deltas) or shrank > 0.25 * len(deltas):
         return None
-    return ends[0], ends[-1], net // len(deltas), len(ends)
+    # Counted by step index: a long run's snapshot omits steps in between.
+    span = max(len(deltas), measured[-1][0] - measured[0][0])
+    return ends[0], ends[-1], net // span, span + 1
 
 
 def eval_steps(snapshot: Snapshot) -> tuple[list[Step], int]:

@@ -95,11 +95,7 @@ class SmallerBatch(Fix):
             except TypeError:
                 return original_init(self, *args, **kwargs)
             current = bound.arguments.get("batch_size", 1)
-            if (
-                isinstance(current, int)
-                and current > 1
-                and bound.arguments.get("batch_sampler") is None
-            ):
+            if batch_size_to_change(bound.arguments):
                 if record["original_batch_size"] is None:
                     record["original_batch_size"] = current
                     if record["batch_size"] is None and divisor:
@@ -133,6 +129,36 @@ def update_lines(context: dict, indent: str, scaled: bool = False) -> list[str]:
     else:
         lines = ["optimizer.step()", "optimizer.zero_grad(set_to_none=True)"]
     return [indent + line for line in lines]
+
+
+def batch_size_to_change(arguments: dict) -> bool:
+    """Whether a DataLoader made with these arguments carries a batch size the
+    smaller-batch fix can change (above 1, without a batch_sampler)."""
+    current = arguments.get("batch_size", 1)
+    return isinstance(current, int) and current > 1 and arguments.get("batch_sampler") is None
+
+
+def watch_dataloaders(batch_sizes: list) -> None:
+    """Note in `batch_sizes` the batch size of every DataLoader the script
+    makes that the smaller-batch fix could change: a run that made none needs
+    no replay to learn that a smaller batch cannot be tried."""
+    import torch.utils.data
+
+    loader_class = torch.utils.data.DataLoader
+    original_init = loader_class.__init__
+    signature = inspect.signature(original_init)
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        try:
+            arguments = signature.bind(self, *args, **kwargs).arguments
+        except TypeError:
+            arguments = {}
+        if batch_size_to_change(arguments):
+            batch_sizes.append(int(arguments["batch_size"]))
+        return original_init(self, *args, **kwargs)
+
+    init.__wrapped__ = original_init  # type: ignore[attr-defined]
+    loader_class.__init__ = init  # type: ignore[method-assign]
 
 
 def accumulate(steps: int, record: dict) -> None:

@@ -1071,6 +1071,14 @@ def result_from(replay: Replay, fix: Fix, detail: str, snippet: str) -> FixResul
 # ---------------------------------------------------------------- batch size
 
 
+def no_batch_size() -> str:
+    """Why the smaller batch cannot be searched: no flag, no DataLoader."""
+    return (
+        f"the script has no batch-size flag on its command line ({listed()}, "
+        "or one named with --batch-arg) and creates no DataLoader with a batch size"
+    )
+
+
 def search_batch(
     replayer: Replayer, snapshot: Snapshot, options: Any
 ) -> tuple[Optional[batch_model.SearchResult], dict, Optional[str]]:
@@ -1099,6 +1107,9 @@ def search_batch(
             replayer.progress.header(
                 f"{options.batch_arg} is not on the command line: trying the DataLoader's batch size"
             )
+        if snapshot.dataloader_batch_sizes == []:
+            # The failing run made no DataLoader a replay could change.
+            return None, info, no_batch_size()
         divisor = batch_model.probe_divisor(snapshot)
         probe_replay = replayer.run(
             {"name": "smaller_batch", "batch_mode": "dataloader", "batch_divisor": divisor},
@@ -1106,14 +1117,7 @@ def search_batch(
         )
         record = probe_replay.applied.get("smaller_batch") or {}
         if probe_replay.outcome in ("fits", "oom") and not record.get("patched"):
-            return (
-                None,
-                info,
-                (
-                    f"the script has no batch-size flag on its command line ({listed()}, "
-                    "or one named with --batch-arg) and creates no DataLoader with a batch size"
-                ),
-            )
+            return None, info, no_batch_size()
         if not record.get("original_batch_size") or not record.get("batch_size"):
             return None, info, f"the first smaller-batch replay failed: {probe_replay.message}"
         original = int(record["original_batch_size"])

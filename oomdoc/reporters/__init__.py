@@ -36,12 +36,15 @@ def write_and_report(snapshot: Any, path: Any, html_path: str | None, stream: An
     """The end of `oomdoc run` (one process or a whole job): write the
     snapshot, then the report on `stream` (and the HTML page when asked)."""
     from oomdoc.analysis import analyse
-    from oomdoc.snapshot import write_atomic, write_snapshot
+    from oomdoc.output_paths import write_new_file
+    from oomdoc.snapshot import dumps, validate
 
-    write_snapshot(snapshot.to_dict(), path)
+    document = snapshot.to_dict()
+    validate(document)
+    # A name taken while the script ran: the snapshot goes beside it, never lost.
+    path = write_new_file(path, dumps(document))
     analysis = analyse(snapshot)
     text = render("table", analysis, snapshot_path=str(path))
     if html_path:
-        write_atomic(html_path, render("html", analysis))
-        text += f"HTML report: {html_path}\n"
+        text += f"HTML report: {write_new_file(html_path, render('html', analysis))}\n"
     print(text, file=stream, end="")

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from tabulate import tabulate
 
-from oomdoc.formatting import format_location
+from oomdoc.formatting import format_location, printable
 from oomdoc.model import CATEGORIES, Location, parse
 from oomdoc.sizes import format_bytes
 
@@ -117,7 +117,7 @@ def render_text(result: CheckResult, options: CheckOptions) -> str:
         lines += ["", title, tabulate(rows, headers=headers, disable_numparse=True)]
     for note in _all_notes(result):
         lines.append(f"note: {note}")
-    return "\n".join(lines) + "\n"
+    return printable("\n".join(lines) + "\n")
 
 
 def render_markdown(result: CheckResult, options: CheckOptions) -> str:

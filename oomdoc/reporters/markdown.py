@@ -6,7 +6,7 @@ from __future__ import annotations
 from tabulate import tabulate
 
 from oomdoc.analysis import Analysis
-from oomdoc.formatting import format_location
+from oomdoc.formatting import format_location, printable
 from oomdoc.reporters import tables
 from oomdoc.reporters.ranks import rank_section_lines
 
@@ -71,7 +71,7 @@ class MarkdownReporter:
                     ]
         lines.extend(self._fix_lines())
         lines.extend(f"\n> {note}" for note in analysis.notes)
-        return "\n".join(lines) + "\n"
+        return printable("\n".join(lines) + "\n")
 
     def _fix_lines(self) -> list[str]:
         analysis = self.analysis

@@ -30,12 +30,13 @@ def _location(location: dict | None, relative_to: str | None) -> str:
 
 
 def _peak(entry: dict) -> int | None:
+    """The most the rank held: at an OOM, what it held then, never what it
+    needed (that is above the capacity; the last column says how much more)."""
     if not entry.get("captured", True):
         return None
     peak = int((entry.get("peak") or {}).get("allocated_bytes") or 0)
-    oom = entry.get("oom") or {}
-    need = int(oom.get("allocated_bytes") or 0) + int(oom.get("requested_bytes") or 0)
-    return max(peak, need)
+    held_at_oom = int((entry.get("oom") or {}).get("allocated_bytes") or 0)
+    return max(peak, held_at_oom)
 
 
 def _outcome(entry: dict) -> str:

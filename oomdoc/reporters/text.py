@@ -6,7 +6,7 @@ from __future__ import annotations
 from tabulate import tabulate
 
 from oomdoc.analysis import Analysis
-from oomdoc.formatting import format_location
+from oomdoc.formatting import format_location, printable
 from oomdoc.reporters import tables
 from oomdoc.reporters.ranks import rank_section_lines
 
@@ -26,6 +26,8 @@ class TextReporter:
         analysis = self.analysis
         snapshot = analysis.snapshot
         lines = ["", f"oomdoc: {analysis.headline}"]
+        if analysis.measured_nothing:
+            return self._short(lines)
         if snapshot.is_oom and snapshot.oom and snapshot.oom.location:
             lines.append(f"  at {format_location(snapshot.oom.location, snapshot.cwd)}")
         prescription = tables.prescription_lines(analysis)
@@ -74,7 +76,17 @@ class TextReporter:
                 lines.append(
                     f"PyTorch memory snapshot (drag into https://pytorch.org/memory_viz): {torch_snapshot}"
                 )
-        return "\n".join(lines) + "\n"
+        return printable("\n".join(lines) + "\n")
+
+    def _short(self, lines: list[str]) -> str:
+        """A run that put nothing on the device: the headline, the notes, no tables."""
+        lines.append(
+            "nothing was on the device when the script stopped: its own output above says why"
+        )
+        lines.extend(f"note: {note}" for note in self.analysis.snapshot.notes)
+        if self.snapshot_path:
+            lines += ["", f"Snapshot: {self.snapshot_path}"]
+        return printable("\n".join(lines) + "\n")
 
     def _module_lines(self) -> list[str]:
         rows = tables.module_rows(self.analysis.snapshot)
