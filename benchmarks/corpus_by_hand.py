@@ -32,41 +32,26 @@ GPT_H100 = [
     "--n_layer=12", "--n_embd=1024", "--n_head=16", "--block_size=512", "--vocab_size=32000",
     "--max_iters=3", "--eval_interval=2", "--eval_iters=2",
 ]  # fmt: skip
+IMAGENET_H100 = [
+    "--image-size", "160", "--width", "64", "--train-samples", "2048", "--val-samples", "512",
+]  # fmt: skip
 CASES = {
     # name: (script, arguments before the batch, batch flag form, failing batch, knobs)
     "gpt": (CORPUS / "gpt_configurator.py", GPT_H100, "--batch_size={}", 48, "configurator"),
     "gpt-cpu": (CORPUS / "gpt_configurator.py", [], "--batch_size={}", 32, "configurator"),
     "imagenet": (
         CORPUS / "imagenet_style.py",
-        [
-            "-j",
-            "2",
-            "--image-size",
-            "160",
-            "--width",
-            "64",
-            "--train-samples",
-            "2048",
-            "--val-samples",
-            "512",
-        ],
+        ["-j", "2", *IMAGENET_H100],
         "-b {}",
         1024,
-        None,
-    ),  # fmt: skip
+        "references",
+    ),
     "spawn": (
         CORPUS / "imagenet_style.py",
         [
             "-j",
             "0",
-            "--image-size",
-            "160",
-            "--width",
-            "64",
-            "--train-samples",
-            "2048",
-            "--val-samples",
-            "512",
+            *IMAGENET_H100,
             "--multiprocessing-distributed",
             "--world-size",
             "1",
@@ -75,7 +60,7 @@ CASES = {
         ],
         "-b {}",
         1024,
-        None,
+        "references",
     ),  # fmt: skip
 }
 
@@ -148,6 +133,14 @@ def prescription_args(prescription: dict, base: list[str], form: str, batch: int
         steps = prescription.get("accumulation_steps") or 1
         if steps > 1:
             args.append(f"--gradient_accumulation_steps={2 * steps}")
+    elif knobs == "references":  # torchvision's and timm's flags
+        table = {"autocast": "--amp", "checkpointing": "--checkpoint"}
+        if not set(fixes) <= set(table):
+            return None
+        args += [table[name] for name in fixes]
+        steps = prescription.get("accumulation_steps") or 1
+        if steps > 1:
+            args += ["--grad-accum-steps", str(steps)]
     elif fixes or (prescription.get("accumulation_steps") or 1) > 1:
         return None
     args += split(form, prescription.get("batch_size") or batch)

@@ -491,6 +491,9 @@ class Prescription:
     throughput_ratio: Optional[float] = None
     detail: Optional[str] = None
     snippet: Optional[str] = None
+    # The option that sets `batch_size` when it is an evaluation batch (an
+    # OOM in evaluation: nothing is accumulated), e.g. `--eval-batch-size`.
+    evaluation_batch_flag: Optional[str] = None
     extra: Dict[str, Any] = field(default_factory=dict)
 
 
@@ -618,6 +621,12 @@ class Snapshot:
     def step_count(self) -> int:
         """How many steps the run closed, kept records or not."""
         return len(self.steps) + max(0, int(self.steps_omitted or 0))
+
+    @property
+    def oom_in_evaluation(self) -> bool:
+        """The run ran out of memory in an evaluation pass: its batch is an
+        evaluation batch, with no gradients to accumulate."""
+        return self.is_oom and self.oom is not None and self.oom.in_evaluation
 
     @property
     def capacity_bytes(self) -> int:

@@ -23,6 +23,18 @@ BATCH_FLAGS = (
     "-b",
 )
 LONG_BATCH_FLAGS = tuple(flag for flag in BATCH_FLAGS if flag.startswith("--"))
+# Evaluation batch sizes, as scripts and frameworks spell them: at an OOM in
+# evaluation the batch search changes this one when it is on the command line.
+EVAL_BATCH_FLAGS = (
+    "--per_device_eval_batch_size",
+    "--per-device-eval-batch-size",
+    "--eval_batch_size",
+    "--eval-batch-size",
+    "--val_batch_size",
+    "--val-batch-size",
+    "--test_batch_size",
+    "--test-batch-size",
+)
 
 # The snapshot's `script_option_syntax`: argparse takes `--key value`,
 # `--key=value` and short flags; a configurator (nanoGPT's configurator.py,

@@ -108,16 +108,13 @@ def test_imagenet_trainer_with_transform_modules_and_a_short_flag(tmp_path):
     """pytorch/examples' ImageNet idiom: `-b`, transforms that are modules
     called per sample in the main process (`-j 0`), `nn.CrossEntropyLoss()`.
     Neither the transforms nor the loss closes a step: one step per
-    optimizer step, and the largest batch found through `-b` is exact."""
+    optimizer step; the largest batch found through `-b` is exact, and the
+    prescription, written with the script's own --amp, --checkpoint and
+    --grad-accum-steps, fits by hand with its peak within 5%."""
     capacity = "40MiB"
     args = ["-j", "0", "--train-samples", "192", "--val-samples", "64"]
     completed, document = run_capped(
-        tmp_path / "imagenet.json",
-        capacity,
-        IMAGENET,
-        ["-b", "64", *args],
-        ["--fixes", "smaller_batch"],
-        cwd=tmp_path,
+        tmp_path / "imagenet.json", capacity, IMAGENET, ["-b", "64", *args], [], cwd=tmp_path
     )
     assert document["outcome"] == "oom", completed.stderr[-3000:]
     assert (document["oom"]["step"], document["oom"]["phase"]) == (0, "forward")
@@ -129,6 +126,16 @@ def test_imagenet_trainer_with_transform_modules_and_a_short_flag(tmp_path):
     assert len(fits["steps"]) == optimizer_steps == -(-192 // maximum)
     assert fits["steps"][-1]["evaluation_calls"] == -(-64 // maximum)
     assert plain(tmp_path, capacity, IMAGENET, ["-b", str(maximum + 1), *args])["outcome"] == "oom"
+
+    prescription = document["prescription"]
+    knobs = {"autocast": "--amp", "checkpointing": "--checkpoint"}
+    assert set(prescription["fixes"]) <= set(knobs), prescription
+    by_hand_args = [knobs[name] for name in prescription["fixes"]]
+    by_hand_args += ["-b", str(prescription["batch_size"] or 64), *args]
+    by_hand_args += ["--grad-accum-steps", str(prescription.get("accumulation_steps") or 1)]
+    by_hand = plain(tmp_path, capacity, IMAGENET, by_hand_args)
+    assert by_hand["outcome"] == "ok", by_hand_args
+    assert peak_of(by_hand) == pytest.approx(prescription["peak_allocated_bytes"], rel=0.05)
 
 
 @pytest.mark.parametrize(
@@ -156,16 +163,12 @@ def test_an_evaluation_oom_is_named_and_its_held_outputs_measured(tmp_path):
     """A validation loop at a larger batch than training, keeping the last
     batch's log-probabilities in `logits` while the next forward runs: the
     OOM is in evaluation, the held outputs and their variable are named,
-    checkpointing is neither tried nor advised, and no fix is called
-    fitting unless its replay ran through that evaluation."""
+    checkpointing is neither tried nor advised, the batch searched is the
+    evaluation batch (exact by hand), and the prescription, an evaluation
+    batch without accumulation, fits by hand with its peak within 5%."""
     script = SCRIPTS / "eval_keeps_outputs.py"
     completed, document = run_capped(
-        tmp_path / "eval.json",
-        "9.6MiB",
-        script,
-        ["--eval-batch-size", "32"],
-        ["--fixes", "autocast,checkpointing"],
-        cwd=tmp_path,
+        tmp_path / "eval.json", "9.6MiB", script, ["--eval-batch-size", "32"], [], cwd=tmp_path
     )
     assert document["outcome"] == "oom", completed.stderr[-3000:]
     oom = document["oom"]
@@ -180,12 +183,20 @@ def test_an_evaluation_oom_is_named_and_its_held_outputs_measured(tmp_path):
     assert all("checkpointing" not in d["fixes"] for d in diagnoses)
     skipped = {entry["name"]: entry["reason"] for entry in document["replay"]["skipped"]}
     assert "evaluation" in skipped["checkpointing"]
-    for fix in document["fixes"]:
-        if fix.get("fits"):
-            # A fitting replay ran through the failing evaluation pass.
-            assert fix["outcome"] == "fits"
-    by_hand = plain(tmp_path, "9.6MiB", script, ["--eval-batch-size", "16"])
+    maximum = document["max_batch_size"]
+    assert maximum is not None and maximum < 32
+    fits = plain(tmp_path, "9.6MiB", script, ["--eval-batch-size", str(maximum)])
+    assert fits["outcome"] == "ok"
+    over = plain(tmp_path, "9.6MiB", script, ["--eval-batch-size", str(maximum + 1)])
+    assert over["outcome"] == "oom" and over["oom"]["phase"] == "evaluation"
+    prescription = document["prescription"]
+    assert prescription["evaluation_batch_flag"] == "--eval-batch-size"
+    assert prescription["accumulation_steps"] == 1 and not prescription["fixes"]
+    by_hand = plain(
+        tmp_path, "9.6MiB", script, ["--eval-batch-size", str(prescription["batch_size"])]
+    )
     assert by_hand["outcome"] == "ok"
+    assert peak_of(by_hand) == pytest.approx(prescription["peak_allocated_bytes"], rel=0.05)
 
 
 @pytest.mark.parametrize("script", [GPT, WORD_LM, IMAGENET], ids=lambda p: Path(p).stem)

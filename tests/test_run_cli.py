@@ -403,3 +403,27 @@ def test_one_rule_for_what_device_means(requested, cuda_available, expected):
     from oomdoc.capture import choose_device
 
     assert choose_device(requested, cuda_available) == expected
+
+
+def test_the_script_sees_what_python_gives_it(tmp_path):
+    """As `python script.py`: an absolute `__file__` for a relative path
+    (a script that changes directory still finds its files); as `python -m`:
+    modules in the current folder are found."""
+    (tmp_path / "where.py").write_text(
+        "import os, sys\n"
+        "print('FILE', __file__, os.path.isabs(__file__))\n"
+        "print('ARGV0', sys.argv[0])\n"
+    )
+    result = run_oomdoc(
+        ["run", "--device", "cpu", "--no-replay", "-o", tmp_path / "a.json", "where.py"],
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    assert f"FILE {tmp_path / 'where.py'} True" in result.stdout
+    assert "ARGV0 where.py" in result.stdout
+    result = run_oomdoc(
+        ["run", "--device", "cpu", "--no-replay", "-o", tmp_path / "b.json", "-m", "where"],
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    assert f"FILE {tmp_path / 'where.py'} True" in result.stdout

@@ -16,6 +16,8 @@ import socket
 import sys
 import time
 import traceback
+import types
+import zipfile
 from typing import Any, Callable
 
 # Seconds since the epoch when this module started importing: with the
@@ -277,8 +279,7 @@ def run(config: dict, imported_at: float | None = None, preimported: dict | None
                 target_file = os.path.abspath(target)
                 sys.argv = [target, *script_args]
                 sys.path[0] = os.path.dirname(target_file)
-                # `__file__` absolute, as `python script.py` makes it (3.9+).
-                runpy.run_path(target_file, run_name="__main__")
+                run_script(target_file)
         finally:
             _script_ended(backend)
     except StopRun:
@@ -394,6 +395,31 @@ def run_rank(config: dict, index: int, nprocs: int, fn: Callable, args: tuple) -
         write_capture(config, backend, tracker, outcome, exit_code, error, timings)
         tracker.uninstall()
         backend.uninstall()
+
+
+def run_script(path: str) -> None:
+    """Run a script file as `python script.py` does: as `__main__`, with an
+    absolute `__file__` (3.9+) while `sys.argv[0]` stays as typed (runpy's
+    run_path would set it to the path it is given). Directories and zip
+    files with a `__main__.py` go through runpy."""
+    if not os.path.isfile(path) or zipfile.is_zipfile(path):
+        argv0 = sys.argv[0]
+        runpy.run_path(path, run_name="__main__")
+        sys.argv[0] = argv0
+        return
+    with open(path, "rb") as handle:
+        code = compile(handle.read(), path, "exec", dont_inherit=True)
+    main = types.ModuleType("__main__")
+    main.__dict__.update(
+        __file__=path, __cached__=None, __loader__=None, __package__=None, __spec__=None
+    )
+    previous = sys.modules.get("__main__")
+    sys.modules["__main__"] = main
+    try:
+        exec(code, main.__dict__)
+    finally:
+        if previous is not None:
+            sys.modules["__main__"] = previous
 
 
 def _watcher_write(config, backend, tracker, outcome, exit_code, timings) -> None:

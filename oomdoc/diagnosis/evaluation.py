@@ -14,18 +14,9 @@ from typing import Optional
 from oomdoc.diagnosis.base import TIER_DECISIVE, Diagnosis
 from oomdoc.formatting import format_location
 from oomdoc.model import Snapshot
+from oomdoc.script_flags import EVAL_BATCH_FLAGS
 from oomdoc.sizes import format_bytes
 
-# Evaluation batch-size options, as scripts and frameworks spell them.
-EVAL_BATCH_FLAGS = (
-    "--per_device_eval_batch_size",
-    "--eval_batch_size",
-    "--eval-batch-size",
-    "--val_batch_size",
-    "--val-batch-size",
-    "--test_batch_size",
-    "--test-batch-size",
-)
 _TRAINING_PHASES = ("forward", "backward", "optimizer")
 
 _LOOP_REMEDY = (

@@ -637,9 +637,15 @@ def _same_oom(run: BatchRun, failing: BatchRun) -> bool:
     ) <= 0.01 * max(allocated, failing_allocated, 1)
 
 
-def accumulation_plan(original_batch_size: int, max_batch_size: int) -> tuple[int, int]:
+def accumulation_plan(
+    original_batch_size: int, max_batch_size: int, accumulates: bool = True
+) -> tuple[int, int]:
     """(micro-batch, accumulation steps) that keep the effective batch at the
-    original size where a divisor allows it, else just above it."""
+    original size where a divisor allows it, else just above it. Without
+    accumulation (an evaluation batch: nothing to accumulate), the batch
+    that fits, in one step."""
+    if not accumulates:
+        return min(original_batch_size, max_batch_size), 1
     steps = math.ceil(original_batch_size / max_batch_size)
     for candidate in range(steps, 2 * steps + 1):
         if (

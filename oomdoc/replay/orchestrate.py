@@ -57,7 +57,14 @@ from oomdoc.replay.lanes import (
 from oomdoc.replay.progress import Progress
 from oomdoc.replay.rank import best_pair
 from oomdoc.runner import ChildRequest, ChildResult, ChildSignals, WarmPool, run_child
-from oomdoc.script_flags import LONG_BATCH_FLAGS, batch_flags, is_short, listed, spelled
+from oomdoc.script_flags import (
+    EVAL_BATCH_FLAGS,
+    LONG_BATCH_FLAGS,
+    batch_flags,
+    is_short,
+    listed,
+    spelled,
+)
 from oomdoc.sizes import format_bytes
 
 MIN_REPLAY_TIMEOUT_S = 120.0
@@ -162,6 +169,21 @@ def with_batch_size(args: list[str], position: int, flag: str, batch_size: int) 
     else:
         rewritten[position] = str(batch_size)
     return rewritten
+
+
+def find_search_batch(
+    args: list[str], batch_arg: str | None, snapshot: Snapshot
+) -> tuple[int, str, int] | None:
+    """The batch the search changes (find_batch_arg's triple): the flag
+    named with --batch-arg; at an OOM in evaluation, the script's
+    evaluation batch flag when it is on the command line (its training
+    batch does not decide that memory); else its training batch flag."""
+    oom = snapshot.oom
+    if batch_arg is None and oom is not None and oom.in_evaluation:
+        found = find_batch_arg(args, None, EVAL_BATCH_FLAGS)
+        if found is not None:
+            return found
+    return find_batch_arg(args, batch_arg, script_batch_flags(snapshot))
 
 
 def script_batch_flags(snapshot: Snapshot) -> tuple[str, ...]:
@@ -276,6 +298,9 @@ class Replayer:
         self.stop_after_evaluation = (
             oom.evaluation_pass if oom is not None and oom.in_evaluation else None
         )
+        # An evaluation batch has no gradients to accumulate: the
+        # prescription is the batch that fits, in one step.
+        self.accumulates = not snapshot.oom_in_evaluation
         self.max_steps = max(self.failing_step + 1, 2)
         if leak:
             self.max_steps = LEAK_REPLAY_STEPS
@@ -875,8 +900,8 @@ def search_under_savers(
         # The search is for the prescription, whose gradient accumulation
         # makes up the user's batch: once every batch from the fit to below
         # the OOM gives the same micro-batch, no probe can change it.
-        plan = batch_model.accumulation_plan(original, fit)
-        if plan != batch_model.accumulation_plan(original, oom - 1):
+        plan = batch_model.accumulation_plan(original, fit, replayer.accumulates)
+        if plan != batch_model.accumulation_plan(original, oom - 1, replayer.accumulates):
             return None
         return (
             f"any largest batch from {fit} to {oom - 1} gives the same prescription, "
@@ -909,7 +934,7 @@ def batch_size_in(
     args = list(replayer.request.args)
     source = state.batch_info.get("source") or ""
     found = (
-        find_batch_arg(args, replayer.options.batch_arg, script_batch_flags(replayer.snapshot))
+        find_search_batch(args, replayer.options.batch_arg, replayer.snapshot)
         if source.startswith("-")
         else None
     )
@@ -975,7 +1000,9 @@ def start_savers_ahead(
         return []
     payload, label, args, env = saver_trial(replayer, snapshot, state, fix, probe)
     keys = [replayer.ahead(payload, label, args, env, priority=SPECULATIVE)]
-    micro, steps = batch_model.accumulation_plan(search.original_batch_size, probe)
+    micro, steps = batch_model.accumulation_plan(
+        search.original_batch_size, probe, replayer.accumulates
+    )
     if steps > 1:
         fixes = [part.name for part in fix.parts]
         payload, label, args, env, micro_batches, _raised = prescription_replay(
@@ -1085,7 +1112,7 @@ def search_batch(
     """The largest batch size that fits. Returns (search result or None,
     information for the report, reason when it could not be searched)."""
     args = list(replayer.request.args)
-    found = find_batch_arg(args, options.batch_arg, script_batch_flags(snapshot))
+    found = find_search_batch(args, options.batch_arg, snapshot)
     baseline = batch_model.observe(snapshot, 0)
     info: dict = {}
     if found is not None:
@@ -1203,7 +1230,9 @@ def smaller_batch_result(
     original = search.original_batch_size
     maximum = search.max_batch_size
     assert maximum is not None
-    micro, steps = batch_model.accumulation_plan(original, maximum)
+    micro, steps = batch_model.accumulation_plan(
+        original, maximum, accumulates=not snapshot.oom_in_evaluation
+    )
     how = info.get("source", "batch size")
     how_text = (
         spelled(how, maximum, snapshot.script_option_syntax)
@@ -1215,10 +1244,13 @@ def smaller_batch_result(
         if search.exact
         else f"not proven exact: {search.stopped}"
     )
-    detail = (
-        f"largest batch that fits: {maximum} ({exactness}; {len(search.trials)} replays); "
-        f"keep the effective batch of {original} with {steps} accumulation steps of {micro}"
-    )
+    detail = f"largest batch that fits: {maximum} ({exactness}; {len(search.trials)} replays)"
+    if snapshot.oom_in_evaluation:
+        detail += f"; an evaluation batch of {micro} ({how_text})"
+    else:
+        detail += (
+            f"; keep the effective batch of {original} with {steps} accumulation steps of {micro}"
+        )
     snippet = snippet_in_framework(
         snapshot,
         fix.name,
@@ -1406,6 +1438,9 @@ def prescription_for(
     )
     if chosen is None:
         return None
+    source = state.batch_info.get("source") or ""
+    if snapshot.oom_in_evaluation and source in EVAL_BATCH_FLAGS and chosen.batch_size:
+        chosen.evaluation_batch_flag = source
     chosen.snippet = prescription_snippet(snapshot, chosen, state)
     if chosen.fits and not interrupted and not replayer.stopped:
         try:
@@ -1467,12 +1502,14 @@ def measured_choice(
             return None, interrupted
         candidate, fits = picked
         chosen = prescribe.prescription_from(
-            candidate, fits, original or 1, capacity, margin, reference
+            candidate, fits, original or 1, capacity, margin, reference, replayer.accumulates
         )
         if original is None:
             chosen.batch_size, chosen.accumulation_steps = None, 1
-        if chosen.accumulation_steps <= 1 or chosen.batch_size is None:
-            break
+        if chosen.batch_size is None or (
+            chosen.accumulation_steps <= 1 and chosen.batch_size == candidate.batch_size
+        ):
+            break  # measured as it is prescribed
         micro = chosen.batch_size
         planned = micro > candidate.batch_size
         if planned and (not fits or replays >= PRESCRIPTION_REPLAYS):
@@ -1493,7 +1530,13 @@ def measured_choice(
             if planned:
                 candidate.plan_limit = None
                 chosen = prescribe.prescription_from(
-                    candidate, fits, original or 1, capacity, margin, reference
+                    candidate,
+                    fits,
+                    original or 1,
+                    capacity,
+                    margin,
+                    reference,
+                    replayer.accumulates,
                 )
             interrupted, chosen.accumulation_measured = True, False
             chosen.detail = (
@@ -1640,7 +1683,8 @@ def with_accumulation(
     peak = replay.peak_allocated_bytes
     prescription.peak_allocated_bytes = peak
     prescription.headroom_bytes = capacity - peak
-    prescription.accumulation_measured = True
+    if prescription.accumulation_steps > 1:
+        prescription.accumulation_measured = True
     record = prescription.extra.get("accumulation_replay") or {}
     throughput = (
         f", {candidate.samples_per_second:.1f} samples/s" if candidate.samples_per_second else ""

@@ -141,13 +141,15 @@ def prescription_from(
     capacity_bytes: int,
     margin_fraction: float,
     reference: Optional[Candidate],
+    accumulates: bool = True,
 ) -> Prescription:
     """The prescription of one candidate: its micro-batch and accumulation
-    keep the user's effective batch."""
+    keep the user's effective batch (`accumulates`: else the batch that
+    fits, an evaluation batch)."""
     margin = int(margin_fraction * capacity_bytes)
     largest = max(best.batch_size, best.plan_limit or 0)
     micro, steps = batch_model.accumulation_plan(
-        original_batch_size, min(largest, original_batch_size)
+        original_batch_size, min(largest, original_batch_size), accumulates
     )
     ratio = None
     if reference is not None and best.samples_per_second and reference.samples_per_second:

@@ -197,7 +197,10 @@ def prescription_lines(analysis: Analysis) -> list[str]:
         ]
     changes = ", ".join(prescription.fixes) or "no fix"
     batch = ""
-    if prescription.batch_size is not None:
+    if prescription.batch_size is not None and prescription.evaluation_batch_flag:
+        flag = prescription.evaluation_batch_flag
+        batch = f" at evaluation batch size {prescription.batch_size} ({flag} {prescription.batch_size})"
+    elif prescription.batch_size is not None:
         batch = f" at batch size {prescription.batch_size}"
         if prescription.accumulation_steps > 1:
             batch += f" x {prescription.accumulation_steps} gradient accumulation steps"

@@ -9,6 +9,8 @@ What makes it a real-idiom script rather than one shaped for oomdoc:
 - the transforms are `nn.Module`s called per sample by the dataset (in the
   DataLoader's workers with `-j N`, in the main process with `-j 0`);
 - the loss is a module, `nn.CrossEntropyLoss().to(device)`;
+- `--amp`, `--checkpoint` and `--grad-accum-steps` as torchvision's and timm's
+  references have them (what oomdoc's prescriptions are checked with by hand);
 - a validation pass under `torch.no_grad()` with `model.eval()` after each
   epoch (or alone with `-e`), at its own batch size (`--val-batch-size`).
 """
@@ -19,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, Dataset
 
 parser = argparse.ArgumentParser(description="PyTorch ImageNet-style Training")
@@ -39,6 +42,10 @@ parser.add_argument("--dist-url", default="tcp://127.0.0.1:29517", type=str)
 parser.add_argument("--dist-backend", default="gloo", type=str)
 parser.add_argument("--multiprocessing-distributed", action="store_true")
 parser.add_argument("--seed", default=0, type=int)
+# As torchvision's and timm's training references have them:
+parser.add_argument("--amp", action="store_true", help="bf16 autocast")
+parser.add_argument("--checkpoint", action="store_true", help="checkpoint each residual block")
+parser.add_argument("--grad-accum-steps", default=1, type=int)
 
 
 class RandomHorizontalFlip(nn.Module):
@@ -98,8 +105,9 @@ class BasicBlock(nn.Module):
 
 
 class ResNetLike(nn.Module):
-    def __init__(self, width, classes=10):
+    def __init__(self, width, classes=10, checkpointing=False):
         super().__init__()
+        self.checkpointing = checkpointing
         self.stem = conv_bn(3, width)
         self.layer1 = nn.Sequential(BasicBlock(width, width, 1), BasicBlock(width, width, 1))
         self.layer2 = nn.Sequential(
@@ -108,7 +116,12 @@ class ResNetLike(nn.Module):
         self.fc = nn.Linear(2 * width, classes)
 
     def forward(self, x):
-        x = self.layer2(self.layer1(self.stem(x)))
+        x = self.stem(x)
+        for block in [*self.layer1, *self.layer2]:
+            if self.checkpointing and torch.is_grad_enabled():
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(x, 1), 1))
 
 
@@ -128,7 +141,7 @@ def main_worker(rank, args):
         )
     torch.manual_seed(args.seed)
     device = torch.device(f"cuda:{rank}") if torch.cuda.is_available() else torch.device("cpu")
-    model = ResNetLike(args.width).to(device)
+    model = ResNetLike(args.width, checkpointing=args.checkpoint).to(device)
     if distributed:
         model = nn.parallel.DistributedDataParallel(
             model, device_ids=[rank] if device.type == "cuda" else None
@@ -156,33 +169,36 @@ def main_worker(rank, args):
         val_dataset, batch_size=args.val_batch_size or args.batch_size, num_workers=args.workers
     )
     if args.evaluate:
-        validate(val_loader, model, criterion, device)
+        validate(val_loader, model, criterion, device, args)
         return
     for epoch in range(args.epochs):
         if sampler is not None:
             sampler.set_epoch(epoch)
-        train(train_loader, model, criterion, optimizer, epoch, device)
-        acc1 = validate(val_loader, model, criterion, device)
+        train(train_loader, model, criterion, optimizer, epoch, device, args)
+        acc1 = validate(val_loader, model, criterion, device, args)
         if rank == 0:
             print(f"epoch {epoch}: acc@1 {acc1:.2f}")
     if distributed:
         dist.destroy_process_group()
 
 
-def train(train_loader, model, criterion, optimizer, epoch, device):
+def train(train_loader, model, criterion, optimizer, epoch, device, args):
     model.train()
+    accumulation = args.grad_accum_steps
     for i, (images, target) in enumerate(train_loader):
         images, target = images.to(device, non_blocking=True), target.to(device, non_blocking=True)
-        output = model(images)
-        loss = criterion(output, target)
-        optimizer.zero_grad()
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.amp):
+            output = model(images)
+            loss = criterion(output, target) / accumulation
         loss.backward()
-        optimizer.step()
+        if (i + 1) % accumulation == 0:
+            optimizer.step()
+            optimizer.zero_grad()
         if i % 4 == 0:
             print(f"epoch {epoch} [{i}/{len(train_loader)}] loss {loss.item():.4f}")
 
 
-def validate(val_loader, model, criterion, device):
+def validate(val_loader, model, criterion, device, args):
     model.eval()
     correct = total = 0
     with torch.no_grad():
@@ -191,8 +207,9 @@ def validate(val_loader, model, criterion, device):
                 images.to(device, non_blocking=True),
                 target.to(device, non_blocking=True),
             )
-            output = model(images)
-            loss = criterion(output, target)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.amp):
+                output = model(images)
+                loss = criterion(output, target)
             correct += (output.argmax(1) == target).sum().item()
             total += target.numel()
     del loss
