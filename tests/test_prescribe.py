@@ -77,6 +77,7 @@ class ScriptedReplayer:
         self.max_steps = 2
         self.options = SimpleNamespace(margin_fraction=0.05, batch_arg=None)
         self.request = SimpleNamespace(args=["--batch-size", "64"])
+        self.snapshot = Snapshot()  # the failing run's, as the Replayer keeps it
 
     def run(self, payload, label, args=None, extra_env=None, micro_batches_per_step=None):
         self.calls.append((payload, args, micro_batches_per_step))
@@ -94,6 +95,7 @@ def prescribe_with(replayer, candidates):
             "script_option_values": {"--batch-size": [], "--steps": []},
         }
     )
+    replayer.snapshot = snapshot
     state = ReplayState(skipped=[], batch_info={"source": "--batch-size"})
     chosen, interrupted = measured_choice(replayer, snapshot, state, candidates, 64, None)
     assert interrupted == ("interrupted" in [outcome for outcome, _peak in replayer.script])

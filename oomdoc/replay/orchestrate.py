@@ -298,9 +298,6 @@ class Replayer:
         self.stop_after_evaluation = (
             oom.evaluation_pass if oom is not None and oom.in_evaluation else None
         )
-        # An evaluation batch has no gradients to accumulate: the
-        # prescription is the batch that fits, in one step.
-        self.accumulates = not snapshot.oom_in_evaluation
         self.max_steps = max(self.failing_step + 1, 2)
         if leak:
             self.max_steps = LEAK_REPLAY_STEPS
@@ -900,8 +897,8 @@ def search_under_savers(
         # The search is for the prescription, whose gradient accumulation
         # makes up the user's batch: once every batch from the fit to below
         # the OOM gives the same micro-batch, no probe can change it.
-        plan = batch_model.accumulation_plan(original, fit, replayer.accumulates)
-        if plan != batch_model.accumulation_plan(original, oom - 1, replayer.accumulates):
+        plan = batch_model.accumulation_plan(original, fit, not snapshot.oom_in_evaluation)
+        if plan != batch_model.accumulation_plan(original, oom - 1, not snapshot.oom_in_evaluation):
             return None
         return (
             f"any largest batch from {fit} to {oom - 1} gives the same prescription, "
@@ -1001,7 +998,7 @@ def start_savers_ahead(
     payload, label, args, env = saver_trial(replayer, snapshot, state, fix, probe)
     keys = [replayer.ahead(payload, label, args, env, priority=SPECULATIVE)]
     micro, steps = batch_model.accumulation_plan(
-        search.original_batch_size, probe, replayer.accumulates
+        search.original_batch_size, probe, not snapshot.oom_in_evaluation
     )
     if steps > 1:
         fixes = [part.name for part in fix.parts]
@@ -1502,7 +1499,13 @@ def measured_choice(
             return None, interrupted
         candidate, fits = picked
         chosen = prescribe.prescription_from(
-            candidate, fits, original or 1, capacity, margin, reference, replayer.accumulates
+            candidate,
+            fits,
+            original or 1,
+            capacity,
+            margin,
+            reference,
+            not snapshot.oom_in_evaluation,
         )
         if original is None:
             chosen.batch_size, chosen.accumulation_steps = None, 1
@@ -1536,7 +1539,7 @@ def measured_choice(
                     capacity,
                     margin,
                     reference,
-                    replayer.accumulates,
+                    not snapshot.oom_in_evaluation,
                 )
             interrupted, chosen.accumulation_measured = True, False
             chosen.detail = (
