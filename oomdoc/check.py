@@ -325,12 +325,14 @@ def site_changes(baseline_sites: list[dict], current_sites: list[dict]) -> list[
 
 
 def script_of(command: list) -> str | None:
-    """The script (or `-m module`) a recorded command ran, its path normalised."""
+    """The script's file name (or `-m module`) a recorded command ran. Only
+    the name: the same script in another checkout (a CI workspace, a path
+    given another way) is the same script."""
     if not command:
         return None
     if command[0] == "-m":
         return f"-m {command[1]}" if len(command) > 1 else None
-    return os.path.normpath(str(command[0])).replace(os.sep, "/")
+    return os.path.basename(str(command[0]).replace("\\", "/").rstrip("/"))
 
 
 def refuse_another_scripts_baseline(baseline: dict, run: RunOptions, path: Path) -> None:

@@ -335,8 +335,8 @@ class ChildSignals:
 
     Ctrl-C reaches the children from the terminal directly (one process
     group): oomdoc only notes it (`interrupted`) and lets each child write its
-    capture; a SIGINT sent to oomdoc alone is passed on to the children. SIGTERM sent to oomdoc is passed on to every running child
-    (`terminated`). Installed from the main thread, once for a whole phase of
+    capture; a SIGINT sent to oomdoc alone is passed on to the children.
+    SIGTERM sent to oomdoc is passed on to every running child (`terminated`). Installed from the main thread, once for a whole phase of
     children that several threads may start (the replays), or by run_child
     for one child. Handlers, unlike SIG_IGN, are not inherited by the
     children oomdoc starts meanwhile."""

@@ -41,11 +41,13 @@ def test_hanging_replays_side_by_side_end_at_their_timeout(tmp_path):
         "16MiB",
         *["--fixes", "smaller_batch,autocast", "--replay-jobs", 2, "--replay-timeout", timeout],
         SCRIPTS / "replay_hang.py",
+        # A batch flag: without one (nor a DataLoader) no smaller-batch replay runs.
+        *["--batch-size", 4096],
     )
-    (fix,) = document["fixes"]
-    assert fix["name"] == "autocast" and fix["outcome"] == "timeout"
-    (skipped,) = document["replay"]["skipped"]
-    assert skipped["name"] == "smaller_batch" and "--replay-timeout" in skipped["reason"]
+    fixes = {fix["name"]: fix for fix in document["fixes"]}
+    assert fixes["autocast"]["outcome"] == "timeout"
+    assert fixes["smaller_batch"]["outcome"] == "timeout"
+    assert "--replay-timeout" in fixes["smaller_batch"]["detail"]
     runs = document["replay"]["runs"]
     assert [run["outcome"] for run in runs] == ["timeout", "timeout"]
     # Side by side: the second started before the first was killed.
