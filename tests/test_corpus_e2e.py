@@ -260,3 +260,30 @@ def test_training_in_uncaptured_processes_is_named_first(tmp_path):
     first = next(line for line in completed.stderr.splitlines() if line.startswith("oomdoc:"))
     assert first.startswith("oomdoc: Not captured: the script's work ran in 2 process(es)")
     assert "torch.multiprocessing.spawn" in first and "--nproc-per-node 2" in first
+
+
+def test_a_hugging_face_trainer_evaluation_oom(tmp_path):
+    """A real entry point: transformers' Trainer evaluating every 2 steps
+    with compute_metrics, so it gathers every evaluation batch's logits on
+    the device. The OOM is named as an evaluation OOM with Trainer's own
+    knobs; the search changes --per_device_eval_batch_size and measures
+    that a smaller evaluation batch does not help (the gathered logits
+    are the same)."""
+    pytest.importorskip("transformers")
+    completed, document = run_capped(
+        tmp_path / "hf.json",
+        "16MiB",
+        SCRIPTS / "fw_hf_trainer.py",
+        ["--eval_samples", "64", "--metrics", "--eval_strategy", "steps", "--eval_steps", "2"]
+        + ["--per_device_eval_batch_size", "16"],
+        ["--fixes", "smaller_batch"],
+        cwd=tmp_path,
+    )
+    assert document["outcome"] == "oom", completed.stderr[-3000:]
+    assert document["oom"]["phase"] == "evaluation"
+    diagnoses = diagnoses_of(tmp_path / "hf.json")
+    assert diagnoses[0]["kind"] == "evaluation_oom"
+    assert "eval_accumulation_steps" in diagnoses[0]["remedy"]
+    search = document["replay"]["batch_search"]
+    assert search["source"] == "--per_device_eval_batch_size", search
+    assert document["max_batch_size"] is None

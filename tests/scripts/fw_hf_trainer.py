@@ -24,6 +24,8 @@ class ModelArguments:
     n_embd: int = field(default=64, metadata={"help": "width"})
     seq_len: int = field(default=64, metadata={"help": "tokens per sample"})
     vocab_size: int = field(default=512, metadata={"help": "vocabulary"})
+    eval_samples: int = field(default=0, metadata={"help": "an evaluation set of this size"})
+    metrics: bool = field(default=False, metadata={"help": "compute_metrics (keeps predictions)"})
 
 
 class RandomTokens(Dataset):
@@ -81,7 +83,16 @@ def main():
         * training_args.gradient_accumulation_steps
     )
     data = RandomTokens(samples, model_args.seq_len, model_args.vocab_size)
-    trainer = Trainer(model=model, args=training_args, train_dataset=data)
+    extra = {}
+    if model_args.eval_samples:
+        extra["eval_dataset"] = RandomTokens(
+            model_args.eval_samples, model_args.seq_len, model_args.vocab_size
+        )
+    if model_args.metrics:
+        # Trainer then gathers every evaluation batch's logits (on the
+        # device unless eval_accumulation_steps moves them to the CPU).
+        extra["compute_metrics"] = lambda prediction: {"logits": float(prediction.predictions.size)}
+    trainer = Trainer(model=model, args=training_args, train_dataset=data, **extra)
     result = trainer.train()
     print(f"trained {result.global_step} steps, loss {result.training_loss:.4f}", flush=True)
 
