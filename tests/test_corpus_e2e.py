@@ -102,6 +102,14 @@ def test_word_lm_with_a_criterion_module_and_a_manual_update(tmp_path):
     assert not kinds & {"grad_in_eval", "leak"}, kinds
     over = plain(tmp_path, capacity, WORD_LM, ["--batch_size", str(maximum + 1), "--epochs", "1"])
     assert over["outcome"] == "oom"
+    # The prescription, its manual update every K micro-batches (--accumulate).
+    prescription = document["prescription"]
+    assert not prescription["fixes"], prescription
+    by_hand_args = ["--batch_size", str(prescription["batch_size"]), "--epochs", "1"]
+    by_hand_args += ["--accumulate", str(prescription["accumulation_steps"])]
+    by_hand = plain(tmp_path, capacity, WORD_LM, by_hand_args)
+    assert by_hand["outcome"] == "ok", by_hand_args
+    assert peak_of(by_hand) == pytest.approx(prescription["peak_allocated_bytes"], rel=0.05)
 
 
 def test_imagenet_trainer_with_transform_modules_and_a_short_flag(tmp_path):
@@ -245,6 +253,12 @@ def test_a_spawned_job_is_captured_per_rank_and_its_largest_batch_is_exact(tmp_p
     assert plain(tmp_path, capacity, IMAGENET, ["-b", str(maximum), *args])["outcome"] == "ok"
     over = plain(tmp_path, capacity, IMAGENET, ["-b", str(maximum + 1), *args])
     assert over["outcome"] == "oom" and len(over["ranks"]) == 2
+    prescription = document["prescription"]
+    by_hand_args = ["-b", str(prescription["batch_size"]), *args]
+    by_hand_args += ["--grad-accum-steps", str(prescription["accumulation_steps"])]
+    by_hand = plain(tmp_path, capacity, IMAGENET, by_hand_args)
+    assert by_hand["outcome"] == "ok", by_hand_args
+    assert peak_of(by_hand) == pytest.approx(prescription["peak_allocated_bytes"], rel=0.05)
 
 
 def test_training_in_uncaptured_processes_is_named_first(tmp_path):

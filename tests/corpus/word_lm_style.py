@@ -34,6 +34,9 @@ parser.add_argument("--bptt", type=int, default=35)
 parser.add_argument("--dropout", type=float, default=0.2)
 parser.add_argument("--train_tokens", type=int, default=12000)
 parser.add_argument("--seed", type=int, default=1111)
+# What oomdoc's prescription for a manual update says to write (the original
+# has no accumulation): the update every N micro-batches.
+parser.add_argument("--accumulate", type=int, default=1, metavar="N")
 args = parser.parse_args()
 
 torch.manual_seed(args.seed)
@@ -108,16 +111,18 @@ def train(epoch, lr):
     model.train()
     total_loss = 0.0
     hidden = model.init_hidden(args.batch_size)
+    model.zero_grad()
     for batch, i in enumerate(range(0, train_data.size(0) - 1, args.bptt)):
         data, targets = get_batch(train_data, i)
-        model.zero_grad()
         hidden = repackage_hidden(hidden)
         output, hidden = model(data, hidden)
         loss = criterion(output, targets)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
-        for p in model.parameters():
-            p.data.add_(p.grad, alpha=-lr)
+        (loss / args.accumulate).backward()
+        if (batch + 1) % args.accumulate == 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+            for p in model.parameters():
+                p.data.add_(p.grad, alpha=-lr)
+            model.zero_grad()
         total_loss += loss.item()
         if batch % 5 == 0:
             print(f"| epoch {epoch} | batch {batch} | loss {total_loss / (batch + 1):.2f}")
