@@ -98,6 +98,18 @@ def resolve_device(requested: str) -> str:
     return device
 
 
+def tracker_for(config: dict, backend) -> Tracker:
+    """The tracker a run's configuration asks for (the script's process and
+    each rank it spawns alike)."""
+    return Tracker(
+        backend,
+        max_steps=config.get("max_steps"),
+        micro_batches_per_step=config.get("micro_batches_per_step"),
+        expected_unit=config.get("expected_unit"),
+        stop_after_evaluation=config.get("stop_after_evaluation"),
+    )
+
+
 def make_backend(config: dict):
     if resolve_device(config["device"]) == "cuda":
         # With a device lock, CUDA starts only when the script starts it.
@@ -217,13 +229,7 @@ def run(config: dict, imported_at: float | None = None, preimported: dict | None
         dumps({"partial": True, "device": {"kind": backend.kind}}),
         overwrite=True,
     )
-    tracker = Tracker(
-        backend,
-        max_steps=config.get("max_steps"),
-        micro_batches_per_step=config.get("micro_batches_per_step"),
-        expected_unit=config.get("expected_unit"),
-        stop_after_evaluation=config.get("stop_after_evaluation"),
-    )
+    tracker = tracker_for(config, backend)
     gate = None
     if config.get("device_lock"):  # replays side by side: one on the device at a time
         gate = DeviceGate(config["device_lock"])
@@ -356,13 +362,7 @@ def run_rank(config: dict, index: int, nprocs: int, fn: Callable, args: tuple) -
     }
     parallel = ParallelCapture(config, rank=rank)
     backend = make_backend(config)
-    tracker = Tracker(
-        backend,
-        max_steps=config.get("max_steps"),
-        micro_batches_per_step=config.get("micro_batches_per_step"),
-        expected_unit=config.get("expected_unit"),
-        stop_after_evaluation=config.get("stop_after_evaluation"),
-    )
+    tracker = tracker_for(config, backend)
     tracker.install()
     backend.install(tracker)
     parallel.install(

@@ -1493,20 +1493,24 @@ def measured_choice(
     rejected: list[str] = []
     replays = 0
     interrupted = False
-    while True:
-        picked = prescribe.pick(remaining, capacity, margin)
-        if picked is None:
-            return None, interrupted
-        candidate, fits = picked
-        chosen = prescribe.prescription_from(
+
+    def prescription_of(candidate: prescribe.Candidate, fits: bool) -> Prescription:
+        return prescribe.prescription_from(
             candidate,
             fits,
             original or 1,
             capacity,
             margin,
             reference,
-            not snapshot.oom_in_evaluation,
+            accumulates=not snapshot.oom_in_evaluation,
         )
+
+    while True:
+        picked = prescribe.pick(remaining, capacity, margin)
+        if picked is None:
+            return None, interrupted
+        candidate, fits = picked
+        chosen = prescription_of(candidate, fits)
         if original is None:
             chosen.batch_size, chosen.accumulation_steps = None, 1
         if chosen.batch_size is None or (
@@ -1532,15 +1536,7 @@ def measured_choice(
         except ReplaysInterrupted:
             if planned:
                 candidate.plan_limit = None
-                chosen = prescribe.prescription_from(
-                    candidate,
-                    fits,
-                    original or 1,
-                    capacity,
-                    margin,
-                    reference,
-                    not snapshot.oom_in_evaluation,
-                )
+                chosen = prescription_of(candidate, fits)
             interrupted, chosen.accumulation_measured = True, False
             chosen.detail = (
                 f"{chosen.detail}; its replay with accumulation was interrupted: {without}"
