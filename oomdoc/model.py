@@ -26,7 +26,7 @@ from typing import Any, Dict, List, Optional, TypeVar, Union
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "other")
 OUTCOMES = ("oom", "ok", "error", "interrupted")
-PHASES = ("setup", "forward", "backward", "optimizer", "idle", "evaluation")
+PHASES = ("setup", "forward", "backward", "optimizer", "idle", "evaluation", "communication")
 DEVICE_KINDS = ("cuda", "simulated")
 
 Record = TypeVar("Record")

@@ -19,7 +19,7 @@ SCHEMA_VERSION = 1
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "other")
 OUTCOMES = ("oom", "ok", "error", "interrupted")
-PHASES = ("setup", "forward", "backward", "optimizer", "idle", "evaluation")
+PHASES = ("setup", "forward", "backward", "optimizer", "idle", "evaluation", "communication")
 DEVICE_KINDS = ("cuda", "simulated")
 
 # Reading a snapshot never needs more than this; a larger file is refused

@@ -499,3 +499,43 @@ def test_a_sigterm_while_the_peer_s_death_is_raised_still_names_the_collective()
     except Terminated as exc:
         stopped_elsewhere.note_failure(exc)
     assert stopped_elsewhere.waiting_at["collective"] is None  # where it was, no collective
+
+
+def test_ddp_gradient_buckets_are_gradients_not_activations(tmp_path):
+    """Issue 26, item 14: DDP's reducer builds flat gradient buckets when DDP
+    is made and again at the first forward after the first backward; they
+    were counted as other and as activations (8 MiB of "activations" for
+    about 100 KiB real here), which drove the activation advice. They are
+    gradients: each rank holds its gradients and the buckets, twice the
+    parameters, and the activations are the batch's own."""
+    completed = run_oomdoc(
+        ["run", "--device", "cpu", "--device-memory", "512MiB", "--no-replay"]
+        + ["--nproc-per-node", "2", "-o", tmp_path / "ddp.json", SCRIPTS / "ddp_rank0_cache.py"]
+        + ["--width", "512", "--depth", "2", "--batch-size", "8", "--steps", "3"],
+        cwd=tmp_path,
+        timeout=JOB_TIMEOUT,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    document = read_snapshot(tmp_path / "ddp.json")
+    for rank in document["ranks"]:
+        peaks = rank["category_peaks"]
+        assert peaks["activations"] < 1024**2, peaks
+        assert peaks["gradients"] == pytest.approx(2 * peaks["parameters"], rel=0.01), peaks
+        assert peaks["other"] < 1024**2, peaks
+
+
+def test_ddp_bucket_blocks_are_gradients_on_cuda():
+    """On CUDA the category comes from a block's allocation stack: a block
+    allocated while DDP builds its buckets is a gradient."""
+    from oomdoc.capture.modules import category_of, phase_from_frames
+
+    distributed = "/site-packages/torch/nn/parallel/distributed.py"
+    module = "/site-packages/torch/nn/modules/module.py"
+    frames = [
+        {"filename": distributed, "name": "_pre_forward", "line": 1775},
+        {"filename": distributed, "name": "forward", "line": 1800},
+        {"filename": module, "name": "_call_impl", "line": 1700},
+    ]
+    assert phase_from_frames(frames) == "communication"
+    assert category_of(None, "communication") == "gradients"
+    assert phase_from_frames(frames[1:]) == "forward"

@@ -34,6 +34,7 @@ from oomdoc.capture import (
     PREIMPORT_PREFIX,
     STARTED_ENV,
     choose_device,
+    ddp_buckets,
     spawned,
 )
 from oomdoc.capture.backends import CudaBackend, OutOfMemoryError, SimulatedBackend
@@ -252,12 +253,12 @@ def run(config: dict, imported_at: float | None = None, preimported: dict | None
 
         tracker.dataloader_batch_sizes = []
         watch_dataloaders(tracker.dataloader_batch_sizes)
+    undo_hooks = [ddp_buckets.install(tracker)]
     # Processes the script starts: torch.multiprocessing.spawn's are
     # captured as ranks, others are named (oomdoc.capture.spawned).
-    undo_processes = []
     if not config.get("distributed"):
         tracker.spawned_ranks, tracker.uncaptured_processes = [], []
-        undo_processes = [
+        undo_hooks += [
             spawned.install(config, tracker.spawned_ranks, _RUN_RANK),
             spawned.watch_processes(tracker.uncaptured_processes),
         ]
@@ -328,7 +329,7 @@ def run(config: dict, imported_at: float | None = None, preimported: dict | None
     if gate is not None and gate.shared:
         gate.release()  # its last step is closed: nor for its exit
     detector.uninstall()
-    for undo in undo_processes:
+    for undo in undo_hooks:
         undo()
     tracker.uninstall()
     backend.uninstall()
@@ -370,6 +371,7 @@ def run_rank(config: dict, index: int, nprocs: int, fn: Callable, args: tuple) -
     )
     if config.get("fix"):
         apply_fix(config["fix"], tracker)
+    undo_buckets = ddp_buckets.install(tracker)
     outcome, exit_code, error, failure = "ok", 0, None, None
     timings["script_started"] = time.time()
     try:
@@ -393,6 +395,7 @@ def run_rank(config: dict, index: int, nprocs: int, fn: Callable, args: tuple) -
         timings["script_ended"] = time.time()
         parallel.finish()
         write_capture(config, backend, tracker, outcome, exit_code, error, timings)
+        undo_buckets()
         tracker.uninstall()
         backend.uninstall()
 

@@ -58,6 +58,9 @@ TOP_MODULES = 30
 TOP_INNER = 8
 
 STEP_PHASES = frozenset(("forward", "backward", "optimizer", "evaluation"))
+# DistributedDataParallel's methods that build its gradient buckets (the
+# reducer's rebuild runs inside _pre_forward).
+_DDP_BUCKET_BUILDERS = frozenset(("_ddp_init_helper", "_pre_forward"))
 _TIMELINE_LIMIT = 1 << 18
 _Tensor = torch.Tensor
 _get_sequence_nr = getattr(torch._C._autograd, "_get_sequence_nr", None) or (lambda: -1)
@@ -72,9 +75,12 @@ def category_of(known: str | None, phase: str | None) -> str:
     """The one category rule for the breakdown, the sites and the modules.
 
     `known`: `parameters`, `gradients` or `optimizer_state` when the storage
-    is one (by identity), else None; `phase`: the phase it was made in."""
+    is one (by identity), else None; `phase`: the phase it was made in
+    (`communication`: DDP's gradient buckets, oomdoc.capture.ddp_buckets)."""
     if known:
         return known
+    if phase == "communication":
+        return "gradients"
     return "activations" if phase in STEP_PHASES else "other"
 
 
@@ -90,6 +96,8 @@ def phase_from_frames(frames) -> str | None:
     for frame in frames:
         filename = (frame.get("filename") or "").replace("\\", "/")
         name = frame.get("name")
+        if name in _DDP_BUCKET_BUILDERS and filename.endswith("torch/nn/parallel/distributed.py"):
+            return "communication"  # DDP's gradient buckets (oomdoc.capture.ddp_buckets)
         if "/torch/optim/" in filename:
             return "optimizer"
         if name == "backward" and filename.endswith(("torch/_tensor.py", "autograd/__init__.py")):

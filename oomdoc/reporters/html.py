@@ -101,6 +101,7 @@ PHASE_OFFSETS = {
     "optimizer": 0.72,
     "idle": 0.9,
     "evaluation": 0.95,
+    "communication": 0.1,
 }
 END_OFFSET = 0.8  # right after the step's optimizer.step()
 PHASE_COLORS = {
@@ -110,6 +111,7 @@ PHASE_COLORS = {
     "optimizer": "#d97706",
     "idle": "#0d9488",
     "evaluation": "#db2777",
+    "communication": "#059669",
 }
 CATEGORY_COLORS = {
     "parameters": "#3b82f6",
