@@ -9,7 +9,7 @@ child's own capture, and lets the function's exception go on as it would
 without oomdoc, so the script's own error handling and exit status are
 unchanged. The parent merges those captures as the ranks of one job
 (oomdoc.runner). Processes started otherwise (`multiprocessing.Process`)
-are not captured: the child names them (`started_processes`).
+are not captured: the child names them (`uncaptured_processes`).
 """
 
 from __future__ import annotations
@@ -46,12 +46,10 @@ def rank_config(config: dict) -> dict:
     spawned = {
         key: value
         for key, value in config.items()
-        if key not in ("device_lock", "result_path", "distributed", "fix")
+        if key not in ("device_lock", "result_path", "distributed")
     }
     spawned["result_path"] = os.path.join(directory, SPAWNED_CAPTURE)
     spawned["distributed"] = {"spawned": True}
-    if config.get("fix"):
-        spawned["fix"] = config["fix"]
     return spawned
 
 
