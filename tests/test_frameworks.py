@@ -699,7 +699,14 @@ def test_hf_trainer_is_detected_with_its_options(tmp_path):
     assert "adafactor" in document["script_option_values"]["--optim"]
     assert "--gradient_checkpointing" not in document["script_option_values"]  # a switch
     dataclasses = document["script_dataclasses"]
-    assert dataclasses["ModelArguments"] == ["n_layer", "n_embd", "seq_len", "vocab_size"]
+    assert dataclasses["ModelArguments"] == [
+        "n_layer",
+        "n_embd",
+        "seq_len",
+        "vocab_size",
+        "eval_samples",
+        "metrics",
+    ]
     assert "gradient_checkpointing" in dataclasses["TrainingArguments"]
 
     # The Trainer's own knob, from the unit, fits where the script ran out of memory.
