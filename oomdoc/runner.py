@@ -23,7 +23,7 @@ from typing import Any
 
 import oomdoc
 from oomdoc.capture import CONFIG_ENV, CONFIG_FD_ENV, PREIMPORT_PREFIX, STARTED_ENV
-from oomdoc.distributed.merge import merge_rank_captures
+from oomdoc.distributed.merge import merge_rank_captures, read_captures
 from oomdoc.errors import UsageError
 from oomdoc.model import Breakdown, Device, ErrorInfo, Options, Snapshot
 from oomdoc.snapshot import SCHEMA_VERSION, default_snapshot_path, utc_now
@@ -569,19 +569,8 @@ def run_child(
 
 def read_spawned_captures(workdir: str) -> list[dict]:
     """The captures of the ranks spawned by the script, by index."""
-    found = []
-    for name in sorted(os.listdir(workdir)):
-        match = SPAWNED_PATTERN.match(name)
-        if match is None:
-            continue
-        try:
-            with open(os.path.join(workdir, name), encoding="utf-8") as handle:
-                capture = json.load(handle)
-        except (OSError, json.JSONDecodeError):
-            continue
-        if isinstance(capture, dict) and not capture.get("partial"):
-            found.append((int(match.group(1)), capture))
-    return [capture for _index, capture in sorted(found, key=lambda item: item[0])]
+    found = read_captures(workdir, SPAWNED_PATTERN)
+    return [found[index] for index in sorted(found)]
 
 
 def with_spawned_ranks(capture: dict | None, spawned: list[dict]) -> dict | None:

@@ -30,6 +30,7 @@ from typing import Any
 
 from oomdoc.capture import CONFIG_ENV, STARTED_ENV
 from oomdoc.distributed import DistOptions
+from oomdoc.distributed.merge import read_captures
 from oomdoc.runner import ChildRequest, ChildResult, child_env
 
 KILL_GRACE_S = 10.0
@@ -116,24 +117,6 @@ class FailureWatch:
             elif capture.get("outcome") != "ok":
                 return True
         return False
-
-
-def read_captures(workdir: str) -> dict[int, dict]:
-    """The captures written so far, by local rank (a capture is written
-    atomically: a file that is there is whole)."""
-    found = {}
-    for name in os.listdir(workdir):
-        match = CAPTURE_PATTERN.match(name)
-        if not match:
-            continue
-        try:
-            with open(os.path.join(workdir, name), encoding="utf-8") as handle:
-                capture = json.load(handle)
-        except (OSError, json.JSONDecodeError):
-            continue
-        if not capture.get("partial"):  # a rank that died after saying its device
-            found[int(match.group(2))] = capture
-    return found
 
 
 def rank_pids(workdir: str) -> list[int]:
@@ -261,7 +244,7 @@ def run_job(request: ChildRequest, dist: DistOptions) -> JobResult:
             if output:
                 output.close()
         wall_s = time.perf_counter() - started
-        by_local = read_captures(workdir)
+        by_local = read_captures(workdir, CAPTURE_PATTERN, group=2)  # by local rank
 
     captures = sorted(by_local.values(), key=lambda c: (c.get("rank") or {}).get("rank", 0))
     node_rank = dist.node_rank or 0

@@ -15,7 +15,9 @@ its primary rank, and the job's primary is always some node's primary).
 
 from __future__ import annotations
 
+import json
 import os
+import re
 from pathlib import Path
 
 from oomdoc.snapshot import SnapshotError, read_snapshot
@@ -34,6 +36,26 @@ DEVICE_FIELDS = (
     "other_processes",
 )
 NO_CAPTURE = "no_capture"
+
+
+def read_captures(workdir: str, pattern: re.Pattern, group: int = 1) -> dict[int, dict]:
+    """The whole captures in `workdir` whose names match `pattern`, by the
+    number in its `group` (a rank). A capture is written atomically, so a
+    file that is there is whole; one that says only the device its process
+    chose (`partial`) is left out: its capture is still to come."""
+    found = {}
+    for name in os.listdir(workdir):
+        match = pattern.match(name)
+        if match is None:
+            continue
+        try:
+            with open(os.path.join(workdir, name), encoding="utf-8") as handle:
+                capture = json.load(handle)
+        except (OSError, json.JSONDecodeError):
+            continue
+        if isinstance(capture, dict) and not capture.get("partial"):
+            found[int(match.group(group))] = capture
+    return found
 
 
 def rank_entry(capture: dict) -> dict:
