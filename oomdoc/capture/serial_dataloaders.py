@@ -13,8 +13,7 @@ code; only where it runs changes.
 
 from __future__ import annotations
 
-import inspect
-from typing import Any
+from oomdoc.dataloader_args import on_dataloader_init
 
 # Arguments that only mean something with workers (refused with none).
 WORKER_ONLY = {"prefetch_factor": None, "persistent_workers": False}
@@ -23,27 +22,16 @@ WORKER_ONLY = {"prefetch_factor": None, "persistent_workers": False}
 def load_in_process(changed: list) -> None:
     """Make every DataLoader load in this process; note in `changed` the
     `num_workers` each one asked for."""
-    import torch.utils.data
 
-    loader_class = torch.utils.data.DataLoader
-    original_init = loader_class.__init__
-    signature = inspect.signature(original_init)
-
-    def init(self: Any, *args: Any, **kwargs: Any) -> None:
-        try:
-            bound = signature.bind(self, *args, **kwargs)
-        except TypeError:
-            return original_init(self, *args, **kwargs)
-        workers = bound.arguments.get("num_workers", 0)
+    def in_process(arguments: dict) -> None:
+        workers = arguments.get("num_workers", 0)
         if isinstance(workers, int) and workers > 0:
             changed.append(workers)
-            bound.arguments["num_workers"] = 0
+            arguments["num_workers"] = 0
             for name, value in WORKER_ONLY.items():
-                if name in bound.arguments:
-                    bound.arguments[name] = value
-            if "worker_init_fn" in bound.arguments:
-                bound.arguments["worker_init_fn"] = None
-        return original_init(*bound.args, **bound.kwargs)
+                if name in arguments:
+                    arguments[name] = value
+            if "worker_init_fn" in arguments:
+                arguments["worker_init_fn"] = None
 
-    init.__wrapped__ = original_init  # type: ignore[attr-defined]
-    loader_class.__init__ = init  # type: ignore[method-assign]
+    on_dataloader_init(in_process)

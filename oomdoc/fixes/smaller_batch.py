@@ -8,7 +8,6 @@ micro-batch's peak without it can be lower than the configuration's."""
 
 from __future__ import annotations
 
-import inspect
 import math
 from typing import Any, Optional
 
@@ -80,33 +79,25 @@ class SmallerBatch(Fix):
             accumulate(steps, record)
         if record["mode"] != "dataloader":
             return
-        import torch.utils.data
+        from oomdoc.dataloader_args import on_dataloader_init
 
         record["original_batch_size"] = payload.get("original_batch_size")
         record["patched"] = 0
         divisor = payload.get("batch_divisor")
-        loader_class = torch.utils.data.DataLoader
-        original_init = loader_class.__init__
-        signature = inspect.signature(original_init)
 
-        def init(self: Any, *args: Any, **kwargs: Any) -> None:
-            try:
-                bound = signature.bind(self, *args, **kwargs)
-            except TypeError:
-                return original_init(self, *args, **kwargs)
-            current = bound.arguments.get("batch_size", 1)
-            if batch_size_to_change(bound.arguments):
-                if record["original_batch_size"] is None:
-                    record["original_batch_size"] = current
-                    if record["batch_size"] is None and divisor:
-                        record["batch_size"] = max(1, current // int(divisor))
-                if current == record["original_batch_size"] and record["batch_size"]:
-                    bound.arguments["batch_size"] = int(record["batch_size"])
-                    record["patched"] += 1
-            return original_init(*bound.args, **bound.kwargs)
+        def smaller(arguments: dict) -> None:
+            current = arguments.get("batch_size", 1)
+            if not batch_size_to_change(arguments):
+                return
+            if record["original_batch_size"] is None:
+                record["original_batch_size"] = current
+                if record["batch_size"] is None and divisor:
+                    record["batch_size"] = max(1, current // int(divisor))
+            if current == record["original_batch_size"] and record["batch_size"]:
+                arguments["batch_size"] = int(record["batch_size"])
+                record["patched"] += 1
 
-        init.__wrapped__ = original_init  # type: ignore[attr-defined]
-        loader_class.__init__ = init  # type: ignore[method-assign]
+        on_dataloader_init(smaller)
 
 
 def update_lines(context: dict, indent: str, scaled: bool = False) -> list[str]:
@@ -142,23 +133,13 @@ def watch_dataloaders(batch_sizes: list) -> None:
     """Note in `batch_sizes` the batch size of every DataLoader the script
     makes that the smaller-batch fix could change: a run that made none needs
     no replay to learn that a smaller batch cannot be tried."""
-    import torch.utils.data
+    from oomdoc.dataloader_args import on_dataloader_init
 
-    loader_class = torch.utils.data.DataLoader
-    original_init = loader_class.__init__
-    signature = inspect.signature(original_init)
-
-    def init(self: Any, *args: Any, **kwargs: Any) -> None:
-        try:
-            arguments = signature.bind(self, *args, **kwargs).arguments
-        except TypeError:
-            arguments = {}
+    def note(arguments: dict) -> None:
         if batch_size_to_change(arguments):
             batch_sizes.append(int(arguments["batch_size"]))
-        return original_init(self, *args, **kwargs)
 
-    init.__wrapped__ = original_init  # type: ignore[attr-defined]
-    loader_class.__init__ = init  # type: ignore[method-assign]
+    on_dataloader_init(note)
 
 
 def accumulate(steps: int, record: dict) -> None:
