@@ -4,13 +4,15 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 
 import pytest
-from conftest import SCRIPTS, load_json, oomdoc_env, run_oomdoc
+from conftest import REPO_ROOT, SCRIPTS, load_json, oomdoc_env, run_oomdoc
 
 from oomdoc.diagnosis.distributed import data_parallel, rank_imbalance
 from oomdoc.distributed import DistOptions, launch_from_cli
@@ -464,6 +466,75 @@ def test_run_distributed_child_measures_zero_optimizer_per_rank(tmp_path):
         parameters = entry["category_peaks"]["parameters"]
         state = entry["category_peaks"]["optimizer_state"]
         assert 0.8 * parameters <= state <= 1.2 * parameters, (parameters, state)
+
+
+def test_a_replay_s_ranks_end_together(tmp_path):
+    """A replay's rank 1 has ended (its steps done) while rank 0 works on
+    alone for minutes (a final evaluation or checkpoint on rank 0): oomdoc
+    ends rank 0 within seconds, and the replay's result is read: both ranks
+    finished the replay, with their steps, not a failure or a timeout."""
+    from oomdoc.distributed.launch import PEER_GRACE_S, run_distributed_child
+    from oomdoc.runner import ChildRequest
+
+    request = ChildRequest(
+        target=str(DDP),
+        args=["--steps", "2", "--rank0-final-stall", "600", "--expect-world", "2"],
+        device="cpu",
+        max_steps=2,
+        output_path=str(tmp_path / "stall.log"),
+        timeout_s=JOB_TIMEOUT,
+    )
+    result = run_distributed_child(request, DistOptions(nproc_per_node=2))
+    log = (tmp_path / "stall.log").read_text()[-3000:]
+    assert not result.timed_out and result.exit_code == 0, log
+    assert result.wall_s < 600, log
+    capture = result.capture
+    assert capture["outcome"] == "ok" and len(capture["ranks"]) == 2
+    by_rank = {entry["rank"]: entry for entry in capture["ranks"]}
+    assert by_rank[0]["ended_with_peers"] and not by_rank[1]["ended_with_peers"]
+    assert all(entry["outcome"] == "ok" and len(entry["steps"]) == 2 for entry in by_rank.values())
+    assert any(f"{PEER_GRACE_S:g} s after the first rank" in note for note in capture["notes"])
+
+
+def test_the_fsdp_replay_keeps_what_ddp_scripts_read(tmp_path):
+    """Scripts written for DDP read `model.module`, set
+    `require_backward_grad_sync` and call `no_sync()`: the FSDP2 module
+    that replaces DDP in the fsdp replay has all three (gloo, one rank)."""
+    script = tmp_path / "fsdp_attributes.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import os, torch, torch.distributed as dist, torch.nn as nn
+            from torch.distributed.fsdp import fully_shard
+            from oomdoc.fixes.sharding import keep_ddp_attributes
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"])
+            dist.init_process_group("gloo", rank=0, world_size=1)
+            model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+            for block in model:
+                fully_shard(block)
+            fully_shard(model)
+            keep_ddp_attributes(model)
+            assert model.module is model and len(list(model.modules())) == 3
+            model.require_backward_grad_sync = False
+            with model.no_sync():
+                model(torch.randn(3, 4)).sum().backward()
+            assert model.require_backward_grad_sync is False
+            model.require_backward_grad_sync = True
+            model(torch.randn(3, 4)).sum().backward()
+            assert model[0].weight.grad is not None
+            print("ok")
+            dist.destroy_process_group()
+            """
+        )
+    )
+    completed = subprocess.run(
+        [sys.executable, str(script)],
+        env={**os.environ, "PORT": str(free_port()), "PYTHONPATH": str(REPO_ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert completed.returncode == 0 and "ok" in completed.stdout, completed.stderr[-3000:]
 
 
 def test_a_sigterm_while_the_peer_s_death_is_raised_still_names_the_collective():

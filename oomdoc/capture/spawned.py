@@ -15,10 +15,18 @@ are not captured: the child names them (`uncaptured_processes`).
 from __future__ import annotations
 
 import importlib
+import inspect
+import json
 import os
+import signal
+import time
 from typing import Any, Callable
 
 SPAWNED_CAPTURE = "capture-spawned{index}.json"
+# A replay's spawned ranks end within this many seconds of the first one
+# (as oomdoc.distributed.launch's PEER_GRACE_S for torchrun's ranks).
+PEER_GRACE_S = 5.0
+JOIN_POLL_S = 0.2
 
 
 class CapturedRank:
@@ -65,10 +73,17 @@ def install(config: dict, started: list, runner: str) -> Callable[[], None]:
     original = spawn_module.start_processes
     spawned = rank_config(config)
 
+    signature = inspect.signature(original)
+
     def start_processes(fn, args=(), nprocs=1, *rest, **kwargs):
         started.append({"function": getattr(fn, "__qualname__", repr(fn)), "nprocs": int(nprocs)})
         captured = CapturedRank(fn, spawned, int(nprocs), runner)
-        return original(captured, args, nprocs, *rest, **kwargs)
+        bound = signature.bind(captured, args, nprocs, *rest, **kwargs)
+        join = bound.arguments.get("join", True)
+        if config.get("max_steps") is None or not join:
+            return original(captured, args, nprocs, *rest, **kwargs)
+        bound.arguments["join"] = False
+        return join_together(original(*bound.args, **bound.kwargs), spawned["result_path"])
 
     start_processes.__wrapped__ = original  # type: ignore[attr-defined]
     owners = [
@@ -84,6 +99,46 @@ def install(config: dict, started: list, runner: str) -> Callable[[], None]:
             module.start_processes = original
 
     return undo
+
+
+def join_together(context: Any, result_path: str) -> None:
+    """`start_processes(join=True)` for a replay: once one rank has ended
+    (its steps done), the others have PEER_GRACE_S to end too. A rank still
+    running then waits for its ended peer (in a collective, or in work of
+    its own after its last step): it gets SIGTERM and writes its capture,
+    with where it waited, which is then marked as ended with its peers
+    (the replay's end, not a failure), and this returns as spawn would. A
+    rank that fails makes `join` raise as without oomdoc (torch ends the
+    others)."""
+    first_end = None
+    while not context.join(JOIN_POLL_S):
+        if first_end is None and any(p.exitcode is not None for p in context.processes):
+            first_end = time.monotonic()
+        if first_end is None or time.monotonic() - first_end <= PEER_GRACE_S:
+            continue
+        stopped = [i for i, p in enumerate(context.processes) if p.exitcode is None]
+        for index in stopped:
+            os.kill(context.processes[index].pid, signal.SIGTERM)
+        for index in stopped:
+            process = context.processes[index]
+            process.join(PEER_GRACE_S)
+            if process.exitcode is None:
+                process.kill()
+                process.join()
+            _mark_ended_with_peers(result_path.format(index=index))
+        return
+
+
+def _mark_ended_with_peers(path: str) -> None:
+    from oomdoc.snapshot import write_atomic
+
+    try:
+        with open(path, encoding="utf-8") as handle:
+            capture = json.load(handle)
+    except (OSError, ValueError):
+        return  # killed before it wrote one: the merge names it
+    capture.update(outcome="ok", exit_code=0, error=None, ended_with_peers=True)
+    write_atomic(path, json.dumps(capture), overwrite=True)
 
 
 def watch_processes(started: list) -> Callable[[], None]:

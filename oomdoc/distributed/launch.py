@@ -12,6 +12,14 @@ or SIGTERM, which it passes on to the launcher), the launcher has
 of the job (the ranks run in sessions of their own, so each is signalled by
 pid), and SIGKILL to what is left `KILL_GRACE_S` later. A rank that gets
 SIGTERM still writes its capture, with where it was waiting.
+
+A replay (a job limited to `max_steps`) ends together: once one rank has
+ended, whether it ran out of memory, failed or reached the step limit, the
+others have `PEER_GRACE_S` to end as well. A rank still running then is
+left waiting for its peer (in a collective, or in work only it does after
+its last step: evaluation, logging, a checkpoint on rank 0) and is ended;
+when its peer reached the step limit, its steps so far are the replay's
+result, not a failure (`ended_with_peers`).
 """
 
 from __future__ import annotations
@@ -34,6 +42,8 @@ from oomdoc.distributed.merge import read_captures
 from oomdoc.runner import ChildRequest, ChildResult, child_env
 
 KILL_GRACE_S = 10.0
+# A replay's ranks end within this many seconds of the first one.
+PEER_GRACE_S = 5.0
 POLL_S = 0.1
 CAPTURE_PATTERN = re.compile(r"^capture-rank(\d+)-local(\d+)\.json$")
 
@@ -50,6 +60,9 @@ class JobResult:
     timed_out: bool = False
     signal_name: str | None = None  # a signal that reached oomdoc
     terminated_by_oomdoc: bool = False
+    # A replay whose first rank to end reached its step limit: the ranks
+    # oomdoc ended after it were still in the same, finished replay.
+    ended_with_peers: bool = False
     notes: list[str] = field(default_factory=list)
 
 
@@ -94,14 +107,16 @@ def job_config(request: ChildRequest, workdir: str, dist: DistOptions) -> dict:
 
 
 class FailureWatch:
-    """Notices the first rank capture that is not `ok` (each file is read once)."""
+    """Notices the first rank capture that is not `ok` (each file is read
+    once) and, for a replay, the first one that is (`finished`)."""
 
     def __init__(self, workdir: str):
         self.workdir = workdir
         self.checked: set[str] = set()
+        self.finished = False
 
     def any_failed(self) -> bool:
-        for name in os.listdir(self.workdir):
+        for name in sorted(os.listdir(self.workdir)):
             if name in self.checked or not CAPTURE_PATTERN.match(name):
                 continue
             self.checked.add(name)
@@ -116,6 +131,8 @@ class FailureWatch:
                 self.checked.discard(name)
             elif capture.get("outcome") != "ok":
                 return True
+            else:
+                self.finished = True
         return False
 
 
@@ -221,17 +238,24 @@ def run_job(request: ChildRequest, dist: DistOptions) -> JobResult:
                 time.monotonic() + request.timeout_s if request.timeout_s is not None else None
             )
             watch = FailureWatch(workdir)
+            replay = request.max_steps is not None
+            # A replay's ranks end together (see the module's docstring).
+            grace_s = min(PEER_GRACE_S, dist.rank_timeout_s) if replay else dist.rank_timeout_s
             while launcher.poll() is None:
                 now = time.monotonic()
-                if state["stop_from"] is None and watch.any_failed():
-                    state["stop_from"] = now  # a rank failed: the clock starts
+                if state["stop_from"] is None:
+                    if watch.any_failed():
+                        state["stop_from"] = now  # a rank failed: the clock starts
+                    elif replay and watch.finished:
+                        state["stop_from"] = now
+                        state["peer_finished"] = True
                 if deadline is not None and now > deadline:
                     timed_out = True
-                elif state["stop_from"] is None or now - state["stop_from"] < dist.rank_timeout_s:
+                elif state["stop_from"] is None or now - state["stop_from"] < grace_s:
                     time.sleep(POLL_S)
                     continue
                 terminated = True
-                terminate_job(launcher, workdir, min(KILL_GRACE_S, dist.rank_timeout_s))
+                terminate_job(launcher, workdir, min(KILL_GRACE_S, grace_s))
                 break
             launcher_exit = launcher.wait()
             # Ranks that outlived the launcher (it was killed) are ended too.
@@ -260,7 +284,14 @@ def run_job(request: ChildRequest, dist: DistOptions) -> JobResult:
     ]
     signal_name = signal.Signals(state["signal"]).name if state["signal"] else None
     notes = []
-    if terminated:
+    ended_with_peers = bool(state.get("peer_finished")) and terminated and not timed_out
+    if ended_with_peers:
+        notes.append(
+            f"oomdoc ended the ranks still running {grace_s:g} s after the first rank "
+            "reached the replay's step limit (they were waiting for it, or doing work "
+            "of their own after their last step)"
+        )
+    elif terminated:
         notes.append(
             "oomdoc ended the job itself (SIGTERM, then SIGKILL): "
             + (
@@ -278,6 +309,7 @@ def run_job(request: ChildRequest, dist: DistOptions) -> JobResult:
         timed_out=timed_out,
         signal_name=signal_name,
         terminated_by_oomdoc=terminated,
+        ended_with_peers=ended_with_peers,
         notes=notes,
     )
 
@@ -296,6 +328,18 @@ def job_exit_code(captures: list[dict], missing: list, launcher_exit: int, signu
     return 1 if missing or launcher_exit else 0
 
 
+def finished_with_peers(result: JobResult) -> None:
+    """The ranks oomdoc ended after a peer reached the replay's step limit
+    ended with the replay: their captures count as finished (`ok`), with
+    where they were when they were ended."""
+    for capture in result.captures:
+        if capture.get("outcome") == "interrupted":
+            capture["outcome"], capture["exit_code"] = "ok", 0
+            capture["ended_with_peers"] = True
+    if all(capture.get("outcome") == "ok" for capture in result.captures) and not result.missing:
+        result.exit_code = 0
+
+
 def run_distributed_child(request: ChildRequest, dist: DistOptions) -> ChildResult:
     """run_child's contract for a whole job: its `capture` is the merged job
     document's capture-level fields (the first failing rank's, with `ranks`,
@@ -303,6 +347,8 @@ def run_distributed_child(request: ChildRequest, dist: DistOptions) -> ChildResu
     from oomdoc.distributed.merge import merge_rank_captures
 
     result = run_job(request, dist)
+    if result.ended_with_peers:
+        finished_with_peers(result)
     capture = None
     if result.captures:
         capture = merge_rank_captures(

@@ -23,7 +23,14 @@ from pathlib import Path
 from oomdoc.snapshot import SnapshotError, read_snapshot
 
 # Per-rank fields of a rank's capture that do not belong at the job's top level.
-RANK_ONLY_FIELDS = ("rank", "ended_at", "oom_time", "waiting_at", "stopped_by")
+RANK_ONLY_FIELDS = (
+    "rank",
+    "ended_at",
+    "oom_time",
+    "waiting_at",
+    "stopped_by",
+    "ended_with_peers",
+)
 JOB_FIELDS = ("ranks", "world_size", "first_oom_rank", "primary_rank", "launch")
 DEVICE_FIELDS = (
     "kind",
@@ -89,6 +96,7 @@ def rank_entry(capture: dict) -> dict:
         "ended_at": capture.get("ended_at"),
         "waiting_at": capture.get("waiting_at"),
         "stopped_by": capture.get("stopped_by"),
+        "ended_with_peers": bool(capture.get("ended_with_peers")),
         "parallel": capture.get("parallel"),
         "optimizers": capture.get("optimizers"),
     }

@@ -4,9 +4,10 @@ state sharded across the ranks)."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import sys
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from oomdoc.fixes.base import Fix, FixRequest
 from oomdoc.model import Snapshot
@@ -66,7 +67,11 @@ class Fsdp(Fix):
             f"{loop}                 # instead of DistributedDataParallel(model)\n"
             "    fully_shard(block)\n"
             "fully_shard(model)\n"
-            "optimizer = torch.optim.AdamW(model.parameters(), lr=lr)   # after sharding"
+            "optimizer = torch.optim.AdamW(model.parameters(), lr=lr)   # after sharding\n"
+            "# FSDP2 shards the model in place: where the script used DDP's attributes,\n"
+            "#   model.module                          -> model\n"
+            "#   model.require_backward_grad_sync = x  -> model.set_requires_gradient_sync(x)\n"
+            "#   with model.no_sync(): ...             -> model.set_requires_gradient_sync(False), then True"
         )
 
     def apply(self, payload: dict, record: dict, tracker: Any) -> None:
@@ -92,11 +97,56 @@ class Fsdp(Fix):
                     {"path": path or "(root)", "class": class_name, "count": len(blocks)}
                 )
             fully_shard(module)
+            keep_ddp_attributes(module)
             record["models"] += 1
             return module
 
         shard_instead_of_ddp.__wrapped__ = original  # type: ignore[attr-defined]
         _replace(nn.parallel, "DistributedDataParallel", original, shard_instead_of_ddp)
+
+
+class _AsDistributedDataParallel:
+    """What scripts written for DDP read from the model they wrapped, on the
+    FSDP2 module that replaces it (a class of its own, mixed in front of
+    FSDP2's): `model.module` (nanoGPT's `raw_model`, checkpoint code),
+    `model.no_sync()` and `model.require_backward_grad_sync = ...`
+    (gradient accumulation), the last two through FSDP2's
+    `set_requires_gradient_sync`."""
+
+    @property
+    def module(self) -> Any:
+        return self
+
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        return bool(getattr(self, "_oomdoc_gradient_sync", True))
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        object.__setattr__(self, "_oomdoc_gradient_sync", bool(value))
+        self.set_requires_gradient_sync(bool(value))  # type: ignore[attr-defined]
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        before = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = before
+
+
+DDP_ATTRIBUTES = ("module", "no_sync", "require_backward_grad_sync")
+
+
+def keep_ddp_attributes(module: Any) -> None:
+    """Give the sharded root the DDP attributes its own class does not have
+    (a model with a submodule or method of such a name keeps its own)."""
+    own = [name for name in DDP_ATTRIBUTES if hasattr(module, name)]
+    if own:
+        return
+    cls = type(module)
+    module.__class__ = type(cls.__name__, (_AsDistributedDataParallel, cls), {})
 
 
 class ZeroOptimizer(Fix):

@@ -10,9 +10,15 @@ What makes it a real-idiom script rather than one shaped for oomdoc:
 - gradient accumulation over `gradient_accumulation_steps` micro-batches, the
   next batch fetched while the device is busy, AdamW built by the model
   (`configure_optimizers`), a cosine learning-rate schedule, gradient clipping.
+- under torchrun (RANK in the environment) it is nanoGPT's DDP trainer: NCCL
+  on CUDA (gloo on the CPU), one device per LOCAL_RANK, the accumulation steps
+  divided by the world size, `model.require_backward_grad_sync` set on the last
+  micro-step only, the loss estimated and the checkpoint kept on rank 0 alone
+  (the master process), through `model.module` (`raw_model`).
 """
 
 import math
+import os
 import sys
 from ast import literal_eval
 
@@ -54,8 +60,28 @@ for arg in sys.argv[1:]:
     globals()[key] = attempt
 # -----------------------------------------------------------------------------
 
-torch.manual_seed(seed)
-device = "cuda" if torch.cuda.is_available() else "cpu"
+ddp = int(os.environ.get("RANK", -1)) != -1
+if ddp:
+    import torch.distributed
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    ddp_rank = int(os.environ["RANK"])
+    ddp_local_rank = int(os.environ["LOCAL_RANK"])
+    ddp_world_size = int(os.environ["WORLD_SIZE"])
+    device = f"cuda:{ddp_local_rank}" if torch.cuda.is_available() else "cpu"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(device)
+    master_process = ddp_rank == 0
+    seed_offset = ddp_rank
+    assert gradient_accumulation_steps % ddp_world_size == 0
+    gradient_accumulation_steps //= ddp_world_size
+else:
+    master_process = True
+    seed_offset = 0
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+torch.manual_seed(seed + seed_offset)
+device_type = "cuda" if "cuda" in device else "cpu"
 data = torch.randint(vocab_size, (20_000,), generator=torch.Generator().manual_seed(0))
 n = int(0.9 * len(data))
 train_data, val_data = data[:n], data[n:]
@@ -145,8 +171,12 @@ class GPT(nn.Module):
 
 
 model = GPT().to(device)
-ctx = torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=dtype == "bfloat16")
+ctx = torch.autocast(device_type=device_type, dtype=torch.bfloat16, enabled=dtype == "bfloat16")
 optimizer = model.configure_optimizers(0.1, learning_rate)
+if ddp:
+    model = DDP(model, device_ids=[ddp_local_rank] if device_type == "cuda" else None)
+raw_model = model.module if ddp else model
+best_val_loss = float("inf")
 
 
 @torch.no_grad()
@@ -173,12 +203,18 @@ X, Y = get_batch("train")
 for iter_num in range(max_iters + 1):
     for param_group in optimizer.param_groups:
         param_group["lr"] = get_lr(iter_num)
-    if iter_num % eval_interval == 0:
+    if iter_num % eval_interval == 0 and master_process:
         losses = estimate_loss()
         print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+        if losses["val"] < best_val_loss and iter_num > 0:
+            best_val_loss = losses["val"]
+            checkpoint_state = {"model": raw_model.state_dict(), "iter_num": iter_num}
     if iter_num == max_iters:
         break
-    for _micro_step in range(gradient_accumulation_steps):
+    for micro_step in range(gradient_accumulation_steps):
+        if ddp:
+            # nanoGPT: gradients are synchronised on the last micro-step only
+            model.require_backward_grad_sync = micro_step == gradient_accumulation_steps - 1
         with ctx:
             logits, loss = model(X, Y)
             loss = loss / gradient_accumulation_steps
@@ -188,4 +224,7 @@ for iter_num in range(max_iters + 1):
         torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    print(f"iter {iter_num}: loss {loss.item() * gradient_accumulation_steps:.4f}")
+    if master_process:
+        print(f"iter {iter_num}: loss {loss.item() * gradient_accumulation_steps:.4f}")
+if ddp:
+    torch.distributed.destroy_process_group()

@@ -58,6 +58,12 @@ def main():
         help="rank 0 sleeps this long before step 1's all_reduce",
     )
     parser.add_argument(
+        "--rank0-final-stall",
+        type=float,
+        default=0.0,
+        help="after the last step rank 0 alone works this long (a final evaluation or save)",
+    )
+    parser.add_argument(
         "--rank1-ignores-sigterm",
         action="store_true",
         help="rank 1 ignores SIGTERM and outlives its peer",
@@ -119,6 +125,8 @@ def main():
             raise
         if rank == 0:
             print(f"step {step}: loss {logged.item() / dist.get_world_size():.4f}", flush=True)
+    if rank == 0 and args.rank0_final_stall:
+        time.sleep(args.rank0_final_stall)  # rank 1 has ended by now
     if os.environ.get("OOMDOC_TEST_SAY_WORLD"):
         print(f"rank {rank} of {dist.get_world_size()} done", flush=True)
     dist.destroy_process_group()
