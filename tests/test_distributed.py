@@ -19,6 +19,7 @@ from oomdoc.distributed import DistOptions, launch_from_cli
 from oomdoc.distributed.launch import free_port
 from oomdoc.distributed.merge import merge_rank_captures
 from oomdoc.errors import UsageError
+from oomdoc.model import Snapshot, parse
 from oomdoc.snapshot import read_snapshot
 
 DDP = SCRIPTS / "ddp_rank0_cache.py"
@@ -115,14 +116,15 @@ def test_the_waiting_rank_says_where_it_waited(imbalance_job):
 
 def test_rank_imbalance_names_rank_0(imbalance_job):
     result, document = imbalance_job
-    diagnosis = rank_imbalance(document)
+    diagnosis = rank_imbalance(parse(Snapshot, document))
     assert diagnosis is not None
     assert diagnosis["summary"].startswith("Rank 0 holds")
     assert any(
-        line.startswith("need per rank (") and ": rank 0" in line for line in diagnosis["evidence"]
+        line.startswith("held per rank at step ") and ": rank 0" in line
+        for line in diagnosis["evidence"]
     )
-    # 3 x 8 MiB of cache, the OOM's request of 8 MiB more
-    assert diagnosis["bytes"] >= 24 * 2**20
+    # the cache rank 0 alone keeps: 8 MiB a step, 3 steps before the OOM
+    assert diagnosis["bytes"] >= 16 * 2**20
     assert "rank_imbalance: Rank 0 holds" in result.stderr
     assert data_parallel(document) is None
 
@@ -300,7 +302,7 @@ def test_two_nodes_write_their_ranks_and_suggest_merges_them(tmp_path):
     assert merged["world_size"] == 2 and [e["rank"] for e in merged["ranks"]] == [0, 1]
     assert merged["first_oom_rank"] == 0 and merged["outcome"] == "oom"
     assert merged["oom"]["location"]["line"] == CACHE_LINE
-    assert rank_imbalance(merged)["summary"].startswith("Rank 0 holds")
+    assert rank_imbalance(parse(Snapshot, merged))["summary"].startswith("Rank 0 holds")
 
 
 def test_replays_keep_the_world_size(tmp_path):
@@ -400,14 +402,54 @@ def test_merge_picks_the_first_oom_by_time_and_marks_missing_ranks():
     assert fitted["outcome"] == "ok"
 
 
-def test_rank_imbalance_needs_ten_percent():
-    def entry(rank, peak):
-        return {"rank": rank, "captured": True, "peak": {"allocated_bytes": peak}, "breakdown": {}}
+def _job(*entries, first_oom_rank=None) -> Snapshot:
+    return parse(Snapshot, {"ranks": list(entries), "first_oom_rank": first_oom_rank})
 
-    assert rank_imbalance({"ranks": [entry(0, 109), entry(1, 100)]}) is None
-    found = rank_imbalance({"ranks": [entry(0, 100), entry(1, 111), entry(2, 100)]})
+
+def _rank(rank, *phase_peaks, oom=None):
+    """A rank whose step i held phase_peaks[i] ({phase: bytes})."""
+    steps = [{"index": i, "phase_peaks": peaks} for i, peaks in enumerate(phase_peaks)]
+    return {
+        "rank": rank,
+        "captured": True,
+        "outcome": "oom" if oom else "ok",
+        "steps": steps,
+        "oom": oom,
+    }
+
+
+def test_rank_imbalance_needs_ten_percent_at_the_same_step_and_phase():
+    even = {"forward": 100, "backward": 100}
+    assert rank_imbalance(_job(_rank(0, {"forward": 109}), _rank(1, {"forward": 100}))) is None
+    found = rank_imbalance(
+        _job(
+            _rank(0, even, even),
+            _rank(1, even, {"forward": 100, "backward": 111}),
+            _rank(2, even, even),
+        )
+    )
     assert found["kind"] == "rank_imbalance" and found["summary"].startswith("Rank 1 holds")
-    assert found["bytes"] == 11
+    assert "(1, backward)" in found["summary"] and found["bytes"] == 11
+
+
+def test_rank_imbalance_compares_only_moments_every_rank_had():
+    """Evaluation on rank 0 alone at iteration 0 (nanoGPT) is no imbalance:
+    rank 1 has no such moment; at the moments both had they hold the same."""
+    step0 = {"forward": 100, "backward": 120}
+    rank0 = _rank(0, {**step0, "evaluation": 500}, step0)
+    assert rank_imbalance(_job(rank0, _rank(1, step0, step0))) is None
+
+
+def test_rank_imbalance_never_contradicts_the_first_oom():
+    """Rank 0 holds more at its OOM's moment, but rank 1 ran out of memory
+    first: the imbalance is not what ended the job (issue 25, item 3); the
+    OOM's need (held + request) is never counted as held."""
+    oom0 = {"step": 0, "phase": "backward", "allocated_bytes": 150, "requested_bytes": 10_000}
+    oom1 = {"step": 0, "phase": "backward", "allocated_bytes": 100, "requested_bytes": 40}
+    ranks = (_rank(0, {"forward": 90}, oom=oom0), _rank(1, {"forward": 90}, oom=oom1))
+    assert rank_imbalance(_job(*ranks, first_oom_rank=1)) is None
+    found = rank_imbalance(_job(*ranks, first_oom_rank=0))
+    assert found["bytes"] == 50 and "rank 0 150 bytes, rank 1 100 bytes" in found["evidence"][0]
 
 
 def test_dist_options_command_line():

@@ -10,7 +10,9 @@ fix catalogue to adopt.
 from __future__ import annotations
 
 from oomdoc.diagnosis.base import TIER_BREAKDOWN, TIER_CONTEXT, TIER_DECISIVE, Diagnosis
-from oomdoc.model import Snapshot
+from typing import Any
+
+from oomdoc.model import RankEntry, Snapshot
 from oomdoc.sizes import format_bytes
 
 MiB = 1024**2
@@ -58,55 +60,69 @@ def _ranks(document: dict) -> list[dict]:
     ]
 
 
-def _peak(entry: dict) -> int:
-    peak = (entry.get("peak") or {}).get("allocated_bytes")
-    oom = entry.get("oom") or {}
-    need = int(oom.get("allocated_bytes") or 0) + int(oom.get("requested_bytes") or 0)
-    return max(int(peak or 0), need)
+def _name(entry: Any) -> str:
+    rank = entry.rank if isinstance(entry, RankEntry) else entry.get("rank")
+    return f"rank {rank}"
 
 
-def _name(entry: dict) -> str:
-    return f"rank {entry.get('rank')}"
+def held_by_moment(entry: RankEntry) -> dict[tuple[int, str], int]:
+    """What a rank held (allocated, in use) at each moment of its run: the
+    peak of each phase of each step, and at its OOM, what it held when the
+    request failed (never the request: that was not held)."""
+    held: dict[tuple[int, str], int] = {}
+    for step in entry.steps:
+        for phase, nbytes in step.phase_peaks.items():
+            held[(step.index, phase)] = int(nbytes)
+    oom = entry.oom
+    if oom is not None and oom.step is not None and oom.phase:
+        key = (oom.step, oom.phase)
+        held[key] = max(held.get(key, 0), oom.allocated_bytes)
+    return held
 
 
-def _largest_difference(high: dict, others: list[dict]) -> tuple[str, int]:
-    """The category that holds most of what the high rank has more of."""
-    breakdown = high.get("breakdown") or {}
-    best, best_bytes = "", 0
-    for category, nbytes in breakdown.items():
-        typical = max(int((o.get("breakdown") or {}).get(category) or 0) for o in others)
-        if int(nbytes or 0) - typical > best_bytes:
-            best, best_bytes = category, int(nbytes or 0) - typical
-    return best, best_bytes
-
-
-def rank_imbalance(document: dict) -> dict | None:
-    """One rank holds 10% or more above every other rank."""
-    ranks = _ranks(document)
+def rank_imbalance(snapshot: Snapshot) -> dict | None:
+    """One rank holds 10% or more above every other rank at the same step
+    and phase (work only one rank does, such as evaluation on rank 0, is no
+    common moment). It never contradicts the OOM: when a rank ran out of
+    memory first, only that rank can be the one that holds more."""
+    ranks = [entry for entry in snapshot.ranks if entry.captured and entry.steps]
     if len(ranks) < 2:
         return None
-    by_peak = sorted(ranks, key=_peak, reverse=True)
-    high, others = by_peak[0], by_peak[1:]
-    high_peak, next_peak = _peak(high), _peak(others[0])
-    if next_peak <= 0 or high_peak < (1 + IMBALANCE_SHARE) * next_peak:
+    moments = [held_by_moment(entry) for entry in ranks]
+    common = set(moments[0]).intersection(*moments[1:])
+    best = None
+    for key in sorted(common):
+        order = sorted(range(len(ranks)), key=lambda i: moments[i][key], reverse=True)
+        high, runner_up = moments[order[0]][key], moments[order[1]][key]
+        if runner_up <= 0 or high < (1 + IMBALANCE_SHARE) * runner_up:
+            continue
+        if best is None or high - runner_up > best[1]:
+            best = (key, high - runner_up, order)
+    if best is None:
         return None
-    excess = high_peak - next_peak
-    category, category_bytes = _largest_difference(high, others)
+    (step, phase), excess, order = best
+    high_entry = ranks[order[0]]
+    if snapshot.first_oom_rank is not None and high_entry.rank != snapshot.first_oom_rank:
+        return None
+    runner_up = moments[order[1]][(step, phase)]
     evidence = [
-        "need per rank (its peak; at an OOM, what it held plus the request that failed): "
+        f"held per rank at step {step}, {phase} (allocated, in use): "
         + ", ".join(
-            f"{_name(e)} {format_bytes(_peak(e))}"
-            for e in sorted(ranks, key=lambda e: e.get("rank") or 0)
+            f"{_name(entry)} {format_bytes(moments[i][(step, phase)])}"
+            for i, entry in sorted(enumerate(ranks), key=lambda pair: pair[1].rank or 0)
         ),
-        f"{_name(high)} holds {format_bytes(excess)} ({100.0 * excess / next_peak:.0f}%) more than the next rank",
+        f"{_name(high_entry)} holds {format_bytes(excess)} ({100.0 * excess / runner_up:.0f}%) "
+        "more than the next rank there",
     ]
+    category = _largest_difference(high_entry, [ranks[i] for i in order[1:]], step, phase)
     if category:
         evidence.append(
-            f"most of the difference is {category}: {format_bytes(category_bytes)} more on {_name(high)}"
+            f"most of the difference is {category[0]}: {format_bytes(category[1])} more "
+            f"on {_name(high_entry)} (the breakdowns at the OOM)"
         )
-    if high.get("outcome") == "oom":
-        evidence.append(f"{_name(high)} is the rank that ran out of memory")
-    parallel = document.get("parallel") or {}
+    if high_entry.outcome == "oom":
+        evidence.append(f"{_name(high_entry)} is the rank that ran out of memory first")
+    parallel = snapshot.extra.get("parallel") or {}
     if parallel.get("data_parallel"):
         evidence.append("nn.DataParallel gathers every replica's outputs on device 0")
     evidence.append(
@@ -114,7 +130,10 @@ def rank_imbalance(document: dict) -> dict | None:
         "(tensors kept there: keep .item() numbers, or move them to the CPU); uneven batches "
         "per rank (DistributedSampler, drop_last); nn.DataParallel gathering outputs on device 0"
     )
-    summary = f"{_name(high).capitalize()} holds {format_bytes(excess)} more than the other ranks at its peak"
+    summary = (
+        f"{_name(high_entry).capitalize()} holds {format_bytes(excess)} more than the other "
+        f"ranks at the same step ({step}, {phase})"
+    )
     remedy = (
         "# work done on rank 0 only must not keep device tensors:\n"
         "if dist.get_rank() == 0:\n"
@@ -123,6 +142,23 @@ def rank_imbalance(document: dict) -> dict | None:
     )
     fixes = ["ddp"] if parallel.get("data_parallel") else []
     return _diagnosis("rank_imbalance", summary, evidence, excess, fixes=fixes, remedy=remedy)
+
+
+def _largest_difference(
+    high: RankEntry, others: list[RankEntry], step: int, phase: str
+) -> tuple[str, int] | None:
+    """The category that holds most of what the high rank has more of, when
+    every rank's breakdown was taken at an OOM at that same step and phase
+    (breakdowns taken at different moments do not compare)."""
+    entries = [high, *others]
+    if not all(e.oom and e.breakdown and (e.oom.step, e.oom.phase) == (step, phase) for e in entries):
+        return None
+    best: tuple[str, int] | None = None
+    for category, nbytes in high.breakdown.items() if high.breakdown else ():
+        typical = max(o.breakdown.bytes_of(category) for o in others if o.breakdown)
+        if nbytes - typical > (best[1] if best else 0):
+            best = (category, nbytes - typical)
+    return best
 
 
 def data_parallel(document: dict) -> dict | None:
@@ -266,12 +302,16 @@ def outside_allocator(document: dict) -> dict | None:
     return _diagnosis("outside_allocator", summary, evidence, outside, remedy=remedy)
 
 
-RULES = (rank_imbalance, data_parallel, ddp_buckets, outside_allocator)
+RULES = (data_parallel, ddp_buckets, outside_allocator)
 
 
-def diagnose_distributed(document: dict) -> list[dict]:
+def diagnose_distributed(snapshot: Snapshot) -> list[dict]:
     """Every rule above that fires, largest first."""
+    document = snapshot.to_dict()
     found = [d for d in (rule(document) for rule in RULES) if d is not None]
+    imbalance = rank_imbalance(snapshot)
+    if imbalance is not None:
+        found.append(imbalance)
     return sorted(found, key=lambda d: -d["bytes"])
 
 
@@ -290,5 +330,5 @@ def rule(snapshot: Snapshot) -> list[Diagnosis]:
     distributed work before the typed model covered every rank field."""
     return [
         Diagnosis(**found, tier=TIERS[found["kind"]])
-        for found in diagnose_distributed(snapshot.to_dict())
+        for found in diagnose_distributed(snapshot)
     ]
