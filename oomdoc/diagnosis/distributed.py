@@ -9,9 +9,9 @@ fix catalogue to adopt.
 
 from __future__ import annotations
 
-from oomdoc.diagnosis.base import TIER_BREAKDOWN, TIER_CONTEXT, TIER_DECISIVE, Diagnosis
 from typing import Any
 
+from oomdoc.diagnosis.base import TIER_BREAKDOWN, TIER_CONTEXT, TIER_DECISIVE, Diagnosis
 from oomdoc.model import RankEntry, Snapshot
 from oomdoc.sizes import format_bytes
 
@@ -151,7 +151,9 @@ def _largest_difference(
     every rank's breakdown was taken at an OOM at that same step and phase
     (breakdowns taken at different moments do not compare)."""
     entries = [high, *others]
-    if not all(e.oom and e.breakdown and (e.oom.step, e.oom.phase) == (step, phase) for e in entries):
+    if not all(
+        e.oom and e.breakdown and (e.oom.step, e.oom.phase) == (step, phase) for e in entries
+    ):
         return None
     best: tuple[str, int] | None = None
     for category, nbytes in high.breakdown.items() if high.breakdown else ():
@@ -329,6 +331,5 @@ def rule(snapshot: Snapshot) -> list[Diagnosis]:
     job document's JSON form (docs/snapshot.md, `ranks`): they came from the
     distributed work before the typed model covered every rank field."""
     return [
-        Diagnosis(**found, tier=TIERS[found["kind"]])
-        for found in diagnose_distributed(snapshot)
+        Diagnosis(**found, tier=TIERS[found["kind"]]) for found in diagnose_distributed(snapshot)
     ]
