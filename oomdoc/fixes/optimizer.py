@@ -56,6 +56,24 @@ def sharding_estimate(static: Breakdown) -> dict:
     }
 
 
+def oom_before_any_state(snapshot: Snapshot, fix: str) -> Optional[str]:
+    """Why replaying a fix of the optimizer's state would change nothing:
+    the OOM came in a forward or backward before the first optimizer step,
+    so the optimizer held no state yet and the replay would fail at the
+    same point."""
+    oom = snapshot.oom
+    if oom is None or oom.phase not in ("forward", "backward"):
+        return None
+    if any(step.optimizer_steps for step in snapshot.steps):
+        return None
+    if snapshot.breakdown.bytes_of("optimizer_state"):
+        return None
+    return (
+        f"the OOM came in the {oom.phase} before the first optimizer step, when the "
+        f"optimizer held no state yet: {fix} would fail at the same point"
+    )
+
+
 class LighterOptimizer(Fix):
     name = "lighter_optimizer"
     title = "An optimizer with less state per parameter"
@@ -70,7 +88,7 @@ class LighterOptimizer(Fix):
         if not heavy:
             optimizers = ", ".join(snapshot.optimizers) or "none"
             return f"the script's optimizers ({optimizers}) are not Adam-like optimizers with large state"
-        before_state = self._oom_before_any_state(snapshot)
+        before_state = oom_before_any_state(snapshot, "a lighter optimizer")
         if before_state and not explicit:
             return before_state
         state = optimizer_state_estimate(snapshot)
@@ -82,23 +100,6 @@ class LighterOptimizer(Fix):
         ):
             return f"optimizer state (about {format_bytes(state)}) is a small share of the memory"
         return None
-
-    @staticmethod
-    def _oom_before_any_state(snapshot: Snapshot) -> Optional[str]:
-        """Why replaying would change nothing: the OOM came in a forward or
-        backward before the first optimizer step, so the optimizer held no
-        state yet and the replay would fail at the same point."""
-        oom = snapshot.oom
-        if oom is None or oom.phase not in ("forward", "backward"):
-            return None
-        if any(step.optimizer_steps for step in snapshot.steps):
-            return None
-        if snapshot.breakdown.bytes_of("optimizer_state"):
-            return None
-        return (
-            f"the OOM came in the {oom.phase} before the first optimizer step, when the "
-            "optimizer held no state yet: a lighter optimizer would fail at the same point"
-        )
 
     def annotate(self, result: FixResult, static: Breakdown, snapshot: Snapshot) -> None:
         if (snapshot.world_size or 1) >= 2:

@@ -10,6 +10,7 @@ import sys
 from typing import Any, Iterator, Optional
 
 from oomdoc.fixes.base import Fix, FixRequest
+from oomdoc.fixes.optimizer import oom_before_any_state
 from oomdoc.model import Snapshot
 
 NOT_DISTRIBUTED = "needs a distributed job (oomdoc run --nproc-per-node N)"
@@ -164,6 +165,9 @@ class ZeroOptimizer(Fix):
             return NOT_DISTRIBUTED
         if not snapshot.optimizers:
             return "the script creates no optimizer"
+        before_state = oom_before_any_state(snapshot, "sharding the optimizer state")
+        if before_state and not explicit:
+            return before_state
         return None
 
     def not_applied(self, applied: dict) -> Optional[str]:
