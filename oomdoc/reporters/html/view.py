@@ -116,6 +116,8 @@ def clip(text: Optional[str], limit: int = MAX_TEXT) -> Optional[str]:
 
 
 def _finite(value: Optional[float]) -> Optional[float]:
+    """The view is JSON without NaN or infinity; a record built in this
+    process (a replay's ratio) was never through the parser that drops them."""
     return value if value is not None and math.isfinite(value) else None
 
 
@@ -140,7 +142,9 @@ def _frame_text(frame: Frame, cwd: Optional[str]) -> Optional[str]:
 def _location(location: Optional[Location], cwd: Optional[str]) -> Optional[str]:
     if location is None:
         return None
-    return _frame_text(Frame(location.file, None, location.line, location.function), cwd)
+    return _frame_text(
+        Frame(file=location.file, line=location.line, function=location.function), cwd
+    )
 
 
 # ----------------------------------------------------------------- the view
