@@ -104,14 +104,11 @@ def test_no_import_cycles():
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph) or [])
 
 
-def test_the_cycle_finder_finds_a_cycle():
+def test_the_cycle_finder_finds_a_cycle(tmp_path, monkeypatch):
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
-
-
-def test_a_type_only_import_makes_a_cycle(tmp_path, monkeypatch):
-    """Two modules that import each other, one of them only under
-    `if TYPE_CHECKING:`: the graph has both edges, and the finder the cycle."""
+    # Two modules that import each other, one of them only under
+    # `if TYPE_CHECKING:`: the graph has both edges, and the finder the cycle.
     package = tmp_path / "oomdoc"
     package.mkdir()
     (package / "__init__.py").write_text("")
