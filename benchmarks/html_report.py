@@ -30,7 +30,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from oomdoc.analysis import analyse  # noqa: E402
 from oomdoc.model import Snapshot  # noqa: E402
 from oomdoc.reporters.html import build_view, render_html  # noqa: E402
-from oomdoc.reporters.json_report import JsonReporter  # noqa: E402
 
 MiB = 1024**2
 GiB = 1024**3
@@ -220,9 +219,9 @@ def main() -> None:
     document = synthetic_document(args.steps, args.sites)
     snapshot_bytes = len(json.dumps(document))
     started = time.perf_counter()
-    analysed = JsonReporter(analyse(Snapshot.from_dict(document), top=10)).as_dict()
+    analysed = analyse(Snapshot.from_dict(document), top=10)
     analysed_at = time.perf_counter()
-    view = build_view(document, analysed)
+    view = build_view(analysed)
     viewed_at = time.perf_counter()
     page = render_html(view)
     rendered_at = time.perf_counter()

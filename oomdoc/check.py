@@ -20,15 +20,25 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, TextIO
+from typing import TextIO
 
 import oomdoc
-from oomdoc.analysis import analyse, headline
+from oomdoc.analysis import analyse
+from oomdoc.check_records import (
+    Baseline,
+    BaselineDevice,
+    BaselinePeak,
+    CheckOptions,
+    CheckResult,
+    Comparison,
+    SiteChange,
+    read_baseline,
+    site_key,
+)
 from oomdoc.errors import UsageError
 from oomdoc.formatting import relative_path
-from oomdoc.model import CATEGORIES, Location, Snapshot
+from oomdoc.model import CATEGORIES, Breakdown, Location, Site, Snapshot
 from oomdoc.output_paths import check_output_file, write_new_file
 from oomdoc.reporters import render
 from oomdoc.runner import (
@@ -41,213 +51,73 @@ from oomdoc.runner import (
     run_child,
 )
 from oomdoc.sizes import format_bytes
-from oomdoc.snapshot import SnapshotError, dumps, read_json_file, write_atomic
+from oomdoc.snapshot import SnapshotError, write_atomic
 
-BASELINE_FORMAT = "oomdoc-baseline"
-BASELINE_VERSION = 1
 # Allocation sites kept in a baseline.
 STORED_SITES = 20
-
-
-@dataclass
-class CheckOptions:
-    run: RunOptions  # target, args, device, capacity and max_steps (the --steps)
-    baseline_path: str
-    tolerance_fraction: float = 0.05
-    tolerance_bytes: int = 0
-    tolerance_text: str = "5%"
-    update_baseline: bool = False
-    junit_path: str | None = None
-    html_path: str | None = None
-
-
-@dataclass
-class Comparison:
-    """One compared quantity."""
-
-    name: str
-    baseline: int | None  # None: the baseline does not have it
-    current: int
-    allowed_growth: int
-
-    @property
-    def change(self) -> int:
-        return self.current - (self.baseline or 0)
-
-    @property
-    def grew(self) -> bool:
-        """Beyond the tolerance: a regression."""
-        return self.baseline is not None and self.change > self.allowed_growth
-
-    @property
-    def shrank(self) -> bool:
-        """Smaller by more than the tolerance: the baseline could be tightened."""
-        return self.baseline is not None and -self.change > self.allowed_growth
-
-    def change_text(self) -> str:
-        if self.baseline is None:
-            return "(not in baseline)"
-        change = self.change
-        sign = "+" if change > 0 else ""
-        text = f"{sign}{format_bytes(change)}" if change else "0 bytes"
-        if self.baseline:
-            text += f" ({sign}{100.0 * change / self.baseline:.1f}%)"
-        return text
-
-    def status(self) -> str:
-        if self.baseline is None:
-            return "new"
-        return "GREW" if self.grew else ("shrank" if self.shrank else "ok")
-
-    def failure_message(self, tolerance_text: str) -> str:
-        return (
-            f"{self.name} grew by {self.change_text()}: from {format_bytes(self.baseline)} to "
-            f"{format_bytes(self.current)}, more than the {tolerance_text} tolerance allows "
-            f"(+{format_bytes(self.allowed_growth)})"
-        )
-
-
-@dataclass
-class CheckResult:
-    """A check's outcome: what the check reporters render."""
-
-    snapshot: Snapshot  # the run's snapshot
-    current: dict  # the run as a baseline
-    baseline: dict | None
-    comparisons: list[Comparison]
-    site_changes: list[dict]
-    notes: list[str]
-    wall_s: float
-    options: Optional[CheckOptions] = field(default=None)
-
-    @property
-    def measured(self) -> bool:
-        return self.snapshot.outcome in ("ok", "oom")
-
-    @property
-    def oom(self) -> bool:
-        return self.snapshot.outcome == "oom"
-
-    @property
-    def headline(self) -> str:
-        return headline(self.snapshot)
-
-    @property
-    def regressions(self) -> list[Comparison]:
-        return [c for c in self.comparisons if c.grew]
-
-    @property
-    def failed(self) -> bool:
-        return not self.measured or self.oom or bool(self.regressions)
 
 
 # ------------------------------------------------------------------ baseline
 
 
-def _relative_location(location: Location | None, cwd: str) -> dict | None:
+def _relative_location(location: Location | None, cwd: str) -> Location | None:
     """Locations under the working directory are stored relative to it, so a
     baseline made in one checkout matches a check run in another."""
     if location is None:
         return None
     filename = relative_path(location.file, cwd)
-    return {
-        "file": filename.replace(os.sep, "/"),
-        "line": location.line,
-        "function": location.function,
-    }
+    return Location(
+        file=filename.replace(os.sep, "/"), line=location.line, function=location.function
+    )
 
 
-def measurement(snapshot: Snapshot, steps_requested: int) -> dict:
-    """The part of a run's snapshot that a baseline records, in baseline form."""
+def measurement(snapshot: Snapshot, steps_requested: int) -> Baseline:
+    """The part of a run's snapshot that a baseline records."""
     cwd = snapshot.cwd or os.getcwd()
     device = snapshot.device
     category_peaks = snapshot.category_peaks
     peak = snapshot.peak
-    sites: list[dict] = []
-    for site in snapshot.top_allocations[:STORED_SITES]:
-        sites.append(
-            {
-                "bytes": site.bytes,
-                "count": site.count or 1,
-                "category": site.category,
-                "location": _relative_location(site.location, cwd),
-                "shape": site.shape,
-                "dtype": site.dtype,
-            }
+    sites = [
+        Site(
+            bytes=site.bytes,
+            count=site.count or 1,
+            category=site.category,
+            location=_relative_location(site.location, cwd),
+            shape=site.shape,
+            dtype=site.dtype,
         )
-    sites.sort(key=lambda s: (-s["bytes"], _site_key(s)))
-    return {
-        "format": BASELINE_FORMAT,
-        "version": BASELINE_VERSION,
-        "oomdoc_version": oomdoc.__version__,
-        "torch_version": snapshot.torch_version,
-        "device": {
-            "kind": device.kind,
-            "name": device.name,
-            "capacity_bytes": device.capacity_bytes,
-        },
-        "command": list(snapshot.command),
-        "steps": int(steps_requested),
-        "steps_run": snapshot.step_count,
-        "peak": {
-            "allocated_bytes": (peak.allocated_bytes if peak else None) or 0,
-            "reserved_bytes": (peak.reserved_bytes if peak else None) or 0,
-        },
-        # The snapshot's breakdown is one sampled moment; the maxima already
-        # include it, but a capture without phases has only the breakdown.
-        "categories": {
-            c: max(
-                category_peaks.bytes_of(c) if category_peaks else 0, snapshot.breakdown.bytes_of(c)
-            )
-            for c in CATEGORIES
-        },
-        "top_allocations": sites,
-    }
+        for site in snapshot.top_allocations[:STORED_SITES]
+    ]
+    sites.sort(key=lambda site: (-site.bytes, site_key(site)))
 
+    # The snapshot's breakdown is one sampled moment; the maxima already
+    # include it, but a capture without phases has only the breakdown.
+    def most_of(category: str) -> int:
+        held_at_peaks = category_peaks.bytes_of(category) if category_peaks else 0
+        return max(held_at_peaks, snapshot.breakdown.bytes_of(category))
 
-def baseline_text(baseline: dict) -> str:
-    """Sorted keys, one value per line, no timestamps: a baseline diffs cleanly."""
-    return dumps(baseline, sort_keys=True)
-
-
-def read_baseline(path: str | os.PathLike) -> dict:
-    document = read_json_file(path)
-
-    def expect(condition: bool, message: str) -> None:
-        if not condition:
-            raise SnapshotError(f"{path}: {message}")
-
-    expect(
-        isinstance(document, dict) and document.get("format") == BASELINE_FORMAT,
-        "not an oomdoc baseline (write one with oomdoc check --update-baseline)",
+    return Baseline(
+        oomdoc_version=oomdoc.__version__,
+        torch_version=snapshot.torch_version,
+        device=BaselineDevice(
+            kind=device.kind, name=device.name, capacity_bytes=device.capacity_bytes
+        ),
+        command=list(snapshot.command),
+        steps=int(steps_requested),
+        steps_run=snapshot.step_count,
+        peak=BaselinePeak(
+            allocated_bytes=(peak.allocated_bytes if peak else None) or 0,
+            reserved_bytes=(peak.reserved_bytes if peak else None) or 0,
+        ),
+        categories=Breakdown(
+            parameters=most_of("parameters"),
+            gradients=most_of("gradients"),
+            optimizer_state=most_of("optimizer_state"),
+            activations=most_of("activations"),
+            other=most_of("other"),
+        ),
+        top_allocations=sites,
     )
-    expect(
-        document.get("version") == BASELINE_VERSION,
-        f"unknown baseline version {document.get('version')!r} (this oomdoc reads version {BASELINE_VERSION}; refresh it with --update-baseline)",
-    )
-    peak = document.get("peak")
-    expect(
-        isinstance(peak, dict) and _is_byte_count(peak.get("allocated_bytes")),
-        "peak.allocated_bytes must be an integer",
-    )
-    categories = document.get("categories")
-    expect(isinstance(categories, dict), "categories must be an object")
-    for category in CATEGORIES:
-        expect(
-            _is_byte_count(categories.get(category)), f"categories.{category} must be an integer"
-        )
-    expect(isinstance(document.get("device"), dict), "device must be an object")
-    sites = document.get("top_allocations", [])
-    expect(
-        isinstance(sites, list)
-        and all(isinstance(s, dict) and _is_byte_count(s.get("bytes")) for s in sites),
-        "top_allocations must be a list of objects with integer bytes",
-    )
-    return document
-
-
-def _is_byte_count(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 # ---------------------------------------------------------------- comparing
@@ -259,27 +129,23 @@ def allowed_growth(baseline_bytes: int, options: CheckOptions) -> int:
     return int(round(options.tolerance_fraction * baseline_bytes))
 
 
-def compare(baseline: dict, current: dict, options: CheckOptions) -> list[Comparison]:
-    quantities = [
-        (
-            "peak allocated",
-            baseline["peak"].get("allocated_bytes"),
-            current["peak"]["allocated_bytes"],
-        )
+def compare(baseline: Baseline, current: Baseline, options: CheckOptions) -> list[Comparison]:
+    quantities: list[tuple[str, int | None, int]] = [
+        ("peak allocated", baseline.peak.allocated_bytes, current.peak.allocated_bytes)
     ]
-    if "cuda" in (current["device"]["kind"], (baseline.get("device") or {}).get("kind")):
+    if "cuda" in (current.device.kind, baseline.device.kind):
         # On CUDA the cached-but-free memory is what runs out; on the simulated
         # device reserved is allocated.
         quantities.append(
-            (
-                "peak reserved",
-                baseline["peak"].get("reserved_bytes"),
-                current["peak"]["reserved_bytes"],
-            )
+            ("peak reserved", baseline.peak.reserved_bytes, current.peak.reserved_bytes or 0)
         )
     for category in CATEGORIES:
         quantities.append(
-            (category, baseline["categories"].get(category), current["categories"][category])
+            (
+                category,
+                baseline.categories.bytes_of(category),
+                current.categories.bytes_of(category),
+            )
         )
     return [
         Comparison(
@@ -289,38 +155,21 @@ def compare(baseline: dict, current: dict, options: CheckOptions) -> list[Compar
     ]
 
 
-def _site_key(site: dict) -> tuple:
-    location = site.get("location") or {}
-    return (
-        site.get("category", "other"),
-        location.get("file", ""),
-        int(location.get("line", 0)),
-        location.get("function", ""),
-    )
-
-
-def site_changes(baseline_sites: list[dict], current_sites: list[dict]) -> list[dict]:
+def site_changes(baseline_sites: list[Site], current_sites: list[Site]) -> list[SiteChange]:
     """Allocation sites (category and line of code) whose bytes at the peak
     differ from the baseline's, largest change first. Shapes are not part of
     the key: a larger batch changes the shape at the same line."""
-    totals: dict[tuple, dict] = {}
-    for side, sites in (("baseline", baseline_sites), ("current", current_sites)):
-        for site in sites:
-            entry = totals.setdefault(
-                _site_key(site),
-                {
-                    "category": site.get("category", "other"),
-                    "location": site.get("location"),
-                    "baseline": 0,
-                    "current": 0,
-                },
-            )
-            entry[side] += int(site.get("bytes", 0))
-    changes = [
-        dict(entry, change=entry["current"] - entry["baseline"]) for entry in totals.values()
-    ]
-    changes = [entry for entry in changes if entry["change"]]
-    changes.sort(key=lambda entry: (-abs(entry["change"]), _site_key(entry)))
+    totals: dict[tuple, SiteChange] = {}
+    for site in baseline_sites:
+        totals.setdefault(
+            site_key(site), SiteChange(site.category, site.location)
+        ).baseline += site.bytes
+    for site in current_sites:
+        totals.setdefault(
+            site_key(site), SiteChange(site.category, site.location)
+        ).current += site.bytes
+    changes = [change for change in totals.values() if change.change]
+    changes.sort(key=lambda change: (-abs(change.change), change.key))
     return changes
 
 
@@ -335,10 +184,10 @@ def script_of(command: list) -> str | None:
     return os.path.basename(str(command[0]).replace("\\", "/").rstrip("/"))
 
 
-def refuse_another_scripts_baseline(baseline: dict, run: RunOptions, path: Path) -> None:
+def refuse_another_scripts_baseline(baseline: Baseline, run: RunOptions, path: Path) -> None:
     """A baseline recorded for another script measures other code: comparing
     with it would pass or fail at random. Other arguments are only noted."""
-    recorded = script_of(list(baseline.get("command") or []))
+    recorded = script_of(baseline.command)
     current = script_of(run.command)
     if recorded is not None and current is not None and recorded != current:
         raise UsageError(
@@ -347,33 +196,33 @@ def refuse_another_scripts_baseline(baseline: dict, run: RunOptions, path: Path)
         )
 
 
-def mismatch_notes(baseline: dict, current: dict) -> list[str]:
+def mismatch_notes(baseline: Baseline, current: Baseline) -> list[str]:
     """Differences in how the two were measured, said plainly."""
     notes = []
-    base_device = baseline.get("device") or {}
-    device = current["device"]
-    if base_device.get("kind") != device["kind"]:
+    base_device = baseline.device
+    device = current.device
+    if base_device.kind != device.kind:
         notes.append(
-            f"the baseline was recorded on a {base_device.get('kind')} device ({base_device.get('name')}) and this check ran "
-            f"on a {device['kind']} device ({device['name']}): the numbers are not measured the same way"
+            f"the baseline was recorded on a {base_device.kind} device ({base_device.name}) and this check ran "
+            f"on a {device.kind} device ({device.name}): the numbers are not measured the same way"
         )
-    elif device["kind"] == "cuda" and base_device.get("capacity_bytes") != device["capacity_bytes"]:
+    elif device.kind == "cuda" and base_device.capacity_bytes != device.capacity_bytes:
         # (On the simulated device the capacity changes no byte count.)
         notes.append(
-            f"the baseline's device had a capacity of {format_bytes(base_device.get('capacity_bytes'))}, this one "
-            f"{format_bytes(device['capacity_bytes'])}"
+            f"the baseline's device had a capacity of {format_bytes(base_device.capacity_bytes)}, this one "
+            f"{format_bytes(device.capacity_bytes)}"
         )
-    if baseline.get("torch_version") != current["torch_version"]:
+    if baseline.torch_version != current.torch_version:
         notes.append(
-            f"the baseline was recorded with torch {baseline.get('torch_version')}, this check ran torch {current['torch_version']}"
+            f"the baseline was recorded with torch {baseline.torch_version}, this check ran torch {current.torch_version}"
         )
-    if baseline.get("command") != current["command"]:
+    if baseline.command != current.command:
         notes.append(
-            f"the baseline was recorded running `{' '.join(baseline.get('command') or [])}`, this check ran `{' '.join(current['command'])}`"
+            f"the baseline was recorded running `{' '.join(baseline.command)}`, this check ran `{' '.join(current.command)}`"
         )
-    if baseline.get("steps_run") != current["steps_run"]:
+    if baseline.steps_run != current.steps_run:
         notes.append(
-            f"the baseline measured {baseline.get('steps_run')} step(s), this check {current['steps_run']}"
+            f"the baseline measured {baseline.steps_run} step(s), this check {current.steps_run}"
         )
     return notes
 
@@ -398,14 +247,16 @@ def measure(options: CheckOptions) -> tuple[Snapshot, float]:
 
 
 def evaluate(
-    snapshot: Snapshot, baseline: dict | None, options: CheckOptions, wall_s: float = 0.0
+    snapshot: Snapshot, baseline: Baseline | None, options: CheckOptions, wall_s: float = 0.0
 ) -> CheckResult:
     current = measurement(snapshot, options.run.max_steps or 0)
     measured = snapshot.outcome in ("ok", "oom")
-    comparisons, changes, notes = [], [], []
+    comparisons: list[Comparison] = []
+    changes: list[SiteChange] = []
+    notes: list[str] = []
     if baseline is not None and measured:
         comparisons = compare(baseline, current, options)
-        changes = site_changes(baseline.get("top_allocations") or [], current["top_allocations"])
+        changes = site_changes(baseline.top_allocations, current.top_allocations)
         notes = mismatch_notes(baseline, current)
     if measured and snapshot.dataloader_workers_removed:
         notes.append(
@@ -417,7 +268,7 @@ def evaluate(
         notes.append(
             "on the simulated device every CPU tensor of the script counts, its dataset in memory included."
         )
-    if measured and snapshot.device.kind == "cuda" and current["peak"]["allocated_bytes"] == 0:
+    if measured and snapshot.device.kind == "cuda" and current.peak.allocated_bytes == 0:
         # A gate that measures nothing would pass forever: say so.
         notes.append(
             "the script allocated nothing on the GPU: does it move its model and data to CUDA?"
@@ -438,7 +289,8 @@ def run_check(options: CheckOptions, stderr: TextIO | None = None) -> int:
 
     stderr = stderr or sys.stderr
     baseline_path = Path(options.baseline_path)
-    baseline, unreadable = None, None
+    baseline: Baseline | None = None
+    unreadable = None
     if not baseline_path.exists() and not options.update_baseline:
         raise UsageError(
             f"--baseline {baseline_path}: no such file (create it with --update-baseline)"
@@ -460,7 +312,7 @@ def run_check(options: CheckOptions, stderr: TextIO | None = None) -> int:
     if unreadable:
         result.notes.insert(0, unreadable)
     if options.update_baseline and result.measured and not result.oom:
-        write_atomic(baseline_path, baseline_text(result.current), overwrite=True)
+        write_atomic(baseline_path, result.current.text(), overwrite=True)
 
     print(render("check-text", result), file=stderr, end="")
     if options.junit_path:

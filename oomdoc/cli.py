@@ -11,6 +11,7 @@ from typing import Annotated, List, Optional
 import typer
 
 from oomdoc.errors import UsageError
+from oomdoc.reporters import REPORTERS, formats_rendering
 from oomdoc.script_flags import listed
 from oomdoc.sizes import parse_size
 from oomdoc.snapshot import SnapshotError
@@ -258,7 +259,8 @@ def margin_option(text: str) -> float:
     return value
 
 
-SUGGEST_FORMATS = ("table", "json", "markdown", "html")
+# Every registered reporter of a snapshot: a new format needs no edit here.
+SUGGEST_FORMATS = tuple(formats_rendering("snapshot"))
 
 
 def new_file_option(path: Optional[str], flag: str) -> Optional[str]:
@@ -279,8 +281,8 @@ def suggest(
     output_format: str = typer.Option(
         "table",
         "--format",
-        metavar="table|json|markdown|html",
-        help="table (default), json (one object), markdown, or html (one self-contained page).",
+        metavar="|".join(SUGGEST_FORMATS),
+        help=", ".join(f"{name} ({REPORTERS[name].summary})" for name in SUGGEST_FORMATS) + ".",
     ),
     top: int = typer.Option(
         5, "--top", metavar="N", min=1, help="Show at most N fixes and allocation sites."

@@ -8,10 +8,11 @@ from oomdoc import analysis as _analysis
 from oomdoc import check as _check
 from oomdoc import diagnosis as _diagnosis
 from oomdoc import estimates as _estimates
+from oomdoc.check_records import Baseline
 from oomdoc.fixes import fix_named
 from oomdoc.fixes.optimizer import sharding_estimate as _sharding_estimate
 from oomdoc.fixes.ranking import rank_fixes as _rank_fixes
-from oomdoc.model import Breakdown, FixResult, Snapshot, parse, to_dict
+from oomdoc.model import Breakdown, FixResult, Site, Snapshot, parse, to_dict
 from oomdoc.replay import orchestrate as _orchestrate
 from oomdoc.replay.rank import best_pair as _best_pair
 from oomdoc.reporters import render
@@ -83,17 +84,27 @@ def sharding_estimate(static: dict) -> dict:
 class check:  # noqa: N801 (stands in for the module in the tests)
     CheckOptions = _check.CheckOptions
     read_baseline = staticmethod(_check.read_baseline)
-    baseline_text = staticmethod(_check.baseline_text)
-    site_changes = staticmethod(_check.site_changes)
     run_check = staticmethod(_check.run_check)
 
     @staticmethod
     def measurement(document, steps: int) -> dict:
-        return _check.measurement(snapshot_of(document), steps)
+        return _check.measurement(snapshot_of(document), steps).to_document()
 
     @staticmethod
-    def evaluate(document, baseline, options, wall_s: float = 0.0):
-        return _check.evaluate(snapshot_of(document), baseline, options, wall_s)
+    def baseline_text(baseline: dict) -> str:
+        return Baseline.from_document(baseline).text()
+
+    @staticmethod
+    def site_changes(baseline_sites: list[dict], current_sites: list[dict]):
+        return _check.site_changes(
+            [parse(Site, site) for site in baseline_sites],
+            [parse(Site, site) for site in current_sites],
+        )
+
+    @staticmethod
+    def evaluate(document, baseline: dict | None, options, wall_s: float = 0.0):
+        typed = Baseline.from_document(baseline) if baseline is not None else None
+        return _check.evaluate(snapshot_of(document), typed, options, wall_s)
 
     @staticmethod
     def render_text(result, options) -> str:

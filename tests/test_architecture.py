@@ -23,8 +23,9 @@ def _module_name(path: Path) -> str:
 
 
 def _imports(path: Path, modules: set[str]) -> set[str]:
-    """oomdoc modules `path` imports, anywhere in it (also inside functions),
-    except under `if TYPE_CHECKING:`."""
+    """oomdoc modules `path` imports, anywhere in it: inside functions and
+    under `if TYPE_CHECKING:` too (a type-only import still ties the two
+    modules together: neither can be understood, or moved, alone)."""
     tree = ast.parse(path.read_text())
     package = (
         _module_name(path) if path.name == "__init__.py" else _module_name(path).rsplit(".", 1)[0]
@@ -32,10 +33,6 @@ def _imports(path: Path, modules: set[str]) -> set[str]:
     found: set[str] = set()
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            for child in node.orelse:
-                visit(child)
-            return
         if isinstance(node, ast.Import):
             for alias in node.names:
                 found.add(alias.name)
@@ -107,9 +104,39 @@ def test_no_import_cycles():
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph) or [])
 
 
-def test_the_cycle_finder_finds_a_cycle():
+def test_the_cycle_finder_finds_a_cycle(tmp_path, monkeypatch):
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+    # Two modules that import each other, one of them only under
+    # `if TYPE_CHECKING:`: the graph has both edges, and the finder the cycle.
+    package = tmp_path / "oomdoc"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "results.py").write_text("from oomdoc.reports import render\n")
+    (package / "reports.py").write_text(
+        "from typing import TYPE_CHECKING\n\n"
+        "if TYPE_CHECKING:\n"
+        "    from oomdoc.results import Result\n"
+    )
+    monkeypatch.setattr(sys.modules[__name__], "REPO_ROOT", tmp_path)
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", package)
+    graph = import_graph()
+    assert graph["oomdoc.reports"] == {"oomdoc.results"}
+    assert find_cycle(graph) == ["oomdoc.reports", "oomdoc.results", "oomdoc.reports"]
+
+
+MAX_MODULE_LINES = 800
+
+
+def test_no_module_is_over_800_lines():
+    """A module a reader can hold in mind: past 800 lines, split it by what
+    its parts do."""
+    too_long = {
+        str(path.relative_to(REPO_ROOT)): lines
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if (lines := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+    }
+    assert not too_long, too_long
 
 
 def test_parent_side_modules_import_no_child_side_module():

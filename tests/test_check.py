@@ -231,14 +231,14 @@ def test_site_changes_match_by_line_not_shape():
     current[0]["shape"] = [10, 1024]
     changes = check.site_changes(baseline, current)
     assert len(changes) == 1
-    assert changes[0]["change"] == 2 * MiB and changes[0]["location"]["line"] == 20
+    assert changes[0].change == 2 * MiB and changes[0].location.line == 20
     new_site = {
         "bytes": MiB,
         "category": "other",
         "location": {"file": "x.py", "line": 1, "function": "f"},
     }
     changes = check.site_changes(baseline, current + [new_site])
-    assert [c["change"] for c in changes] == [2 * MiB, MiB]
+    assert [c.change for c in changes] == [2 * MiB, MiB]
 
 
 def test_junit_has_one_case_per_quantity_and_failures_with_messages():
@@ -293,7 +293,7 @@ def test_missing_baseline_without_update_is_a_usage_error(tmp_path):
 def test_a_baseline_round_trips_through_read_baseline(tmp_path):
     path = tmp_path / "baseline.json"
     path.write_text(check.baseline_text(check.measurement(make_document(), 3)))
-    assert check.read_baseline(path)["categories"]["activations"] == 10 * MiB
+    assert check.read_baseline(path).categories.activations == 10 * MiB
 
 
 @pytest.mark.parametrize("example", ["github-actions.yml", "gitlab-ci.yml"])
@@ -336,7 +336,7 @@ def test_update_baseline_replaces_an_unreadable_baseline(tmp_path, monkeypatch):
     )
     log = io.StringIO()
     assert check.run_check(options(tmp_path, update=True), stderr=log) == 0
-    assert check.read_baseline(path)["categories"]["activations"] == 10 * MiB
+    assert check.read_baseline(path).categories.activations == 10 * MiB
     assert "could not be read and is replaced" in log.getvalue()
     path.write_text('{"format": "oomdoc-baseline", "version": 0}')
     with pytest.raises(SnapshotError, match="unknown baseline version 0"):

@@ -92,6 +92,7 @@ def test_a_ranks_peak_is_what_it_held_not_what_it_needed(imbalance_job):
     """Issue 26, item 13: the ranks table's peak never exceeds the capacity;
     at an OOM it is what the rank held, and the last column says how much
     more it needed."""
+    from oomdoc.model import Snapshot
     from oomdoc.reporters.ranks import rank_rows
     from oomdoc.sizes import format_bytes
 
@@ -99,7 +100,7 @@ def test_a_ranks_peak_is_what_it_held_not_what_it_needed(imbalance_job):
     rank0 = document["ranks"][0]
     held = max(rank0["peak"]["allocated_bytes"], rank0["oom"]["allocated_bytes"])
     assert held <= rank0["device"]["capacity_bytes"]
-    row = rank_rows(document)[0]
+    row = rank_rows(Snapshot.from_dict(document))[0]
     assert row[3] == format_bytes(held)
     assert row[-1] == "needs 8.00 MiB more"
 

@@ -20,10 +20,11 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
-from adapters import analysis
 from conftest import EXAMPLES, REPO_ROOT, load_json, run_oomdoc
 from suggest_builders import GiB, MiB, oom_document
 
+from oomdoc.analysis import Analysis, analyse
+from oomdoc.model import Snapshot
 from oomdoc.reporters.html import (
     MAX_SITES,
     MAX_TIMELINE_POINTS,
@@ -34,6 +35,12 @@ from oomdoc.reporters.html import (
 )
 from oomdoc.sizes import format_bytes
 from oomdoc.snapshot import CATEGORIES
+
+
+def analysed(document: dict, top: int = 5) -> Analysis:
+    """What the page is built from: the document parsed, then analysed."""
+    return analyse(Snapshot.from_dict(document), top=top)
+
 
 XSS_SCRIPT = "<script>alert(1)</script>"
 XSS_IMG = "<img src=x onerror=alert(1)>"
@@ -407,7 +414,7 @@ def hostile_document() -> dict:
 
 def test_view_holds_every_section_as_plain_json():
     document = rich_document()
-    view = build_view(document, analysis(document, top=10))
+    view = build_view(analysed(document, top=10))
     assert json.loads(json.dumps(view, allow_nan=False)) == view
     assert view["outcome"] == "oom"
     assert view["device"] == {
@@ -443,7 +450,7 @@ def test_view_of_a_snapshot_without_the_new_fields():
     document = oom_document(allocated=900 * MiB, requested=200 * MiB)
     for field in ("modules", "ranks", "prescription"):
         assert field not in document
-    view = build_view(document, analysis(document))
+    view = build_view(analysed(document))
     assert view["modules"] is None and view["ranks"] is None and view["prescription"] is None
     page = render_html(view)
     assert 'id="modules"' not in page and 'id="ranks"' not in page
@@ -458,7 +465,7 @@ def test_view_ignores_fields_of_the_wrong_type():
     document["modules"] = [{"path": 3, "bytes": {"activations": float("nan")}}, "nope"]
     document["ranks"] = [{"rank": "zero", "breakdown": None, "steps": [None, {"index": "a"}]}]
     document["prescription"] = {"fixes": "autocast", "samples_per_second": float("inf")}
-    view = build_view(document, analysis(document))
+    view = build_view(analysed(document))
     json.dumps(view, allow_nan=False)
     assert (
         view["prescription"]["fixes"] == [] and view["prescription"]["samples_per_second"] is None
@@ -479,9 +486,7 @@ def test_prescription_with_accumulation_and_the_scripts_own_flags():
             "peak_allocated_bytes": 9 * GiB + 100 * MiB,
         },
     )
-    text = parse(render_html(build_view(document, analysis(document)))).find(
-        "section", id="prescription"
-    )
+    text = parse(render_html(build_view(analysed(document)))).find("section", id="prescription")
     assert text is not None
     body = text.text()
     assert "batch size 8 x 4 accumulation steps" in body
@@ -493,7 +498,7 @@ def test_prescription_with_accumulation_and_the_scripts_own_flags():
     ) in body
     document["prescription"]["accumulation_measured"] = False
     document["prescription"]["throughput_batch_size"] = 10
-    body = parse(render_html(build_view(document, analysis(document)))).text()
+    body = parse(render_html(build_view(analysed(document)))).text()
     assert "peak of one micro-batch, not measured with the accumulation" in body
     assert "412.5 samples/s (measured at batch 10)" in body
 
@@ -509,9 +514,7 @@ def test_a_leak_prescription_says_fix_the_leak_not_use_as_it_is():
         "detail": "total_loss keeps each step's graph; no configuration fixes a leak",
         "snippet": "total_loss += loss.item()",
     }
-    section = parse(render_html(build_view(document, analysis(document)))).find(
-        "section", id="prescription"
-    )
+    section = parse(render_html(build_view(analysed(document)))).find("section", id="prescription")
     assert section is not None
     body = section.text()
     assert "Fix the leak first" in body and "total_loss keeps each step's graph" in body
@@ -543,7 +546,7 @@ def _benchmark_module():
 def big_page(tmp_path_factory):
     """The benchmark's snapshot at 100,000 allocation events, rendered."""
     document = _benchmark_module().synthetic_document(steps=20_000, sites=40_000)
-    view = build_view(document, analysis(document, top=10))
+    view = build_view(analysed(document, top=10))
     page = tmp_path_factory.mktemp("big") / "big.html"
     page.write_text(render_html(view), encoding="utf-8")
     return document, view, page

@@ -211,3 +211,79 @@ def test_bad_options_are_usage_errors(tmp_path):
         assert completed.returncode == 2
         assert completed.stderr.startswith("oomdoc: error:") and message in completed.stderr
         assert "Traceback" not in completed.stderr
+
+
+def test_every_registered_snapshot_format_is_a_suggest_format(tmp_path):
+    """`--format` offers what the reporter registry has: each format of a
+    snapshot renders through `oomdoc suggest`; the check formats are not
+    offered."""
+    from oomdoc.analysis import analyse
+    from oomdoc.cli import SUGGEST_FORMATS
+    from oomdoc.model import Snapshot
+    from oomdoc.reporters import REPORTERS, formats_rendering, render
+
+    assert list(SUGGEST_FORMATS) == formats_rendering("snapshot")
+    assert {"table", "json", "markdown", "html"} <= set(SUGGEST_FORMATS)
+    assert not {"check-text", "junit", "github-summary"} & set(SUGGEST_FORMATS)
+    assert set(REPORTERS) == set(formats_rendering("snapshot")) | set(formats_rendering("check"))
+    document = oomdoc_document()
+    path = _write(tmp_path / "s.json", json.dumps(document).encode())
+    analysis = analyse(Snapshot.from_dict(document), path=str(path))
+    for output_format in SUGGEST_FORMATS:
+        completed = run_oomdoc(["suggest", path, "--format", output_format])
+        assert completed.returncode == 0, (output_format, completed.stderr)
+        expected = render(output_format, analysis)
+        assert completed.stdout == expected.lstrip("\n"), output_format
+
+
+NEW_FORMAT = """
+import sys
+from oomdoc import reporters
+
+
+class CsvReporter:
+    renders = "snapshot"
+    summary = "one line"
+
+    def __init__(self, analysis):
+        self.analysis = analysis
+
+    @classmethod
+    def from_analysis(cls, analysis, snapshot_path=None):
+        return cls(analysis)
+
+    def render(self):
+        return f"outcome,{self.analysis.snapshot.outcome}\\n"
+
+
+reporters.REPORTERS["csv"] = CsvReporter
+from oomdoc import cli
+
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def test_a_new_registered_format_needs_no_edit_to_the_cli(tmp_path):
+    """A reporter registered before the CLI is built is a `--format` choice,
+    listed in the help and rendered: cli.py names no format."""
+    import subprocess
+    import sys
+
+    from conftest import oomdoc_env
+
+    path = _write(tmp_path / "s.json", json.dumps(oomdoc_document()).encode())
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-c", NEW_FORMAT, *args],
+            env=oomdoc_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    completed = run("suggest", path, "--format", "csv")
+    assert completed.returncode == 0, completed.stderr
+    assert completed.stdout == "outcome,ok\n"
+    help_text = " ".join(run("suggest", "--help").stdout.split())
+    assert "table|json|markdown|html|csv" in help_text and "csv (one line)" in help_text

@@ -2,6 +2,10 @@
 `render()`ed to a string; `REPORTERS` registers them, one line each.
 `oomdoc run`, `oomdoc suggest` and `oomdoc check` pick theirs by format name.
 
+A reporter says what it renders (`renders`: "snapshot", an Analysis, or
+"check", a CheckResult) and, in a few words, what it gives (`summary`):
+`oomdoc suggest --format` offers every "snapshot" format, from here.
+
 Adding a format: a new module with a reporter class and one line here.
 """
 
@@ -25,6 +29,12 @@ REPORTERS: dict[str, Any] = {
     "github-summary": GithubSummaryReporter,
     "junit": JunitReporter,
 }
+
+
+def formats_rendering(subject: str) -> list[str]:
+    """The format names of the reporters that render `subject` ("snapshot"
+    or "check"), in registration order."""
+    return [name for name, reporter in REPORTERS.items() if reporter.renders == subject]
 
 
 def render(output_format: str, analysis: Any, **options: Any) -> str:

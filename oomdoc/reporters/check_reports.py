@@ -5,19 +5,15 @@ from __future__ import annotations
 
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from tabulate import tabulate
 
+from oomdoc.check_records import CheckOptions, CheckResult
 from oomdoc.formatting import format_location, printable
-from oomdoc.model import CATEGORIES, Location, parse
 from oomdoc.sizes import format_bytes
 
 # Allocation sites shown when a check fails.
 SHOWN_SITES = 5
-
-if TYPE_CHECKING:  # the reporters render check's results; check imports them
-    from oomdoc.check import CheckOptions, CheckResult
 
 
 def comparison_rows(result: CheckResult) -> list[list[str]]:
@@ -41,13 +37,13 @@ SITE_HEADERS = ["location", "category", "baseline", "current", "change"]
 def site_change_rows(result: CheckResult) -> list[list[str]]:
     rows = []
     for entry in result.site_changes[:SHOWN_SITES]:
-        change = entry["change"]
+        change = entry.change
         rows.append(
             [
-                format_location(parse(Location, entry["location"]) if entry["location"] else None),
-                entry["category"],
-                format_bytes(entry["baseline"]) if entry["baseline"] else "-",
-                format_bytes(entry["current"]) if entry["current"] else "-",
+                format_location(entry.location),
+                entry.category,
+                format_bytes(entry.baseline) if entry.baseline else "-",
+                format_bytes(entry.current) if entry.current else "-",
                 ("+" if change > 0 else "") + format_bytes(change),
             ]
         )
@@ -63,15 +59,15 @@ def verdict(result: CheckResult, options: CheckOptions) -> str:
         return f"FAIL: the script ran out of memory. {result.headline}.{unwritten}"
     if options.update_baseline:
         return (
-            f"baseline written to {options.baseline_path}: peak {format_bytes(result.current['peak']['allocated_bytes'])} "
-            f"allocated over {result.current['steps_run']} step(s)"
+            f"baseline written to {options.baseline_path}: peak {format_bytes(result.current.peak.allocated_bytes)} "
+            f"allocated over {result.current.steps_run} step(s)"
         )
     regressions = result.regressions
     if regressions:
         names = ", ".join(c.name for c in sorted(regressions, key=lambda c: -c.change))
         return f"FAIL: {names} grew beyond the {options.tolerance_text} tolerance (baseline {options.baseline_path})"
     return (
-        f"OK: peak {format_bytes(result.current['peak']['allocated_bytes'])} allocated; every quantity within "
+        f"OK: peak {format_bytes(result.current.peak.allocated_bytes)} allocated; every quantity within "
         f"{options.tolerance_text} of the baseline ({options.baseline_path})"
     )
 
@@ -95,8 +91,8 @@ def _blocks(
             ("Allocation sites that differ from the baseline (at the peak)", SITE_HEADERS, sites)
         )
     if result.measured and result.baseline is None:
-        rows = [["peak allocated", format_bytes(result.current["peak"]["allocated_bytes"])]]
-        rows += [[c, format_bytes(result.current["categories"][c])] for c in CATEGORIES]
+        rows = [["peak allocated", format_bytes(result.current.peak.allocated_bytes)]]
+        rows += [[c, format_bytes(bytes_)] for c, bytes_ in result.current.categories.items()]
         blocks.append(("Measured", ["quantity", "bytes"], rows))
     return blocks
 
@@ -121,7 +117,7 @@ def render_text(result: CheckResult, options: CheckOptions) -> str:
 
 
 def render_markdown(result: CheckResult, options: CheckOptions) -> str:
-    command = " ".join(result.current.get("command") or [options.run.target])
+    command = " ".join(result.current.command or [options.run.target])
     lines = [f"### oomdoc check: `{command}`", "", f"**{verdict(result, options)}**"]
     for title, headers, rows in _blocks(result, options):
         lines += [
@@ -170,8 +166,8 @@ def junit_xml(result: CheckResult, options: CheckOptions) -> str:
     for name, value in (
         ("baseline", options.baseline_path),
         ("tolerance", options.tolerance_text),
-        ("device", result.current["device"]["kind"]),
-        ("torch_version", result.current["torch_version"]),
+        ("device", result.current.device.kind),
+        ("torch_version", result.current.torch_version),
     ):
         ElementTree.SubElement(properties, "property", {"name": name, "value": str(value)})
     for name, failure, detail in cases:
@@ -199,6 +195,8 @@ class CheckTextReporter:
     """The verdict and tables `oomdoc check` prints on stderr."""
 
     format = "check-text"
+    renders = "check"
+    summary = "the verdict and tables on stderr"
 
     def __init__(self, result: CheckResult):
         self.result = result
@@ -216,6 +214,7 @@ class GithubSummaryReporter(CheckTextReporter):
     """Markdown for $GITHUB_STEP_SUMMARY."""
 
     format = "github-summary"
+    summary = "Markdown for $GITHUB_STEP_SUMMARY"
 
     def render(self) -> str:
         assert self.result.options is not None
@@ -226,6 +225,7 @@ class JunitReporter(CheckTextReporter):
     """JUnit XML: a test case for the run and one per compared quantity."""
 
     format = "junit"
+    summary = "JUnit XML"
 
     def render(self) -> str:
         assert self.result.options is not None

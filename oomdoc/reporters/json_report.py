@@ -10,6 +10,8 @@ from oomdoc.model import to_dict
 
 class JsonReporter:
     format = "json"
+    renders = "snapshot"
+    summary = "one object"
 
     def __init__(self, analysis: Analysis):
         self.analysis = analysis

@@ -13,6 +13,8 @@ from oomdoc.reporters.ranks import rank_section_lines
 
 class MarkdownReporter:
     format = "markdown"
+    renders = "snapshot"
+    summary = "for pull requests and issues"
 
     def __init__(self, analysis: Analysis):
         self.analysis = analysis
@@ -43,7 +45,7 @@ class MarkdownReporter:
             )
         )
         if snapshot.ranks:
-            ranks = rank_section_lines(snapshot.to_dict())
+            ranks = rank_section_lines(snapshot)
             lines += ["", "```", *[line for line in ranks if line], "```"]
         module_rows = tables.module_rows(snapshot)
         if module_rows:

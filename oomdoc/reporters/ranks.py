@@ -7,139 +7,138 @@ breakdown.
 
 from __future__ import annotations
 
-import os
+from typing import Optional
 
 from tabulate import tabulate
 
-from oomdoc.model import CATEGORIES
+from oomdoc.formatting import relative_path
+from oomdoc.model import CATEGORIES, RankEntry, Snapshot
+from oomdoc.reporters.extras import rank_stop
 from oomdoc.sizes import format_bytes
 
 
-def _location(location: dict | None, relative_to: str | None) -> str:
-    if not location or not location.get("file"):
+def _where(
+    file: Optional[str], line: Optional[int], function: Optional[str], cwd: Optional[str]
+) -> str:
+    if not file:
         return ""
-    filename = location["file"]
-    if relative_to:
-        try:
-            relative = os.path.relpath(filename, relative_to)
-            if not relative.startswith(".."):
-                filename = relative
-        except ValueError:
-            pass
-    return f"{filename}:{location.get('line')} in {location.get('function')}"
+    return f"{relative_path(file, cwd)}:{line} in {function}"
 
 
-def _peak(entry: dict) -> int | None:
+def _peak(entry: RankEntry) -> int | None:
     """The most the rank held: at an OOM, what it held then, never what it
     needed (that is above the capacity; the last column says how much more)."""
-    if not entry.get("captured", True):
+    if not entry.captured:
         return None
-    peak = int((entry.get("peak") or {}).get("allocated_bytes") or 0)
-    held_at_oom = int((entry.get("oom") or {}).get("allocated_bytes") or 0)
+    peak = (entry.peak.allocated_bytes if entry.peak else None) or 0
+    held_at_oom = entry.oom.allocated_bytes if entry.oom else 0
     return max(peak, held_at_oom)
 
 
-def _outcome(entry: dict) -> str:
-    outcome = entry.get("outcome") or "?"
+def _rank_name(entry: RankEntry) -> str:
+    return str(entry.rank) if entry.rank is not None else "?"
+
+
+def _outcome(entry: RankEntry) -> str:
+    outcome = entry.outcome or "?"
     if outcome == "oom":
-        oom = entry.get("oom") or {}
-        return f"OOM (step {oom.get('step')}, {oom.get('phase')})"
+        oom = entry.oom
+        return f"OOM (step {oom.step if oom else None}, {oom.phase if oom else None})"
     if outcome == "no_capture":
         return "no capture (killed?)"
-    if outcome == "interrupted" and entry.get("stopped_by"):
-        return f"stopped ({entry['stopped_by']})"
+    stopped_by = rank_stop(entry).stopped_by
+    if outcome == "interrupted" and stopped_by:
+        return f"stopped ({stopped_by})"
     return outcome
 
 
-def rank_rows(document: dict) -> list[list[str]]:
+def rank_rows(snapshot: Snapshot) -> list[list[str]]:
     rows = []
-    for entry in document.get("ranks") or []:
-        breakdown = entry.get("breakdown") or {}
+    for entry in snapshot.ranks:
+        breakdown = entry.breakdown
         peak = _peak(entry)
-        oom = entry.get("oom") or {}
+        requested = entry.oom.requested_bytes if entry.oom else 0
         rows.append(
             [
-                str(entry.get("rank") if entry.get("rank") is not None else "?"),
-                entry.get("host") or "",
+                _rank_name(entry),
+                entry.host or "",
                 _outcome(entry),
                 format_bytes(peak) if peak is not None else "",
-                *(
-                    format_bytes(int(breakdown.get(c) or 0)) if breakdown else ""
-                    for c in CATEGORIES
-                ),
-                "needs " + format_bytes(int(oom.get("requested_bytes") or 0)) + " more"
-                if entry.get("outcome") == "oom"
-                else "",
+                *(format_bytes(breakdown.bytes_of(c)) if breakdown else "" for c in CATEGORIES),
+                "needs " + format_bytes(requested) + " more" if entry.outcome == "oom" else "",
             ]
         )
     return rows
 
 
-def rank_section_lines(document: dict) -> list[str]:
+def rank_section_lines(snapshot: Snapshot) -> list[str]:
     """The per-rank table and the sentence on which rank failed first; empty
     for a single-process snapshot."""
-    ranks = document.get("ranks") or []
+    ranks = snapshot.ranks
     if not ranks:
         return []
-    world_size = document.get("world_size") or len(ranks)
+    world_size = snapshot.world_size or len(ranks)
     lines = [
         "",
         f"Ranks ({len(ranks)} of a world of {world_size}; breakdown at each rank's OOM or peak)",
     ]
     lines.append(
         tabulate(
-            rank_rows(document),
+            rank_rows(snapshot),
             headers=["rank", "host", "outcome", "peak", *CATEGORIES, ""],
             colalign=("right", "left", "left", *("right",) * (len(CATEGORIES) + 1), "left"),
         )
     )
-    lines.extend(failure_lines(document))
+    lines.extend(failure_lines(snapshot))
     return lines
 
 
-def failure_lines(document: dict) -> list[str]:
-    ranks = document.get("ranks") or []
-    cwd = document.get("cwd")
+def failure_lines(snapshot: Snapshot) -> list[str]:
+    ranks = snapshot.ranks
+    cwd = snapshot.cwd
     lines = []
-    first = document.get("first_oom_rank")
+    first = snapshot.first_oom_rank
     if first is not None:
-        entry: dict = next((e for e in ranks if e.get("rank") == first), {})
-        oom = entry.get("oom") or {}
-        where = _location(oom.get("location"), cwd)
+        entry = next((e for e in ranks if e.rank == first), RankEntry())
+        oom = entry.oom
+        location = oom.location if oom else None
+        where = _where(location.file, location.line, location.function, cwd) if location else ""
         lines.append(
             f"Rank {first} ran out of memory first"
-            + (f", in step {oom.get('step')} during {oom.get('phase')}" if oom else "")
+            + (f", in step {oom.step} during {oom.phase}" if oom else "")
             + (f" at {where}" if where else "")
             + "."
         )
-        others = [e for e in ranks if e.get("outcome") == "oom" and e.get("rank") != first]
+        others = [e for e in ranks if e.outcome == "oom" and e.rank != first]
         if others:
             lines.append(
-                "Then also out of memory: "
-                + ", ".join(f"rank {e.get('rank')}" for e in others)
-                + "."
+                "Then also out of memory: " + ", ".join(f"rank {e.rank}" for e in others) + "."
             )
     for entry in ranks:
-        waiting = entry.get("waiting_at")
-        if waiting and entry.get("outcome") != "oom":
-            where = _location(waiting, cwd) or "outside the script's own code"
-            collective = waiting.get("collective")
+        stop = rank_stop(entry)
+        waiting = stop.waiting_at
+        if waiting and entry.outcome != "oom":
+            where = (
+                _where(waiting.file, waiting.line, waiting.function, cwd)
+                or "outside the script's own code"
+            )
+            collective = waiting.collective
             lines.append(
-                f"Rank {entry.get('rank')} was "
+                f"Rank {entry.rank} was "
                 + (f"waiting in {collective} at {where}" if collective else f"at {where}")
                 + (
-                    f" when it was stopped ({entry['stopped_by']})."
-                    if entry.get("stopped_by")
+                    f" when it was stopped ({stop.stopped_by})."
+                    if stop.stopped_by
                     else (
                         " when its peer failed."
-                        if entry.get("outcome") == "error"
+                        if entry.outcome == "error"
                         else " when it was stopped."
                     )
                 )
             )
-        elif not entry.get("captured", True):
+        elif not entry.captured:
             lines.append(
-                f"Rank {entry.get('rank') if entry.get('rank') is not None else '?'} left no capture "
+                f"Rank {_rank_name(entry)} left no capture "
                 "(killed with SIGKILL, e.g. by the kernel's OOM killer, or crashed)."
             )
     return lines

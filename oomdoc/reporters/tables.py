@@ -6,6 +6,7 @@ from __future__ import annotations
 from oomdoc.analysis import Analysis
 from oomdoc.formatting import format_location, percent, tensor_description
 from oomdoc.model import FixResult, Site, Snapshot
+from oomdoc.reporters.extras import prescription_extras
 from oomdoc.sizes import format_bytes
 
 BREAKDOWN_HEADERS = ["category", "bytes", "% of capacity"]
@@ -227,25 +228,26 @@ def prescription_lines(analysis: Analysis) -> list[str]:
             if prescription.accumulation_measured
             else "  the peak is the micro-batch's without gradient accumulation (not measured with it)"
         )
-    checked = prescription.extra.get("verified_by_flags")
-    if isinstance(checked, dict) and checked.get("args") is not None:
-        args = " ".join(str(arg) for arg in checked["args"])
-        peak = checked.get("peak_allocated_bytes")
-        if checked.get("outcome") == "fits" and isinstance(peak, int):
+    extras = prescription_extras(prescription)
+    checked = extras.verified_by_flags
+    if checked is not None and checked.args is not None:
+        args = " ".join(checked.args)
+        peak = checked.peak_allocated_bytes
+        if checked.outcome == "fits" and peak is not None:
             verdict = f"fits, peak {format_bytes(peak)}"
         else:
-            verdict = f"{checked.get('outcome')}" + (
-                f", needed more than {format_bytes(peak)}" if isinstance(peak, int) else ""
+            verdict = f"{checked.outcome}" + (
+                f", needed more than {format_bytes(peak)}" if peak is not None else ""
             )
         lines.append(f"  replayed with your script's own flags ({args}): {verdict}")
-        if checked.get("note"):
-            lines.append(f"    ({checked['note']})")
-        if checked.get("accumulation_covered") is False:
+        if checked.note:
+            lines.append(f"    ({checked.note})")
+        if checked.accumulation_covered is False:
             lines.append("    (it ended before an optimizer step and two more micro-batches)")
     if prescription.samples_per_second:
         text = f"  throughput {prescription.samples_per_second:.1f} samples/s"
-        measured_at = prescription.extra.get("throughput_batch_size")
-        if isinstance(measured_at, int) and measured_at != prescription.batch_size:
+        measured_at = extras.throughput_batch_size
+        if measured_at is not None and measured_at != prescription.batch_size:
             text += f" (measured at batch {measured_at})"
         if prescription.throughput_ratio:
             text += f", {prescription.throughput_ratio:.2f}x the failing configuration at its largest fitting batch"

@@ -13,6 +13,8 @@ from oomdoc.reporters.ranks import rank_section_lines
 
 class TextReporter:
     format = "text"
+    renders = "snapshot"
+    summary = "the default"
 
     def __init__(self, analysis: Analysis, snapshot_path: str | None = None):
         self.analysis = analysis
@@ -46,7 +48,7 @@ class TextReporter:
             )
         )
         if snapshot.ranks:
-            lines += rank_section_lines(snapshot.to_dict())
+            lines += rank_section_lines(snapshot)
         modules = self._module_lines()
         lead = tables.modules_lead(snapshot)
         if lead:

@@ -22,6 +22,7 @@ import pytest
 import torch
 from conftest import SCRIPTS, run_oomdoc
 
+from oomdoc.model import Snapshot
 from oomdoc.reporters.ranks import rank_section_lines
 from oomdoc.snapshot import read_snapshot
 
@@ -52,7 +53,7 @@ def test_ddp_job_that_does_not_fit_per_rank(tmp_path):
     assert result.returncode == 1, result.stderr[-4000:]
     document = read_snapshot(snapshot)
     print(f"\nwhole run: {wall_s:.1f} s")
-    print("\n".join(rank_section_lines(document)))
+    print("\n".join(rank_section_lines(Snapshot.from_dict(document))))
     for fix in document["fixes"]:
         print(fix["rank"], fix["name"], fix["fits"], fix["peak_allocated_bytes"], fix["detail"])
     assert document["world_size"] == 2 and document["outcome"] == "oom"
