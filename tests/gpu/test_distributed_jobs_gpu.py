@@ -23,6 +23,7 @@ import pytest
 import torch
 from conftest import REPO_ROOT, run_oomdoc
 
+from oomdoc.model import Snapshot, parse
 from oomdoc.reporters.ranks import rank_section_lines
 from oomdoc.snapshot import read_snapshot
 
@@ -70,7 +71,7 @@ def test_a_ddp_gpt_trainer_gets_a_measured_prescription_that_fits_both_ranks(tmp
     job = ["--nproc-per-node", "2"]
     result, document, wall_s = _run(tmp_path, "ddp", GPT, [*GPT_ARGS, "--batch_size=48"], job)
     print(f"\nwhole diagnosis: {wall_s:.1f} s")
-    print("\n".join(rank_section_lines(document)))
+    print("\n".join(rank_section_lines(parse(Snapshot, document))))
     for run in document["replay"]["runs"]:
         print(run.get("label"), run["outcome"], run.get("peak_allocated_bytes"), run.get("wall_s"))
     assert document["outcome"] == "oom" and document["world_size"] == 2, result.stderr[-4000:]
@@ -103,7 +104,7 @@ def test_a_spawned_job_is_captured_per_rank_on_two_gpus(tmp_path):
     args += ["--multiprocessing-distributed", "--world-size", "2", "--dist-backend", "nccl"]
     result, document, wall_s = _run(tmp_path, "spawned", IMAGENET, args, ["--no-replay"])
     print(f"\nspawned job: {wall_s:.1f} s")
-    print("\n".join(rank_section_lines(document)))
+    print("\n".join(rank_section_lines(parse(Snapshot, document))))
     assert document["outcome"] == "oom", result.stderr[-4000:]
     assert document["world_size"] == 2 and len(document["ranks"]) == 2
     assert sorted(entry["device"]["index"] for entry in document["ranks"]) == [0, 1]
