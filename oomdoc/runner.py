@@ -574,24 +574,40 @@ def read_spawned_captures(workdir: str) -> list[dict]:
 
 
 def with_spawned_ranks(capture: dict | None, spawned: list[dict]) -> dict | None:
-    """The script's own capture, or, when it spawned ranks that used the
-    device, the job they form (the script's process only launched them)."""
+    """The script's own capture, or, when it started ranks that used the
+    device (torch.multiprocessing.spawn, or new Python processes a launcher
+    started: oomdoc.capture.relaunch), the job they form. The script's own
+    process is a rank too when it trained and no started process is rank 0
+    (Lightning's `ddp`: rank 0 is the script, ranks 1.. run it again); else
+    it only launched them."""
     if not spawned:
         return capture
-    job = merge_rank_captures(spawned, launch={"launcher": "torch.multiprocessing.spawn"})
+    started = (capture or {}).get("spawned_ranks") or []
+    launchers = sorted(
+        {str(entry.get("launcher") or "torch.multiprocessing.spawn") for entry in started}
+    ) or ["torch.multiprocessing.spawn"]
+    members = list(spawned)
+    own_steps = len((capture or {}).get("steps") or [])
+    ranks = {(member.get("rank") or {}).get("rank") for member in spawned}
+    own_is_rank = capture is not None and own_steps > 0 and 0 not in ranks
+    if own_is_rank:
+        world = max([len(spawned) + 1, *(r + 1 for r in ranks if isinstance(r, int))])
+        own = {**capture, "rank": {"rank": 0, "local_rank": 0, "world_size": world}}
+        members.insert(0, own)
+    job = merge_rank_captures(members, launch={"launcher": ", ".join(launchers)})
     if capture is not None:
         for key in ("spawned_ranks", "uncaptured_processes", "script_options", "command"):
             if key in capture and key not in job:
                 job[key] = capture[key]
-        own_steps = len(capture.get("steps") or [])
-        if own_steps:
+        if own_steps and not own_is_rank:
             job.setdefault("notes", []).append(
                 f"The script's own process also ran {own_steps} step(s) itself; "
                 "the report is the spawned ranks'."
             )
     job.setdefault("notes", []).append(
-        f"The script started {len(spawned)} process(es) with torch.multiprocessing.spawn: "
-        "each was capped and captured as a rank of one job."
+        f"The script started {len(spawned)} process(es) as ranks ({', '.join(launchers)}): "
+        "each was capped and captured as a rank of one job"
+        + (", with the script's own process as rank 0." if own_is_rank else ".")
     )
     return job
 

@@ -125,11 +125,11 @@ def join_together(context: Any, result_path: str) -> None:
             if process.exitcode is None:
                 process.kill()
                 process.join()
-            _mark_ended_with_peers(result_path.format(index=index))
+            mark_ended_with_peers(result_path.format(index=index))
         return
 
 
-def _mark_ended_with_peers(path: str) -> None:
+def mark_ended_with_peers(path: str) -> None:
     from oomdoc.snapshot import write_atomic
 
     try:

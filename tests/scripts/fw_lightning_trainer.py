@@ -88,6 +88,8 @@ def main():
     parser.add_argument("--accumulate-grad-batches", type=int, default=1)
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--accelerator", default="cpu", help="cpu (the tests) or gpu")
+    parser.add_argument("--devices", type=int, default=1, help="processes (Lightning launches them)")
+    parser.add_argument("--strategy", default="auto", help="auto, ddp (subprocesses), ddp_spawn")
     args = parser.parse_args()
 
     warnings.filterwarnings("ignore")
@@ -104,7 +106,8 @@ def main():
     data = TokenData(args.batch_size, batches, args.seq_len, args.vocab_size)
     trainer = L.Trainer(
         accelerator=args.accelerator,
-        devices=1,
+        devices=args.devices,
+        strategy=args.strategy,
         max_steps=args.steps,
         precision=args.precision,
         accumulate_grad_batches=args.accumulate_grad_batches,
