@@ -125,7 +125,7 @@ def _limit_backend_class():
             self.breakdown: dict | None = None
 
         def install(self, tracker) -> None:
-            from oomdoc.capture.backends import _CountingMode
+            from oomdoc.capture.simulated_dispatch import _CountingMode
 
             self.tracker = tracker
             self._mode = _CountingMode(self)
