@@ -14,9 +14,10 @@ import weakref
 from operator import attrgetter
 
 import torch
+import torch.nn as nn
 
-from oomdoc.capture.backends import storage_key, storage_sites
-from oomdoc.capture.modules import block_categories, simulated_attribution
+from oomdoc.capture.backend_base import Backend, storage_key, storage_sites
+from oomdoc.capture.modules import ModuleScopes, block_categories, simulated_attribution
 from oomdoc.snapshot import CATEGORIES
 
 # On CUDA, the allocation sites of a new high are read again (an allocator
@@ -28,6 +29,45 @@ _GRAD = attrgetter("grad")
 
 
 class Attribution:
+    """The Tracker's breakdown attribution. What it reads of the tracker's
+    state is declared here (the Tracker sets it up)."""
+
+    backend: Backend
+    stats: dict[str, int]
+    phase: str
+    step_index: int
+    scopes: ModuleScopes
+    category_peaks: dict[str, int]
+    # The breakdown, sites and modules at the fullest phase boundary.
+    peak_sample: dict | None
+    last_modules: list | None
+    _model_refs: list[weakref.ref[nn.Module]]
+    _optimizer_refs: list[weakref.ref[torch.optim.Optimizer]]
+    _module_parameters: weakref.WeakKeyDictionary[nn.Module, tuple[int, tuple]]
+    _registration_epoch: int
+    _registration_seen: bool
+    _sampled_high: int
+    _last_sites_allocated: int
+    _mark_owners: dict | None
+    _state_table: dict | None
+    _state_signature: tuple
+    _all_parameters: tuple
+    _all_parameters_signature: tuple | None
+    _known: tuple[dict, dict, dict] | None
+    _known_naming: tuple | None
+    _parameters_stale: bool
+    _gradients_stale: bool
+    _known_sources: tuple | None
+    _known_state: dict | None
+    _parameters_table: dict
+    _gradients_table: dict
+
+    @property
+    def _walk_epoch(self) -> int | None:
+        """The registration epoch, when torch reports every registration
+        (else None: the models' modules are walked each time)."""
+        return self._registration_epoch if self._registration_seen else None
+
     def _sample_peak(self) -> None:
         """Keep the breakdown at the fullest moment seen at a phase boundary.
 
@@ -45,7 +85,8 @@ class Attribution:
             self._fold_category_peaks(breakdown)
             return
         self._sampled_high = allocated
-        if backend.per_storage:
+        ledger = backend.storage_ledger()
+        if ledger is not None:
             # The sites and modules of this moment are listed when the
             # snapshot is written, from a log of what changes from now on
             # (finish()); who owns the named storages is noted now (O(params)).
@@ -53,7 +94,7 @@ class Attribution:
             self._mark_owners = self.scopes.owners(
                 self._live_optimizers(), storage_key, self._walk_epoch
             )
-            backend.mark_peak()
+            ledger.mark_peak()
             self.peak_sample = self._peak_entry(allocated, breakdown, None, None)
         elif (
             self.peak_sample is None or allocated >= self._last_sites_allocated * _CUDA_SITES_GROWTH
@@ -163,7 +204,7 @@ class Attribution:
         self._all_parameters_signature = signature
         return self._all_parameters
 
-    def _known_tensors(self, cached: bool = False):
+    def _known_tensors(self, cached: bool = False) -> tuple[dict, dict, dict]:
         """Storage keys of parameters, gradients and optimizer state on the device.
 
         `cached` (a phase boundary): tables nothing could have changed since
@@ -173,11 +214,12 @@ class Attribution:
         Otherwise (an OOM, the sites, the end) all are read now."""
         references = self._parameter_references()
         state = self._state_tensors()
-        reuse = cached and self._known is not None and references is self._known_sources
-        if reuse and not self._parameters_stale and not self._gradients_stale:
-            if state is self._known_state:
+        previous = self._known
+        reuse = cached and previous is not None and references is self._known_sources
+        if previous is not None and reuse and not self._parameters_stale:
+            if not self._gradients_stale and state is self._known_state:
                 self.stats["known_tables_reused"] += 1
-                return self._known
+                return previous
         alive = [p for p in map(_CALL, references) if p is not None]
         table = self.backend.storage_table
         if reuse and not self._parameters_stale:
@@ -198,11 +240,12 @@ class Attribution:
         ):
             state = {k: v for k, v in state.items() if k not in parameters and k not in gradients}
         known = (parameters, gradients, state)
-        if known != self._known:
+        if previous is not None and known == previous:
             # Read again and the same (most boundaries): the tables stay the
             # same objects, and what was derived from them is reused.
-            self._known = known
-        return self._known
+            return previous
+        self._known = known
+        return known
 
     def _breakdown(self, allocated: int | None = None, cached: bool = False) -> dict:
         """Live memory split into the five categories: O(parameters and
@@ -210,7 +253,8 @@ class Attribution:
         tables = self._known_tensors(cached)
         parameters, gradients, state = tables
         backend = self.backend
-        if backend.per_storage:
+        ledger = backend.storage_ledger()
+        if ledger is not None:
             # The simulated device keeps bytes per category as storages come
             # and go; it is told which storages are parameters, grads, state
             # (the same dict while the tables are the same: apply_known then
@@ -222,8 +266,8 @@ class Attribution:
                 known.update(dict.fromkeys(gradients, "gradients"))
                 known.update(dict.fromkeys(parameters, "parameters"))
                 self._known_naming = (tables, known)
-            backend.apply_known(known)
-            counts = backend.category_bytes()
+            ledger.apply_known(known)
+            counts = ledger.category_bytes()
             return {category: int(counts[category]) for category in CATEGORIES}
         breakdown = {category: 0 for category in CATEGORIES}
         breakdown["parameters"] = sum(parameters.values())
@@ -271,18 +315,18 @@ class Attribution:
         is theirs (None without an allocator history)."""
         self.stats["site_samples"] += 1
         backend = self.backend
-        if backend.per_storage:
+        ledger = backend.storage_ledger()
+        if ledger is not None:
             if refresh:
                 self._breakdown()  # names parameters, gradients and state on the device
-            items = [(key, record) for key, _nbytes, record in backend.live_storages()]
+            items = [(key, record) for key, _nbytes, record in ledger.live_storages()]
             owners = self.scopes.owners(self._live_optimizers(), storage_key, self._walk_epoch)
             sites, self.last_modules = self._storage_sites_and_modules(
-                items, backend.known_categories(), owners, self.phase, limit
+                items, ledger.known_categories(), owners, self.phase, limit
             )
             return None, sites
-        if refresh or self._known is None:
-            self._known_tensors()
-        parameters, gradients, state = self._known
+        known = self._known_tensors() if refresh or self._known is None else self._known
+        parameters, gradients, state = known
         sites = backend.allocation_sites() or []
         if not sites or "address" not in sites[0]:
             self.last_modules = None
@@ -317,13 +361,18 @@ class Attribution:
         """The sites and the modules at the simulated device's peak mark (see
         _sample_peak): one listing of the storages live then, when the
         snapshot is written."""
-        marked = self.backend.marked_storages() if self.backend.per_storage else None
+        ledger = self.backend.storage_ledger()
+        marked = ledger.marked_storages() if ledger is not None else None
         if marked is None:
             return [], None
         items, known = marked
         self.stats["site_samples"] += 1
         return self._storage_sites_and_modules(
-            items, known, self._mark_owners or {}, self.peak_sample["phase"], limit
+            items,
+            known,
+            self._mark_owners or {},
+            self.peak_sample["phase"] if self.peak_sample is not None else self.phase,
+            limit,
         )
 
     _forward_baseline: dict | None = None

@@ -8,10 +8,14 @@ storage; `CudaBackend` (oomdoc.capture.cuda) reads the real caching allocator.
 from __future__ import annotations
 
 from operator import attrgetter
+from typing import TYPE_CHECKING, Iterator, Protocol
 
 import torch
 
 from oomdoc import frames
+
+if TYPE_CHECKING:
+    from oomdoc.capture.tracker import Tracker
 
 # Unbound methods: map() calls them twice as fast as methodcaller.
 _UNTYPED_STORAGE = torch.Tensor.untyped_storage
@@ -97,6 +101,34 @@ def _dtype_name(dtype) -> str:
     return name
 
 
+class StorageLedger(Protocol):
+    """What a backend that sees every storage come and go (the simulated
+    device) offers beyond Backend: the tracker names the parameters,
+    gradients and optimizer state by storage key, and the ledger keeps the
+    bytes per category and the storages live at the peak mark itself."""
+
+    def apply_known(self, known: dict[int, str]) -> None:
+        """Name these storages' categories ({storage key: category})."""
+
+    def category_bytes(self) -> dict[str, int]:
+        """Live bytes per category, kept up to date as storages come and go."""
+
+    def known_categories(self) -> dict[int, str]:
+        """The naming apply_known was last given."""
+
+    def live_storages(self) -> Iterator[tuple[int, int, StorageRecord]]:
+        """(key, bytes, record) of each live storage."""
+
+    def mark_peak(self) -> None:
+        """Remember this moment as the peak (marked_storages lists it later)."""
+
+    def marked_storages(self) -> tuple[list[tuple[int, StorageRecord]], dict[int, str]] | None:
+        """The storages live at the last mark, with their naming then."""
+
+    def retained_activation_bytes(self, step: int) -> int:
+        """Live bytes made in the forward or backward of steps before `step`."""
+
+
 class Backend:
     """The interface the tracker uses; byte counts are ints."""
 
@@ -104,9 +136,22 @@ class Backend:
     # True when live_storages() sees every allocation with its step and phase.
     per_storage = False
 
-    def install(self, tracker) -> None: ...
+    def install(self, tracker: Tracker) -> None: ...
 
     def uninstall(self) -> None: ...
+
+    def storage_ledger(self) -> StorageLedger | None:
+        """The per-storage ledger of a backend that sees every storage
+        (`per_storage`), else None: the breakdown is then derived from the
+        allocated bytes and the known tensors."""
+        return None
+
+    def backward_ended(self) -> None:
+        """An outermost backward pass has ended."""
+
+    def capture_stats(self) -> dict[str, int]:
+        """The backend's share of the capture's work counters."""
+        return {}
 
     def device_info(self) -> dict:
         raise NotImplementedError
@@ -159,8 +204,8 @@ class Backend:
                 pass
         return table
 
-    def live_storages(self):
-        """Yield (key, bytes, StorageRecord|None) for each live allocation when
+    def live_storages(self) -> Iterator[tuple[int, int, StorageRecord]]:
+        """Yield (key, bytes, StorageRecord) for each live allocation when
         the backend can see them one by one, else nothing."""
         return iter(())
 

@@ -7,6 +7,7 @@ import os
 import sys
 from itertools import compress
 from operator import attrgetter, methodcaller
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -15,6 +16,9 @@ from oomdoc.capture import nvml_handle
 from oomdoc.capture.backend_base import Backend
 from oomdoc.capture.modules import phase_from_frames
 from oomdoc.capture.peak_view import PeakView
+
+if TYPE_CHECKING:
+    from oomdoc.capture.tracker import Tracker
 
 _IS_CUDA = attrgetter("is_cuda")
 _GET_DEVICE = methodcaller("get_device")
@@ -43,7 +47,7 @@ class CudaBackend(Backend):
         self._name = "?"
         if not self.deferred:
             self._read_properties()
-        self.tracker = None
+        self.tracker: Tracker | None = None
         self._recording = False
         self._torch_snapshot = None
         self._device_count: int | None = None
@@ -69,7 +73,7 @@ class CudaBackend(Backend):
         assert self._total is not None
         return self._requested_capacity or self._total
 
-    def install(self, tracker) -> None:
+    def install(self, tracker: Tracker) -> None:
         self.tracker = tracker
         self._peaks.install()
         if self.deferred:
@@ -106,7 +110,8 @@ class CudaBackend(Backend):
                 self._recording = True
             except Exception as exc:  # pragma: no cover - depends on the build
                 print(f"oomdoc: allocation history unavailable: {exc}", file=sys.stderr)
-        torch._C._cuda_attach_out_of_memory_observer(self._oom_observer)
+        # torch's stub for torch._C omits this binding (torch/csrc/cuda/Module.cpp).
+        torch._C._cuda_attach_out_of_memory_observer(self._oom_observer)  # type: ignore[attr-defined]
         self._peaks.read_and_reset(self.device_index)
 
     def uninstall(self) -> None:

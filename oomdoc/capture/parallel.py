@@ -33,6 +33,7 @@ import torch
 import torch.nn as nn
 
 from oomdoc import frames
+from oomdoc.child_config import ChildConfig
 
 # After SIGTERM/SIGINT, how long the main thread has to reach its own handler
 # (and write the capture) before the watcher writes it.
@@ -62,9 +63,8 @@ def rank_environment() -> dict:
     }
 
 
-def fill_rank(text: str | None, rank: dict) -> str | None:
-    if text is None:
-        return None
+def fill_rank(text: str, rank: dict) -> str:
+    """A path of the job's configuration with this rank's numbers in it."""
     return text.replace("{rank}", str(rank["rank"])).replace(
         "{local_rank}", str(rank["local_rank"])
     )
@@ -103,11 +103,11 @@ def stack_of_exception(exc: BaseException) -> list[tuple[str, Any, str]]:
 class ParallelCapture:
     """Data-parallel wrappers seen, and the rank-aware parts of a child."""
 
-    def __init__(self, config: dict, rank: dict | None = None):
+    def __init__(self, config: ChildConfig, rank: dict | None = None):
         """`rank`: this process's place in the job when no launcher's
         environment says it (a `torch.multiprocessing.spawn` child)."""
         self.config = config
-        self.distributed = bool(config.get("distributed"))
+        self.distributed = config.distributed is not None
         self.rank: dict[str, Any] = (rank or rank_environment()) if self.distributed else {}
         self.data_parallel: list[dict] = []
         self.ddp_modules: list = []
@@ -121,17 +121,17 @@ class ParallelCapture:
         self._writer: Any = None
         self._backend: Any = None
         self._main_ident = threading.main_thread().ident
-        if self.distributed:
-            config["result_path"] = fill_rank(config["result_path"], self.rank)
-            config["artifact_dir"] = fill_rank(config.get("artifact_dir"), self.rank)
-            if config["artifact_dir"]:
-                os.makedirs(config["artifact_dir"], exist_ok=True)
-            started = fill_rank(config["distributed"].get("started_path"), self.rank)
+        if config.distributed is not None:
+            config.result_path = fill_rank(config.result_path, self.rank)
+            if config.artifact_dir:
+                config.artifact_dir = fill_rank(config.artifact_dir, self.rank)
+                os.makedirs(config.artifact_dir, exist_ok=True)
+            started = config.distributed.started_path
             if started:
                 # The parent ends a job that does not end by itself by these pids.
-                with open(started, "w", encoding="utf-8") as handle:
+                with open(fill_rank(started, self.rank), "w", encoding="utf-8") as handle:
                     handle.write(f"{os.getpid()}\n")
-            if config.get("device") != "cpu" and torch.cuda.is_available():
+            if config.device != "cpu" and torch.cuda.is_available():
                 torch.cuda.set_device(self.rank["local_rank"] % torch.cuda.device_count())
 
     # ------------------------------------------------------------ install

@@ -9,6 +9,8 @@ end, walks the user's variables down to the nearest stamp (LeakChecks).
 from __future__ import annotations
 
 import sys
+import weakref
+from typing import Any
 
 import torch
 
@@ -34,6 +36,21 @@ _CO_OPTIMIZED = 0x0001
 
 
 class LeakChecks:
+    """The Tracker's leak checks. What they read of the tracker's state is
+    declared here (the Tracker sets it up)."""
+
+    stats: dict[str, int]
+    step_index: int
+    steps: list[dict]
+    _current: dict[str, Any]
+    # Weak references to the previous evaluation call's outputs, and their bytes.
+    _previous_evaluation_outputs: list[tuple[weakref.ref[torch.Tensor], int]]
+    # End-of-step growth streak, and when the next deep walk may run.
+    _growth_streak: int
+    _growth_counted_for: dict | None
+    _next_deep_walk_step: int
+    _deep_walk_gap: int
+
     # ------------------------------------------------------------ leaks
     def _deep_walk_due(self) -> bool:
         """Whether this step's leak check should also walk below the step's
@@ -166,7 +183,8 @@ def stamp_graph(output, step_index: int) -> None:
             grad_fn = item.grad_fn
             if grad_fn is not None:
                 try:
-                    grad_fn.metadata.setdefault(_GRAPH_STAMP, step_index)
+                    # torch.autograd.graph.Node declares metadata a method; it is a property.
+                    grad_fn.metadata.setdefault(_GRAPH_STAMP, step_index)  # type: ignore[attr-defined]
                 except Exception:
                     pass
         elif isinstance(item, (list, tuple)):

@@ -11,6 +11,8 @@ import os
 import sys
 from itertools import compress
 from operator import attrgetter
+from types import ModuleType
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 
@@ -32,6 +34,9 @@ from oomdoc.capture.simulated_dispatch import (
     _Tensor,
 )
 from oomdoc.sizes import format_bytes
+
+if TYPE_CHECKING:
+    from oomdoc.capture.tracker import Tracker
 
 _FORWARD_BACKWARD = frozenset(("forward", "backward"))
 _PHASE_CATEGORIES: dict = {}  # phase -> category_of(None, phase)
@@ -73,15 +78,15 @@ class SimulatedBackend(Backend):
         self._live = 0
         self._peak = 0
         self._enabled = False
-        self._mode = None
+        self._mode: _CountingMode | None = None
         self._pass_through: PassThrough | None = None
         # The compiled ledger's module while it keeps the storages
         # (oomdoc.capture.native): `_records` and the bytes per category and
         # per step are then brought up to date from its log (`_sync`) before
         # they are read, and the live and peak bytes are its own.
-        self._native = None
+        self._native: ModuleType | None = None
         self._rule_lookup: _RuleLookup | None = None
-        self.tracker = None
+        self.tracker: Tracker | None = None
         self._sequence = 0
         # Bytes per category. Parameters, gradients and optimizer state are
         # the storages the tracker names through apply_known (key -> category);
@@ -105,7 +110,10 @@ class SimulatedBackend(Backend):
         self.stats = {"peak_marks": 0, "peak_log_rebuilds": 0}
 
     # lifecycle
-    def install(self, tracker) -> None:
+    def storage_ledger(self) -> SimulatedBackend:
+        return self
+
+    def install(self, tracker: Tracker) -> None:
         self.tracker = tracker
         self._mode = _CountingMode(self)
         self._mode.__enter__()
@@ -186,15 +194,15 @@ class SimulatedBackend(Backend):
                 records[key] = record
                 self._added(key, record)
             elif kind == 1:
-                record = records.pop(event[1], None)
-                if record is not None:
-                    self._forget(event[1], record)
+                freed = records.pop(event[1], None)
+                if freed is not None:
+                    self._forget(event[1], freed)
             else:
-                record = records.get(event[1])
-                if record is not None:
-                    self._resize(event[1], record, event[2])
+                resized = records.get(event[1])
+                if resized is not None:
+                    self._resize(event[1], resized, event[2])
 
-    def native_removed(self, native) -> None:
+    def native_removed(self, native: ModuleType) -> None:
         """The compiled check goes (another dispatch mode or a tensor subclass
         came, or the device is uninstalled): the Python side takes the live
         storages over, watched from now on by weak references."""
@@ -411,7 +419,7 @@ class SimulatedBackend(Backend):
         added = self._mark_added
         if added is not None:
             added.add(key)
-            if len(added) + len(self._mark_freed) > self._mark_log_limit:
+            if len(added) + len(self._mark_freed or ()) > self._mark_log_limit:
                 self._check_mark_log()
 
     def backward_ended(self) -> None:
@@ -429,10 +437,10 @@ class SimulatedBackend(Backend):
             table = self._forward_backward_bytes
             table[record.step] = table.get(record.step, 0) + grown
             self._forward_backward_total += grown
-        added = self._mark_added
-        if added is not None and key not in added:
+        added, freed = self._mark_added, self._mark_freed
+        if added is not None and freed is not None and key not in added:
             # Live at the mark with its old size: the mark keeps that record.
-            self._mark_freed.setdefault(key, record)
+            freed.setdefault(key, record)
             added.add(key)
             self._check_mark_log()
 
@@ -448,7 +456,7 @@ class SimulatedBackend(Backend):
     def _forget(self, key, record: StorageRecord) -> None:
         nbytes = record.nbytes
         self._live -= nbytes
-        self._category_bytes[self._known_applied.pop(key, None) or record.category] -= nbytes
+        self._category_bytes[self._known_applied.pop(key, "") or record.category] -= nbytes
         if record.phase in _FORWARD_BACKWARD:
             table = self._forward_backward_bytes
             left = table.get(record.step, 0) - nbytes
@@ -457,16 +465,16 @@ class SimulatedBackend(Backend):
             else:
                 table.pop(record.step, None)
             self._forward_backward_total -= nbytes
-        added = self._mark_added
-        if added is not None:
+        added, freed = self._mark_added, self._mark_freed
+        if added is not None and freed is not None:
             if key in added:
                 added.discard(key)
             else:
-                self._mark_freed.setdefault(key, record)
+                freed.setdefault(key, record)
                 self._check_mark_log()
 
     # what the tracker reads at phase boundaries
-    def apply_known(self, known: dict) -> None:
+    def apply_known(self, known: dict[int, str]) -> None:
         """Name the storages that are parameters, gradients or optimizer
         state now ({key: category}); every other storage falls back to the
         category of the phase it was made in. Costs O(len(known)), nothing
@@ -495,13 +503,16 @@ class SimulatedBackend(Backend):
             counts[applied.pop(key)] -= record.nbytes
             counts[record.category] += record.nbytes
 
-    def capture_stats(self) -> dict:
+    def capture_stats(self) -> dict[str, int]:
         if self._native is not None:
             self._sequence = self._native.totals()[2]
-        native_ops = self._pass_through.native_ops if self.native_active else 0
+        pass_through = self._pass_through
+        native_ops = (
+            pass_through.native_ops if pass_through is not None and self.native_active else 0
+        )
         return {"storages_registered": self._sequence, "native_ops": native_ops, **self.stats}
 
-    def known_categories(self) -> dict:
+    def known_categories(self) -> dict[int, str]:
         """{key: category} of the live storages named by the last apply_known."""
         self._sync()
         return dict(self._known_applied)
@@ -533,7 +544,7 @@ class SimulatedBackend(Backend):
         self.stats["peak_marks"] += 1
 
     def _check_mark_log(self) -> None:
-        if len(self._mark_added) + len(self._mark_freed) > self._mark_log_limit:
+        if len(self._mark_added or ()) + len(self._mark_freed or ()) > self._mark_log_limit:
             # The log would outgrow a plain copy of the live set: rebuild the
             # marked storages now and stop logging (amortised O(1) per change).
             self._mark_records = self._rebuild_marked()
@@ -541,13 +552,13 @@ class SimulatedBackend(Backend):
             self.stats["peak_log_rebuilds"] += 1
 
     def _rebuild_marked(self) -> list:
-        added, freed = self._mark_added, self._mark_freed
+        added, freed = self._mark_added or set(), self._mark_freed or {}
         items = [(key, record) for key, record in self._records.items() if key not in added]
         items.extend(freed.items())
         items.sort(key=lambda item: item[1].sequence)
         return items
 
-    def marked_storages(self) -> tuple[list, dict] | None:
+    def marked_storages(self) -> tuple[list[tuple[int, StorageRecord]], dict[int, str]] | None:
         """[(key, record)] live at the last mark_peak, in registration order,
         and the parameters/gradients/state naming then; None without a mark."""
         self._sync()
@@ -619,7 +630,7 @@ class SimulatedBackend(Backend):
             return self._native.storage_table(tensors)
         return super().storage_table(tensors)
 
-    def live_storages(self):
+    def live_storages(self) -> Iterator[tuple[int, int, StorageRecord]]:
         self._sync()
         for key, record in list(self._records.items()):
             yield key, record.nbytes, record

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 import weakref
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -146,7 +146,8 @@ if _DYNAMO_GUARD is not None:
         _DYNAMO_GUARD[1](_CountingMode.__torch_dispatch__.__code__)
     except Exception:  # keep torch's own wrapping
         del _CountingMode._should_skip_dynamo
-        _CountingMode.__torch_dispatch__ = torch._disable_dynamo(
+        # Replaced on the class, as torch's own wrapping does.
+        _CountingMode.__torch_dispatch__ = torch._disable_dynamo(  # type: ignore[method-assign]
             _CountingMode.__dict__["__torch_dispatch__"], recursive=True
         )
 
@@ -158,7 +159,8 @@ class _RuleLookup:
     the cost, and asks torch's for every other class."""
 
     def __init__(self) -> None:
-        self._registry = sys.modules.get("torch._library.simple_registry")
+        # A private torch module: what it holds varies with torch's version.
+        self._registry = cast(Any, sys.modules.get("torch._library.simple_registry"))
         self._original = getattr(self._registry, "find_torch_dispatch_rule", None)
         self._installed = None
         if self._original is None:

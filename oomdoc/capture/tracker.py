@@ -29,7 +29,7 @@ import os
 import sys
 import time
 import weakref
-from typing import Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.nn as nn
@@ -47,6 +47,9 @@ from oomdoc.capture.retained_graphs import (
 )
 from oomdoc.capture.step_records import BoundedSteps, CudaStepTimer
 from oomdoc.snapshot import CATEGORIES
+
+if TYPE_CHECKING:
+    from oomdoc.capture.parallel import ParallelCapture
 
 
 class StopRun(BaseException):
@@ -120,6 +123,17 @@ class Tracker(Attribution, LeakChecks):
         self.backward_start_callbacks: list = []
         # What a replayed fix did, by fix name (see oomdoc.capture.child.apply_fix).
         self.fix_applied: dict | None = None
+        # What the child notes for the capture (oomdoc.capture.child): the
+        # heavy packages the script imported, its DataLoaders' batch sizes
+        # (None: not watched, as in a replay), the DataLoader workers removed
+        # (oomdoc check), the processes it started (captured as ranks, or
+        # not), and a rank's job fields (oomdoc.capture.parallel).
+        self.imported_packages: list[str] = []
+        self.dataloader_batch_sizes: list | None = None
+        self.dataloader_workers_removed: list = []
+        self.spawned_ranks: list[dict] = []
+        self.uncaptured_processes: list[dict] = []
+        self.parallel_capture: ParallelCapture | None = None
         self._handles: list = []
         self._originals: list = []
         self._step_started = time.perf_counter()
@@ -197,7 +211,7 @@ class Tracker(Attribution, LeakChecks):
 
     # ------------------------------------------------------------ steps
     def _new_step(self) -> None:
-        self._current = {
+        self._current: dict[str, Any] = {
             "index": self.step_index,
             "peak_allocated_bytes": 0,
             "peak_reserved_bytes": 0,
@@ -313,9 +327,10 @@ class Tracker(Attribution, LeakChecks):
             current["device_shared"] = True  # other replays' device work may be in its time
         if "retained_graphs" not in current:  # steps without an optimizer
             current["retained_graphs"] = self._find_retained_graphs(self._deep_walk_due())
-        if self.backend.per_storage:
+        ledger = self.backend.storage_ledger()
+        if ledger is not None:
             current["retained_activation_bytes"] = int(
-                self.backend.retained_activation_bytes(current["index"])
+                ledger.retained_activation_bytes(current["index"])
             )
         self.steps.append(current)
         self._bounded_steps.trim(self.steps)
@@ -355,9 +370,7 @@ class Tracker(Attribution, LeakChecks):
         """How much work the capture did: leak walks and samples stay far
         below the step count however long the run (docs/snapshot.md)."""
         stats = dict(self.stats)
-        backend_stats = getattr(self.backend, "capture_stats", None)
-        if backend_stats is not None:
-            stats.update(backend_stats())
+        stats.update(self.backend.capture_stats())
         return {key: int(value) for key, value in stats.items()}
 
     # ------------------------------------------------------------ hooks
@@ -414,7 +427,7 @@ class Tracker(Attribution, LeakChecks):
             tracker._gradients_stale = True
             return original(owner, *args, **kwargs)
 
-        zero_grad.__wrapped__ = original  # type: ignore[attr-defined]
+        zero_grad.__wrapped__ = original
         zero_grad.__doc__ = original.__doc__
         return zero_grad
 
@@ -431,12 +444,6 @@ class Tracker(Attribution, LeakChecks):
 
     def _on_registration(self, module, name, value):
         self._registration_epoch += 1
-
-    @property
-    def _walk_epoch(self) -> int | None:
-        """The registration epoch, when torch reports every registration
-        (else None: the models' modules are walked each time)."""
-        return self._registration_epoch if self._registration_seen else None
 
     def _patch(self, owner, name, replacement) -> None:
         self._originals.append((owner, name, getattr(owner, name)))
@@ -462,9 +469,7 @@ class Tracker(Attribution, LeakChecks):
             try:
                 return original(*args, **kwargs)
             finally:
-                ended = getattr(tracker.backend, "backward_ended", None)
-                if ended is not None:
-                    ended()
+                tracker.backend.backward_ended()
                 tracker._backward_depth -= 1
                 tracker._gradients_stale = True
                 if tracker._backward_depth == 0 and tracker.unit == "backward":
