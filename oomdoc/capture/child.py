@@ -431,7 +431,14 @@ def run_script(path: str) -> None:
             sys.modules["__main__"] = previous
 
 
-def _watcher_write(config, backend, tracker, outcome, exit_code, timings) -> None:
+def _watcher_write(
+    config: ChildConfig,
+    backend: Backend,
+    tracker: Tracker,
+    outcome: str,
+    exit_code: int,
+    timings: dict[str, float],
+) -> None:
     """The capture of a rank stopped while stuck in a collective (written by
     oomdoc.distributed's signal watcher thread)."""
     timings.setdefault("script_ended", time.time())
@@ -460,7 +467,15 @@ def timing_summary(timings: dict) -> dict:
     return {key: round(max(value, 0.0), 3) for key, value in summary.items()}
 
 
-def write_capture(config, backend, tracker, outcome, exit_code, error, timings=None) -> None:
+def write_capture(
+    config: ChildConfig,
+    backend: Backend,
+    tracker: Tracker,
+    outcome: str,
+    exit_code: int,
+    error: dict | None,
+    timings: dict[str, float] | None = None,
+) -> None:
     tracker.finish()
     oom = tracker.oom if outcome == "oom" else None
     if outcome == "oom" and oom is None:
