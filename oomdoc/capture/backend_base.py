@@ -149,6 +149,11 @@ class Backend:
     def backward_ended(self) -> None:
         """An outermost backward pass has ended."""
 
+    def stop_counting(self) -> None:
+        """The script has ended (or its rank was stopped): oomdoc's own work
+        from here on must not count (the simulated device stops counting;
+        a real device's allocator counts whatever it does)."""
+
     def capture_stats(self) -> dict[str, int]:
         """The backend's share of the capture's work counters."""
         return {}

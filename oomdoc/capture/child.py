@@ -159,15 +159,14 @@ def _without_oomdoc_frames(summary: traceback.TracebackException | None) -> None
         summary = None
 
 
-def _script_ended(backend) -> None:
+def _script_ended(backend: Backend) -> None:
     """The script has ended, however it ended: no more signals while its
     traceback prints and the capture is written (a SIGTERM from the
     launcher, as a rank's peer died, used to cut both short), and oomdoc's
     own work from here on does not count on the simulated device."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if isinstance(backend, SimulatedBackend):
-        backend.enabled = False
+    backend.stop_counting()
 
 
 def _print_user_traceback(exc: BaseException, target_file: str | None) -> None:

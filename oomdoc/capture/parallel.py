@@ -27,13 +27,17 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.nn as nn
 
 from oomdoc import frames
+from oomdoc.capture.backend_base import Backend
 from oomdoc.child_config import ChildConfig
+
+if TYPE_CHECKING:
+    from oomdoc.capture.tracker import Tracker
 
 # After SIGTERM/SIGINT, how long the main thread has to reach its own handler
 # (and write the capture) before the watcher writes it.
@@ -119,7 +123,7 @@ class ParallelCapture:
         self._waiting_lock = threading.Lock()
         self._owner: str | None = None
         self._writer: Any = None
-        self._backend: Any = None
+        self._backend: Backend | None = None
         self._main_ident = threading.main_thread().ident
         if config.distributed is not None:
             config.result_path = fill_rank(config.result_path, self.rank)
@@ -135,7 +139,9 @@ class ParallelCapture:
                 torch.cuda.set_device(self.rank["local_rank"] % torch.cuda.device_count())
 
     # ------------------------------------------------------------ install
-    def install(self, tracker, backend, writer) -> None:
+    def install(
+        self, tracker: Tracker, backend: Backend, writer: Callable[[str, int], None]
+    ) -> None:
         """`writer(outcome, exit_code)` writes the capture (used by the
         watcher when the main thread is stuck in a collective)."""
         tracker.parallel_capture = self
@@ -151,7 +157,8 @@ class ParallelCapture:
                 self.oom_time = time.time()
             return on_oom(*args, **kwargs)
 
-        tracker.on_oom = stamped
+        # Wrapped on this tracker only (as the framework detector does).
+        tracker.on_oom = stamped  # type: ignore[method-assign]
         self._start_watcher()
 
     def _on_model_call(self, module) -> None:
@@ -214,8 +221,8 @@ class ParallelCapture:
                 return  # the main thread is writing the capture
             exit_code = 130 if number == signal.SIGINT else 143
             try:
-                if hasattr(self._backend, "enabled"):
-                    self._backend.enabled = False
+                if self._backend is not None:
+                    self._backend.stop_counting()
                 # The device may never finish a collective whose peer died:
                 # the step's closing synchronize must not wait for it.
                 torch.cuda.synchronize = lambda *args, **kwargs: None

@@ -422,6 +422,9 @@ class SimulatedBackend(Backend):
             if len(added) + len(self._mark_freed or ()) > self._mark_log_limit:
                 self._check_mark_log()
 
+    def stop_counting(self) -> None:
+        self.enabled = False
+
     def backward_ended(self) -> None:
         """The tracker's backward wrapper returns: let go of the engine frame."""
         self._engine_frame = None
