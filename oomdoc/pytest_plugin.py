@@ -125,7 +125,7 @@ def _limit_backend_class():
             self.breakdown: dict | None = None
 
         def install(self, tracker) -> None:
-            from oomdoc.capture.backends import _CountingMode
+            from oomdoc.capture.simulated_dispatch import _CountingMode
 
             self.tracker = tracker
             self._mode = _CountingMode(self)
@@ -157,9 +157,12 @@ def _limit_backend_class():
             return super().read_and_reset_peak()
 
         def _record_sites(self) -> None:
+            tracker = self.tracker
+            if tracker is None:
+                return
             self.enabled = False  # the tracker's own work does not count
             try:
-                self.breakdown, self.sites = self.tracker.breakdown_and_sites()
+                self.breakdown, self.sites = tracker.breakdown_and_sites()
                 self.sites_at_bytes = self._live
             finally:
                 self.enabled = True
@@ -249,7 +252,8 @@ def sites_at_trace_peak(trace: list[dict]) -> list[dict]:
     """
     from oomdoc import frames
 
-    live: dict[int, int] = {}
+    # By block address (None in a malformed event).
+    live: dict[int | None, int] = {}
     level = best_level = 0
     best_index = -1
     for index, event in enumerate(trace):
@@ -263,7 +267,7 @@ def sites_at_trace_peak(trace: list[dict]) -> list[dict]:
             level -= live.pop(address, size)
     if best_index < 0:
         return []
-    at_peak: dict[int, dict] = {}
+    at_peak: dict[int | None, dict] = {}
     for event in trace[: best_index + 1]:
         action, address = event.get("action"), event.get("addr")
         if action == "alloc":

@@ -23,6 +23,7 @@ from typing import Any
 
 import oomdoc
 from oomdoc.capture import CONFIG_ENV, CONFIG_FD_ENV, PREIMPORT_PREFIX, STARTED_ENV
+from oomdoc.child_config import ChildConfig, DeviceLock
 from oomdoc.distributed.merge import merge_rank_captures, read_captures
 from oomdoc.errors import UsageError
 from oomdoc.model import Breakdown, Device, ErrorInfo, Options, Snapshot
@@ -459,6 +460,25 @@ def _wait(
             return _stop(process), True, False, waited
 
 
+def child_config(request: ChildRequest, result_path: str, artifact_dir: str) -> ChildConfig:
+    """What a child running `request` reads (oomdoc.child_config); each
+    launcher adds its own part (a device lock, a job's rank paths)."""
+    return ChildConfig(
+        target=request.target,
+        result_path=result_path,
+        args=list(request.args),
+        is_module=request.is_module,
+        device=request.device,
+        capacity_bytes=request.capacity_bytes,
+        max_steps=request.max_steps,
+        micro_batches_per_step=request.micro_batches_per_step,
+        expected_unit=request.expected_unit,
+        stop_after_evaluation=request.stop_after_evaluation,
+        fix=request.fix,
+        artifact_dir=artifact_dir,
+    )
+
+
 def run_child(
     request: ChildRequest,
     pool: WarmPool | None = None,
@@ -473,30 +493,17 @@ def run_child(
         config_path = os.path.join(workdir, "config.json")
         result_path = os.path.join(workdir, "capture.json")
         status_path = os.path.join(workdir, "lock.json") if request.device_lock else None
-        config = {
-            "target": request.target,
-            "is_module": request.is_module,
-            "args": list(request.args),
-            "device": request.device,
-            "capacity_bytes": request.capacity_bytes,
-            "max_steps": request.max_steps,
-            "micro_batches_per_step": request.micro_batches_per_step,
-            "expected_unit": request.expected_unit,
-            "stop_after_evaluation": request.stop_after_evaluation,
-            "fix": request.fix,
-            "result_path": result_path,
-            "artifact_dir": request.artifact_dir or workdir,
-            "serial_dataloaders": request.serial_dataloaders,
-        }
+        lock = None
         if request.device_lock:
-            lock: dict[str, Any] = {"path": request.device_lock, "status": status_path}
+            lock = DeviceLock(request.device_lock, status_path)
             if request.share_device is not None:
-                lock.update(
-                    shared=request.share_device, turnstile=request.device_lock + ".turnstile"
-                )
-            config["device_lock"] = lock
+                lock.shared = request.share_device
+                lock.turnstile = request.device_lock + ".turnstile"
+        config = child_config(request, result_path, request.artifact_dir or workdir)
+        config.serial_dataloaders = request.serial_dataloaders
+        config.device_lock = lock
         with open(config_path, "w", encoding="utf-8") as handle:
-            json.dump(config, handle)
+            handle.write(config.to_json())
 
         output = None
         started = time.perf_counter()

@@ -14,6 +14,7 @@ import time
 import pytest
 from conftest import REPO_ROOT, SCRIPTS, load_json, oomdoc_env, run_oomdoc
 
+from oomdoc.child_config import ChildConfig
 from oomdoc.diagnosis.distributed import data_parallel, rank_imbalance
 from oomdoc.distributed import DistOptions, launch_from_cli
 from oomdoc.distributed.launch import free_port
@@ -601,13 +602,13 @@ def test_a_sigterm_while_the_peer_s_death_is_raised_still_names_the_collective()
             raise_terminated()
     except Terminated as exc:
         failure = exc
-    capture = ParallelCapture({})
+    capture = ParallelCapture(ChildConfig(target="train.py", result_path="capture.json"))
     capture.note_failure(failure)
     assert capture.waiting_at is not None
     assert capture.waiting_at["collective"] == "all_reduce"
     assert capture.waiting_at["line"] == line
 
-    stopped_elsewhere = ParallelCapture({})
+    stopped_elsewhere = ParallelCapture(ChildConfig(target="train.py", result_path="capture.json"))
     try:
         raise_terminated()
     except Terminated as exc:

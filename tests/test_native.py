@@ -265,3 +265,22 @@ def test_ops_with_the_kernel_skip_the_python_snapshot_until_it_goes(compiled):
         backend.uninstall()
     assert not _registrations_of("aten::mul.Tensor", "Python")
     assert not _registrations_of("aten::mul.Tensor", "PythonTLSSnapshot")
+
+
+def test_the_stub_names_every_function_of_the_compiled_module(compiled):
+    """_oomdoc_counter.pyi (shipped with the package) is what type checkers
+    and readers see of the module: it must not drift from counter.cpp."""
+    import ast
+    from pathlib import Path
+
+    stub = Path(native.__file__).with_name("_oomdoc_counter.pyi")
+    declared = {
+        node.name for node in ast.parse(stub.read_text()).body if isinstance(node, ast.FunctionDef)
+    }
+    compiled_functions = {
+        name
+        for name in dir(compiled)
+        if not name.startswith("_") and callable(getattr(compiled, name))
+    }
+    assert declared == compiled_functions
+    assert all(getattr(compiled, name).__doc__ for name in declared)

@@ -170,8 +170,9 @@ def test_progress_lines_of_replays_side_by_side():
 HOLDER = """
 import json, os, signal, sys, time
 from oomdoc.capture.gate import DeviceGate
+from oomdoc.child_config import DeviceLock
 lock, status, waiter_status, fork = sys.argv[1:5]
-gate = DeviceGate({"path": lock, "status": status})
+gate = DeviceGate(DeviceLock(lock, status))
 gate.acquire()
 if fork == "fork" and os.fork() == 0:
     time.sleep(60)  # a DataLoader worker, say: it must not keep the lock
@@ -191,7 +192,8 @@ os.kill(os.getpid(), signal.SIGKILL)
 WAITER = """
 import sys
 from oomdoc.capture.gate import DeviceGate
-gate = DeviceGate({"path": sys.argv[1], "status": sys.argv[2]})
+from oomdoc.child_config import DeviceLock
+gate = DeviceGate(DeviceLock(sys.argv[1], sys.argv[2]))
 gate.acquire()
 print(round(gate.waited_s, 3))
 """
@@ -226,6 +228,7 @@ CUDA_GATE = """
 import json, sys
 import torch, torch.cuda, torch.cuda.memory
 from oomdoc.capture.gate import DeviceGate
+from oomdoc.child_config import DeviceLock
 
 class Tracker:
     excluded = 0.0
@@ -233,7 +236,7 @@ class Tracker:
         self.excluded += seconds
 
 original = torch.cuda._lazy_init
-gate = DeviceGate({"path": sys.argv[1], "status": sys.argv[2]})
+gate = DeviceGate(DeviceLock(sys.argv[1], sys.argv[2]))
 gate.install("cuda", Tracker())
 patched = torch.cuda._lazy_init is not original and torch.cuda.memory._lazy_init is not original
 torch.cuda.set_device(0)  # the device CUDA starts on: nothing to do yet

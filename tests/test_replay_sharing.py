@@ -31,8 +31,9 @@ GiB = 1024 * MiB
 GATE_USER = """
 import os, sys, time
 from oomdoc.capture.gate import DeviceGate
+from oomdoc.child_config import DeviceLock
 lock, status, go, *actions = sys.argv[1:]
-gate = DeviceGate({"path": lock, "status": status, "shared": True, "turnstile": lock + ".turnstile"})
+gate = DeviceGate(DeviceLock(lock, status, shared=True, turnstile=lock + ".turnstile"))
 for action in actions:
     if action == "shared":
         gate.acquire()

@@ -18,6 +18,7 @@ import time
 import traceback
 import types
 import zipfile
+from dataclasses import replace
 from typing import Any, Callable
 
 # Seconds since the epoch when this module started importing: with the
@@ -35,15 +36,17 @@ from oomdoc.capture import (
     STARTED_ENV,
     choose_device,
     ddp_buckets,
+    relaunch,
     spawned,
 )
-from oomdoc.capture.backends import CudaBackend, OutOfMemoryError, SimulatedBackend
+from oomdoc.capture.backends import Backend, CudaBackend, OutOfMemoryError, SimulatedBackend
 from oomdoc.capture.frameworks import capture_keys as framework_keys
 from oomdoc.capture.frameworks import install as detect_framework
 from oomdoc.capture.gate import DeviceGate
 from oomdoc.capture.imports import imported_packages, preimport
 from oomdoc.capture.parallel import ParallelCapture
 from oomdoc.capture.tracker import StopRun, Tracker
+from oomdoc.child_config import ChildConfig
 from oomdoc.fixes import fix_named
 from oomdoc.snapshot import dumps, write_atomic
 
@@ -99,23 +102,23 @@ def resolve_device(requested: str) -> str:
     return device
 
 
-def tracker_for(config: dict, backend) -> Tracker:
+def tracker_for(config: ChildConfig, backend: Backend) -> Tracker:
     """The tracker a run's configuration asks for (the script's process and
     each rank it spawns alike)."""
     return Tracker(
         backend,
-        max_steps=config.get("max_steps"),
-        micro_batches_per_step=config.get("micro_batches_per_step"),
-        expected_unit=config.get("expected_unit"),
-        stop_after_evaluation=config.get("stop_after_evaluation"),
+        max_steps=config.max_steps,
+        micro_batches_per_step=config.micro_batches_per_step,
+        expected_unit=config.expected_unit,
+        stop_after_evaluation=config.stop_after_evaluation,
     )
 
 
-def make_backend(config: dict):
-    if resolve_device(config["device"]) == "cuda":
+def make_backend(config: ChildConfig) -> Backend:
+    if resolve_device(config.device) == "cuda":
         # With a device lock, CUDA starts only when the script starts it.
-        return CudaBackend(config.get("capacity_bytes"), deferred=bool(config.get("device_lock")))
-    capacity = config.get("capacity_bytes") or psutil.virtual_memory().total
+        return CudaBackend(config.capacity_bytes, deferred=config.device_lock is not None)
+    capacity = config.capacity_bytes or psutil.virtual_memory().total
     return SimulatedBackend(capacity)
 
 
@@ -142,7 +145,7 @@ def _not_the_scripts(filename: str) -> bool:
     )
 
 
-def _without_oomdoc_frames(summary: traceback.TracebackException) -> None:
+def _without_oomdoc_frames(summary: traceback.TracebackException | None) -> None:
     """Drop the frames of oomdoc's own hooks and runpy's, here and in chained
     exceptions."""
     seen = set()
@@ -157,15 +160,14 @@ def _without_oomdoc_frames(summary: traceback.TracebackException) -> None:
         summary = None
 
 
-def _script_ended(backend) -> None:
+def _script_ended(backend: Backend) -> None:
     """The script has ended, however it ended: no more signals while its
     traceback prints and the capture is written (a SIGTERM from the
     launcher, as a rank's peer died, used to cut both short), and oomdoc's
     own work from here on does not count on the simulated device."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if isinstance(backend, SimulatedBackend):
-        backend.enabled = False
+    backend.stop_counting()
 
 
 def _print_user_traceback(exc: BaseException, target_file: str | None) -> None:
@@ -211,7 +213,9 @@ def _process_started() -> float:
         return _IMPORT_STARTED
 
 
-def run(config: dict, imported_at: float | None = None, preimported: dict | None = None) -> int:
+def run(
+    config: ChildConfig, imported_at: float | None = None, preimported: dict | None = None
+) -> int:
     """Run the script under capture; `imported_at` is when the imports above
     were done (a warm child waited after them, and imported `preimported`)."""
     timings = {"run_started": time.time(), "imported": imported_at or time.time()}
@@ -221,19 +225,19 @@ def run(config: dict, imported_at: float | None = None, preimported: dict | None
     try:
         backend = make_backend(config)
     except DeviceUnavailable as exc:
-        write_atomic(config["result_path"], dumps({"usage_error": str(exc)}), overwrite=True)
+        write_atomic(config.result_path, dumps({"usage_error": str(exc)}), overwrite=True)
         return 2
     # Say which device was chosen before the script runs: a parent whose
     # child dies without a capture still knows (and need not import torch).
     write_atomic(
-        config["result_path"],
+        config.result_path,
         dumps({"partial": True, "device": {"kind": backend.kind}}),
         overwrite=True,
     )
     tracker = tracker_for(config, backend)
     gate = None
-    if config.get("device_lock"):  # replays side by side: one on the device at a time
-        gate = DeviceGate(config["device_lock"])
+    if config.device_lock is not None:  # replays side by side: one on the device at a time
+        gate = DeviceGate(config.device_lock)
         gate.install(backend.kind, tracker)
     tracker.install()
     backend.install(tracker)
@@ -241,13 +245,13 @@ def run(config: dict, imported_at: float | None = None, preimported: dict | None
         tracker, backend, lambda o, c: _watcher_write(config, backend, tracker, o, c, timings)
     )
     detector = detect_framework(tracker)
-    if config.get("serial_dataloaders"):  # oomdoc check: the same batches every run
+    if config.serial_dataloaders:  # oomdoc check: the same batches every run
         from oomdoc.capture.serial_dataloaders import load_in_process
 
         tracker.dataloader_workers_removed = []
         load_in_process(tracker.dataloader_workers_removed)
-    if config.get("fix"):
-        apply_fix(config["fix"], tracker)
+    if config.fix:
+        apply_fix(config.fix, tracker)
     else:
         from oomdoc.fixes.smaller_batch import watch_dataloaders
 
@@ -256,26 +260,32 @@ def run(config: dict, imported_at: float | None = None, preimported: dict | None
     undo_hooks = [ddp_buckets.install(tracker)]
     # Processes the script starts: torch.multiprocessing.spawn's are
     # captured as ranks, others are named (oomdoc.capture.spawned).
-    if not config.get("distributed"):
+    relaunches = None
+    if config.distributed is None:
         tracker.spawned_ranks, tracker.uncaptured_processes = [], []
+        # ... and new Python processes a launcher starts as ranks (LOCAL_RANK
+        # set: Lightning's ddp, accelerate launch) are captured as ranks too.
+        relaunches = relaunch.Relaunches(config, tracker.spawned_ranks)
         undo_hooks += [
             spawned.install(config, tracker.spawned_ranks, _RUN_RANK),
             spawned.watch_processes(tracker.uncaptured_processes),
+            relaunches.install(),
         ]
 
-    target = config["target"]
-    script_args = list(config.get("args", []))
+    target = config.target
+    script_args = list(config.args)
     signal.signal(signal.SIGTERM, _on_sigterm)
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         signal.signal(signal.SIGINT, _on_sigint)
 
-    outcome, exit_code, error, system_exit, failure = "ok", 0, None, None, None
+    failure: BaseException | None = None
+    outcome, exit_code, error, system_exit = "ok", 0, None, None
     loaded_before = frozenset(sys.modules)
     timings["script_started"] = time.time()
     target_file = None
     try:
         try:
-            if config.get("is_module"):
+            if config.is_module:
                 # As `python -m`: the current folder first on the path.
                 sys.path[0] = os.getcwd()
                 spec = __import__("importlib.util").util.find_spec(target)
@@ -324,6 +334,9 @@ def run(config: dict, imported_at: float | None = None, preimported: dict | None
             gate.release()
         timings["lock_wait_s"] = gate.waited_s
     tracker.imported_packages = imported_packages(loaded_before)
+    if relaunches is not None:
+        # Their captures are read with this one: they end first (bounded).
+        relaunches.wait(replay=config.max_steps is not None)
     parallel.finish()  # blocks when its signal watcher writes the capture
     write_capture(config, backend, tracker, outcome, exit_code, error, timings)
     if gate is not None and gate.shared:
@@ -343,13 +356,14 @@ def run(config: dict, imported_at: float | None = None, preimported: dict | None
 _RUN_RANK = "oomdoc.capture.child:run_rank"
 
 
-def run_rank(config: dict, index: int, nprocs: int, fn: Callable, args: tuple) -> Any:
+def run_rank(config: ChildConfig, index: int, nprocs: int, fn: Callable, args: tuple) -> Any:
     """Run the script's function as the rank `index` that torch.multiprocessing.spawn
     started, under the same capture as the script (oomdoc.capture.spawned)."""
-    config = dict(config)
-    config["result_path"] = config["result_path"].format(index=index)
-    config["artifact_dir"] = os.path.join(config.get("artifact_dir") or ".", f"spawned{index}")
-    os.makedirs(config["artifact_dir"], exist_ok=True)
+    artifact_dir = os.path.join(config.artifact_dir or ".", f"spawned{index}")
+    config = replace(
+        config, result_path=config.result_path.format(index=index), artifact_dir=artifact_dir
+    )
+    os.makedirs(artifact_dir, exist_ok=True)
     timings = {"run_started": time.time(), "imported": time.time()}
     rank = {
         "rank": index,
@@ -369,8 +383,8 @@ def run_rank(config: dict, index: int, nprocs: int, fn: Callable, args: tuple) -
     parallel.install(
         tracker, backend, lambda o, c: _watcher_write(config, backend, tracker, o, c, timings)
     )
-    if config.get("fix"):
-        apply_fix(config["fix"], tracker)
+    if config.fix:
+        apply_fix(config.fix, tracker)
     undo_buckets = ddp_buckets.install(tracker)
     outcome, exit_code, error, failure = "ok", 0, None, None
     timings["script_started"] = time.time()
@@ -425,7 +439,14 @@ def run_script(path: str) -> None:
             sys.modules["__main__"] = previous
 
 
-def _watcher_write(config, backend, tracker, outcome, exit_code, timings) -> None:
+def _watcher_write(
+    config: ChildConfig,
+    backend: Backend,
+    tracker: Tracker,
+    outcome: str,
+    exit_code: int,
+    timings: dict[str, float],
+) -> None:
     """The capture of a rank stopped while stuck in a collective (written by
     oomdoc.distributed's signal watcher thread)."""
     timings.setdefault("script_ended", time.time())
@@ -454,7 +475,15 @@ def timing_summary(timings: dict) -> dict:
     return {key: round(max(value, 0.0), 3) for key, value in summary.items()}
 
 
-def write_capture(config, backend, tracker, outcome, exit_code, error, timings=None) -> None:
+def write_capture(
+    config: ChildConfig,
+    backend: Backend,
+    tracker: Tracker,
+    outcome: str,
+    exit_code: int,
+    error: dict | None,
+    timings: dict[str, float] | None = None,
+) -> None:
     tracker.finish()
     oom = tracker.oom if outcome == "oom" else None
     if outcome == "oom" and oom is None:
@@ -499,7 +528,7 @@ def write_capture(config, backend, tracker, outcome, exit_code, error, timings=N
     extra = {}
     if outcome == "oom":
         try:
-            extra = backend.on_oom_extra(config.get("artifact_dir"))
+            extra = backend.on_oom_extra(config.artifact_dir)
         except Exception as exc:
             print(f"oomdoc: could not save PyTorch's memory snapshot: {exc}", file=sys.stderr)
 
@@ -549,24 +578,25 @@ def write_capture(config, backend, tracker, outcome, exit_code, error, timings=N
         "capture_stats": tracker.capture_stats(),
         # Heavy installed packages the script imported: the replays' warm
         # children import them ahead (oomdoc.capture.imports).
-        "imported_packages": getattr(tracker, "imported_packages", []),
+        "imported_packages": tracker.imported_packages,
         # DataLoaders whose batch size the smaller-batch fix could change.
-        "dataloader_batch_sizes": getattr(tracker, "dataloader_batch_sizes", None),
+        "dataloader_batch_sizes": tracker.dataloader_batch_sizes,
         # oomdoc check: the num_workers of DataLoaders made to load in-process.
-        "dataloader_workers_removed": getattr(tracker, "dataloader_workers_removed", []),
+        "dataloader_workers_removed": tracker.dataloader_workers_removed,
         **framework_keys(tracker),
     }
-    for key in ("spawned_ranks", "uncaptured_processes"):
-        if getattr(tracker, key, None):
-            capture[key] = getattr(tracker, key)
-    if getattr(tracker, "parallel_capture", None) is not None:
+    if tracker.spawned_ranks:
+        capture["spawned_ranks"] = tracker.spawned_ranks
+    if tracker.uncaptured_processes:
+        capture["uncaptured_processes"] = tracker.uncaptured_processes
+    if tracker.parallel_capture is not None:
         capture.update(tracker.parallel_capture.fields())  # oomdoc.distributed
     if timings:
         capture["timings"] = timing_summary(timings)
-    if config.get("fix"):
+    if config.fix:
         # What the replayed fix actually changed (see Fix.apply in oomdoc.fixes).
         capture["fix_applied"] = getattr(tracker, "fix_applied", None)
-    write_atomic(config["result_path"], dumps(capture), overwrite=True)
+    write_atomic(config.result_path, dumps(capture), overwrite=True)
 
 
 def _wait_for_work(descriptor: int) -> tuple[str | None, float, dict]:
@@ -624,7 +654,7 @@ def main() -> None:
         print("oomdoc: the capture child needs $OOMDOC_CHILD_CONFIG", file=sys.stderr)
         sys.exit(2)
     with open(config_path, encoding="utf-8") as handle:
-        config = json.load(handle)
+        config = ChildConfig.from_json(handle.read())
     sys.exit(run(config, imported_at, preimported))
 
 

@@ -28,48 +28,32 @@ import functools
 import os
 import sys
 
+from oomdoc.frameworks.signs import SIGNS
 from oomdoc.script_flags import ARGPARSE, CONFIGURATOR
 
+# The tables below are built from each framework's declaration
+# (oomdoc.frameworks.signs): a new framework edits none of them.
 # Path fragments of a framework's own training code, as (fragment, name,
 # entry). A frame whose file contains the fragment is the framework driving
 # the step.
-FRAME_SIGNS: tuple[tuple[str, str, str], ...] = (
-    ("/transformers/trainer.py", "transformers", "Trainer"),
-    ("/transformers/trainer_seq2seq.py", "transformers", "Trainer"),
-    ("/lightning/pytorch/loops/", "lightning", "Trainer"),
-    ("/lightning/pytorch/trainer/", "lightning", "Trainer"),
-    ("/pytorch_lightning/loops/", "lightning", "Trainer"),
-    ("/pytorch_lightning/trainer/", "lightning", "Trainer"),
-    ("/lightning/fabric/fabric.py", "lightning", "Fabric"),
-    ("/lightning/fabric/wrappers.py", "lightning", "Fabric"),
-    ("/lightning_fabric/fabric.py", "lightning", "Fabric"),
-    ("/lightning_fabric/wrappers.py", "lightning", "Fabric"),
-    ("/accelerate/accelerator.py", "accelerate", "Accelerator"),
-    ("/accelerate/optimizer.py", "accelerate", "Accelerator"),
-    ("/accelerate/utils/operations.py", "accelerate", "Accelerator"),
+FRAME_SIGNS: tuple[tuple[str, str, str], ...] = tuple(
+    (fragment, signs.name, entry) for signs in SIGNS for fragment, entry in signs.frames
 )
 # Classes whose live instances in the user's frames show the framework is
 # used: (module that defines it, class, name, entry). Looked up only in
 # modules already imported; nothing is imported here.
-INSTANCE_SIGNS: tuple[tuple[str, str, str, str], ...] = (
-    ("transformers.trainer", "Trainer", "transformers", "Trainer"),
-    ("lightning.pytorch.trainer.trainer", "Trainer", "lightning", "Trainer"),
-    ("pytorch_lightning.trainer.trainer", "Trainer", "lightning", "Trainer"),
-    ("lightning.fabric.fabric", "Fabric", "lightning", "Fabric"),
-    ("lightning_fabric.fabric", "Fabric", "lightning", "Fabric"),
-    ("accelerate.accelerator", "Accelerator", "accelerate", "Accelerator"),
+INSTANCE_SIGNS: tuple[tuple[str, str, str, str], ...] = tuple(
+    (module, class_name, signs.name, entry)
+    for signs in SIGNS
+    for module, class_name, entry in signs.instances
 )
 # When several show up (the HF Trainer drives an Accelerator), the one that
 # drives the others wins.
-PRIORITY = {"plain": 0, "accelerate": 1, "lightning": 2, "transformers": 3}
+PRIORITY = {"plain": 0, **{signs.name: signs.rank for signs in SIGNS}}
 ENTRY_PRIORITY = {"Fabric": 0, "Trainer": 1}
 # Packages whose version is reported for a framework name, by the import
 # name that the evidence came from.
-VERSION_MODULES = {
-    "transformers": ("transformers",),
-    "lightning": ("lightning", "pytorch_lightning", "lightning_fabric"),
-    "accelerate": ("accelerate",),
-}
+VERSION_MODULES = {signs.name: signs.version_modules for signs in SIGNS}
 _FRAME_LIMIT = 400
 _FRAME_OBJECTS = 200
 
@@ -143,7 +127,7 @@ class FrameworkDetector:
                 pass  # recording must never change what the script sees
             return original(parser, *args, **kwargs)
 
-        argparse.ArgumentParser.parse_known_args = parse_known_args
+        argparse.ArgumentParser.parse_known_args = parse_known_args  # type: ignore[method-assign,assignment]  # patched on the class for every parser
         self._restore.append(lambda: setattr(argparse.ArgumentParser, "parse_known_args", original))
 
     # ------------------------------------------------------------ argparse
@@ -176,7 +160,7 @@ class FrameworkDetector:
                         else []
                     )
         for dataclass_type in getattr(parser, "dataclass_types", None) or ():
-            if dataclasses.is_dataclass(dataclass_type):
+            if isinstance(dataclass_type, type) and dataclasses.is_dataclass(dataclass_type):
                 self.dataclasses[dataclass_type.__name__] = [
                     f.name for f in dataclasses.fields(dataclass_type) if f.init
                 ]
@@ -230,10 +214,15 @@ class FrameworkDetector:
         """The wrappers a framework puts around the model: Fabric's
         `_FabricModule`, accelerate's `prepare` mark."""
         module_name = type(module).__module__ or ""
-        if module_name.startswith(("lightning.fabric", "lightning_fabric")):
-            self._offer("lightning", "Fabric", module_name.split(".")[0], "forward")
-        elif getattr(module, "_is_accelerate_prepared", False):
-            self._offer("accelerate", "Accelerator", "accelerate", "forward")
+        for signs in SIGNS:
+            for prefix, entry in signs.wrapper_modules:
+                if module_name.startswith(prefix):
+                    self._offer(signs.name, entry, module_name.split(".")[0], "forward")
+                    return
+            for attribute, entry in signs.wrapper_marks:
+                if getattr(module, attribute, False):
+                    self._offer(signs.name, entry, signs.version_modules[0], "forward")
+                    return
 
     def _observe(self, moment: str, frame) -> None:
         try:

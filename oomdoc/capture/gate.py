@@ -50,6 +50,8 @@ import threading
 import time
 from typing import Any, Callable
 
+from oomdoc.child_config import DeviceLock
+
 
 def patch_lazy_init(replacement: Callable[[], Any]) -> Callable[[], None]:
     """Make every loaded `torch.cuda._lazy_init` (torch.cuda's own, and the
@@ -60,12 +62,12 @@ def patch_lazy_init(replacement: Callable[[], Any]) -> Callable[[], None]:
     patched = []
     for name, module in list(sys.modules.items()):
         if name.startswith("torch") and getattr(module, "_lazy_init", None) is original:
-            module._lazy_init = replacement  # type: ignore[attr-defined]
+            setattr(module, "_lazy_init", replacement)  # noqa: B010 (any torch module that holds it)
             patched.append(module)
 
     def undo() -> None:
         for module in patched:
-            module._lazy_init = original
+            setattr(module, "_lazy_init", original)  # noqa: B010 (as above)
 
     return undo
 
@@ -84,12 +86,12 @@ SHARED, EXCLUSIVE = "shared", "exclusive"
 class DeviceGate:
     """The device lock of one child (see the module's docstring)."""
 
-    def __init__(self, config: dict):
-        self.path = str(config["path"])
-        self.status_path = config.get("status")
+    def __init__(self, lock: DeviceLock):
+        self.path = lock.path
+        self.status_path = lock.status
         # Untimed device work may overlap other children's (the card has room).
-        self.shared = bool(config.get("shared"))
-        self.turnstile_path = config.get("turnstile")
+        self.shared = bool(lock.shared)
+        self.turnstile_path = lock.turnstile
         self._descriptor: int | None = None
         self.mode: str | None = None  # SHARED, EXCLUSIVE, or None: not held
         # Two threads of the script may start CUDA at once: one waits for the
@@ -226,7 +228,7 @@ class DeviceGate:
 
         compile_noted.__wrapped__ = original  # type: ignore[attr-defined]
         compile_noted.__doc__ = original.__doc__
-        torch.compile = compile_noted  # type: ignore[assignment]
+        torch.compile = compile_noted
 
     def _before_cuda_starts(self) -> None:
         import torch.cuda

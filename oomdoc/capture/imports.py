@@ -87,7 +87,7 @@ def imported_packages(loaded_before: set[str] | frozenset[str]) -> list[str]:
 
 
 def _imported_packages(loaded_before: set[str] | frozenset[str]) -> list[str]:
-    stdlib = getattr(sys, "stdlib_module_names", frozenset())
+    stdlib: frozenset[str] = getattr(sys, "stdlib_module_names", frozenset())
     dirs = _install_dirs()
     counts: dict[str, int] = {}
     for name in list(sys.modules):

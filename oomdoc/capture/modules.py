@@ -42,6 +42,7 @@ from __future__ import annotations
 import bisect
 import os
 import weakref
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -114,6 +115,7 @@ class _StorageRef(weakref.ref):
     """A weak reference to a CUDA storage that knows its data pointer."""
 
     __slots__ = ("ptr",)
+    ptr: int
 
 
 class ModuleScopes:
@@ -549,7 +551,7 @@ def module_table(attributed, fold, limit: int = TOP_MODULES) -> list[dict]:
             ]
         listed.append(entry)
     if rest:
-        remainder = {
+        remainder: dict[str, Any] = {
             "path": REMAINDER,
             "class": None,
             "blocks": len(rest),

@@ -27,12 +27,17 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.nn as nn
 
 from oomdoc import frames
+from oomdoc.capture.backend_base import Backend
+from oomdoc.child_config import ChildConfig
+
+if TYPE_CHECKING:
+    from oomdoc.capture.tracker import Tracker
 
 # After SIGTERM/SIGINT, how long the main thread has to reach its own handler
 # (and write the capture) before the watcher writes it.
@@ -51,20 +56,22 @@ def rank_environment() -> dict:
         except (KeyError, ValueError):
             return default
 
+    local_rank = integer("LOCAL_RANK", 0)
+    node_rank = integer("GROUP_RANK", integer("NODE_RANK"))
     return {
-        "rank": integer("RANK", 0),
-        "local_rank": integer("LOCAL_RANK", 0),
+        # Lightning's launcher sets LOCAL_RANK and NODE_RANK, not RANK.
+        "rank": integer("RANK", local_rank if not node_rank else None),
+        "local_rank": local_rank,
         "world_size": integer("WORLD_SIZE", 1),
         "local_world_size": integer("LOCAL_WORLD_SIZE", 1),
-        "node_rank": integer("GROUP_RANK"),
+        "node_rank": node_rank,
         "host": socket.gethostname(),
         "pid": os.getpid(),
     }
 
 
-def fill_rank(text: str | None, rank: dict) -> str | None:
-    if text is None:
-        return None
+def fill_rank(text: str, rank: dict) -> str:
+    """A path of the job's configuration with this rank's numbers in it."""
     return text.replace("{rank}", str(rank["rank"])).replace(
         "{local_rank}", str(rank["local_rank"])
     )
@@ -103,11 +110,11 @@ def stack_of_exception(exc: BaseException) -> list[tuple[str, Any, str]]:
 class ParallelCapture:
     """Data-parallel wrappers seen, and the rank-aware parts of a child."""
 
-    def __init__(self, config: dict, rank: dict | None = None):
+    def __init__(self, config: ChildConfig, rank: dict | None = None):
         """`rank`: this process's place in the job when no launcher's
         environment says it (a `torch.multiprocessing.spawn` child)."""
         self.config = config
-        self.distributed = bool(config.get("distributed"))
+        self.distributed = config.distributed is not None
         self.rank: dict[str, Any] = (rank or rank_environment()) if self.distributed else {}
         self.data_parallel: list[dict] = []
         self.ddp_modules: list = []
@@ -119,23 +126,25 @@ class ParallelCapture:
         self._waiting_lock = threading.Lock()
         self._owner: str | None = None
         self._writer: Any = None
-        self._backend: Any = None
+        self._backend: Backend | None = None
         self._main_ident = threading.main_thread().ident
-        if self.distributed:
-            config["result_path"] = fill_rank(config["result_path"], self.rank)
-            config["artifact_dir"] = fill_rank(config.get("artifact_dir"), self.rank)
-            if config["artifact_dir"]:
-                os.makedirs(config["artifact_dir"], exist_ok=True)
-            started = fill_rank(config["distributed"].get("started_path"), self.rank)
+        if config.distributed is not None:
+            config.result_path = fill_rank(config.result_path, self.rank)
+            if config.artifact_dir:
+                config.artifact_dir = fill_rank(config.artifact_dir, self.rank)
+                os.makedirs(config.artifact_dir, exist_ok=True)
+            started = config.distributed.started_path
             if started:
                 # The parent ends a job that does not end by itself by these pids.
-                with open(started, "w", encoding="utf-8") as handle:
+                with open(fill_rank(started, self.rank), "w", encoding="utf-8") as handle:
                     handle.write(f"{os.getpid()}\n")
-            if config.get("device") != "cpu" and torch.cuda.is_available():
+            if config.device != "cpu" and torch.cuda.is_available():
                 torch.cuda.set_device(self.rank["local_rank"] % torch.cuda.device_count())
 
     # ------------------------------------------------------------ install
-    def install(self, tracker, backend, writer) -> None:
+    def install(
+        self, tracker: Tracker, backend: Backend, writer: Callable[[str, int], None]
+    ) -> None:
         """`writer(outcome, exit_code)` writes the capture (used by the
         watcher when the main thread is stuck in a collective)."""
         tracker.parallel_capture = self
@@ -151,7 +160,8 @@ class ParallelCapture:
                 self.oom_time = time.time()
             return on_oom(*args, **kwargs)
 
-        tracker.on_oom = stamped
+        # Wrapped on this tracker only (as the framework detector does).
+        tracker.on_oom = stamped  # type: ignore[method-assign]
         self._start_watcher()
 
     def _on_model_call(self, module) -> None:
@@ -214,8 +224,8 @@ class ParallelCapture:
                 return  # the main thread is writing the capture
             exit_code = 130 if number == signal.SIGINT else 143
             try:
-                if hasattr(self._backend, "enabled"):
-                    self._backend.enabled = False
+                if self._backend is not None:
+                    self._backend.stop_counting()
                 # The device may never finish a collective whose peer died:
                 # the step's closing synchronize must not wait for it.
                 torch.cuda.synchronize = lambda *args, **kwargs: None

@@ -23,6 +23,8 @@ dispatch mode is pushed or a tensor subclass with its own
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 import torch.utils._python_dispatch as python_dispatch
 
@@ -78,7 +80,9 @@ class PassThrough:
         self._libraries: list = []
         self._patched: list[tuple[object, str, object, bool]] = []
         self.ops: list[str] = []
-        self._native = None  # the compiled check's module while its kernels are in
+        self._native: ModuleType | None = (
+            None  # the compiled check's module while its kernels are in
+        )
         self._ledger = None  # the device it counts for
         self.native_ops = 0
 

@@ -21,7 +21,6 @@ SIGTERM: they write their captures, ended with the replay).
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -29,8 +28,11 @@ import sys
 import time
 from typing import Any, Callable
 
+from dataclasses import replace
+
 from oomdoc.capture import CONFIG_ENV
 from oomdoc.capture.spawned import mark_ended_with_peers
+from oomdoc.child_config import ChildConfig, DistributedJob
 
 # Python options that take a value (`-X dev`, `-W ignore`); the others
 # before the script (-u, -B, -O, ...) take none.
@@ -72,24 +74,27 @@ def script_of(command: Any) -> tuple[str, bool, list[str]] | None:
 class Relaunches:
     """The ranks this process started as new Python processes."""
 
-    def __init__(self, config: dict):
+    def __init__(self, config: ChildConfig, started: list[dict]):
+        """`started`: where the launches are noted (the capture's `spawned_ranks`)."""
         self.config = config
         self.processes: list[subprocess.Popen] = []
         self.capture_paths: list[str] = []  # each process's capture, by position
-        self.started: list[dict] = []
-        self._original: Callable | None = None
+        self.started = started
 
-    def rank_config(self, script: str, is_module: bool, args: list[str]) -> dict:
-        directory = os.path.dirname(self.config["result_path"])
-        config = {
-            key: value
-            for key, value in self.config.items()
-            if key not in ("device_lock", "result_path", "distributed", "share_device")
-        }
-        config.update(target=script, is_module=is_module, args=list(args))
-        config["result_path"] = os.path.join(directory, RELAUNCHED_CAPTURE)
-        config["distributed"] = {"relaunched": True}
-        return config
+    def rank_config(self, script: str, is_module: bool, args: list[str]) -> ChildConfig:
+        """A rank's configuration: the child's, for that script, writing beside it."""
+        directory = os.path.dirname(self.config.result_path)
+        artifacts = self.config.artifact_dir
+        return replace(
+            self.config,
+            target=script,
+            is_module=is_module,
+            args=list(args),
+            result_path=os.path.join(directory, RELAUNCHED_CAPTURE),
+            artifact_dir=os.path.join(artifacts, "rank{rank}") if artifacts else None,
+            device_lock=None,
+            distributed=DistributedJob(relaunched=True),
+        )
 
     def install(self) -> Callable[[], None]:
         """Patch subprocess.Popen; returns the undo."""
@@ -107,16 +112,16 @@ class Relaunches:
             config = relaunches.rank_config(script, is_module, script_args)
             index = len(relaunches.processes)
             path = os.path.join(
-                os.path.dirname(relaunches.config["result_path"]), f"relaunch-{index}.json"
+                os.path.dirname(relaunches.config.result_path), f"relaunch-{index}.json"
             )
             with open(path, "w", encoding="utf-8") as handle:
-                json.dump(config, handle)
+                handle.write(config.to_json())
             kwargs["env"] = {**environment, CONFIG_ENV: path}
             command = [sys.executable, "-m", "oomdoc.capture.child"]
             original(popen, command, *rest, **kwargs)
             relaunches.processes.append(popen)
             rank = environment.get("RANK") or environment["LOCAL_RANK"]
-            relaunches.capture_paths.append(config["result_path"].replace("{rank}", str(rank)))
+            relaunches.capture_paths.append(config.result_path.replace("{rank}", str(rank)))
             name = script if is_module else os.path.basename(script)
             for entry in relaunches.started:
                 if entry["function"] == name:
@@ -128,7 +133,6 @@ class Relaunches:
                 )
 
         subprocess.Popen.__init__ = __init__  # type: ignore[method-assign]
-        self._original = original
 
         def undo() -> None:
             subprocess.Popen.__init__ = original  # type: ignore[method-assign]

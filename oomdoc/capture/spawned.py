@@ -20,7 +20,10 @@ import json
 import os
 import signal
 import time
+from dataclasses import replace
 from typing import Any, Callable
+
+from oomdoc.child_config import ChildConfig, DistributedJob
 
 SPAWNED_CAPTURE = "capture-spawned{index}.json"
 # A replay's spawned ranks end within this many seconds of the first one
@@ -36,7 +39,7 @@ class CapturedRank:
     oomdoc.capture.child's run_rank: that module runs as `__main__` in the
     script's process, so it is named, not pickled)."""
 
-    def __init__(self, fn: Callable, config: dict, nprocs: int, runner: str):
+    def __init__(self, fn: Callable, config: ChildConfig, nprocs: int, runner: str):
         self.fn = fn
         self.config = config
         self.nprocs = nprocs
@@ -48,20 +51,19 @@ class CapturedRank:
         return run_rank(self.config, index, self.nprocs, self.fn, args)
 
 
-def rank_config(config: dict) -> dict:
-    """The spawned ranks' configuration: the child's, writing beside it."""
-    directory = os.path.dirname(config["result_path"])
-    spawned = {
-        key: value
-        for key, value in config.items()
-        if key not in ("device_lock", "result_path", "distributed")
-    }
-    spawned["result_path"] = os.path.join(directory, SPAWNED_CAPTURE)
-    spawned["distributed"] = {"spawned": True}
-    return spawned
+def rank_config(config: ChildConfig) -> ChildConfig:
+    """The spawned ranks' configuration: the child's, writing beside it
+    (`{index}` is each rank's), without the device lock its process holds."""
+    directory = os.path.dirname(config.result_path)
+    return replace(
+        config,
+        result_path=os.path.join(directory, SPAWNED_CAPTURE),
+        device_lock=None,
+        distributed=DistributedJob(spawned=True),
+    )
 
 
-def install(config: dict, started: list, runner: str) -> Callable[[], None]:
+def install(config: ChildConfig, started: list, runner: str) -> Callable[[], None]:
     """Wrap `torch.multiprocessing`'s start_processes (which `spawn` calls)
     so that its processes are captured by the function `runner` names
     (`run_rank(config, index, nprocs, fn, args)`); `started` collects what
@@ -80,10 +82,10 @@ def install(config: dict, started: list, runner: str) -> Callable[[], None]:
         captured = CapturedRank(fn, spawned, int(nprocs), runner)
         bound = signature.bind(captured, args, nprocs, *rest, **kwargs)
         join = bound.arguments.get("join", True)
-        if config.get("max_steps") is None or not join:
+        if config.max_steps is None or not join:
             return original(captured, args, nprocs, *rest, **kwargs)
         bound.arguments["join"] = False
-        return join_together(original(*bound.args, **bound.kwargs), spawned["result_path"])
+        return join_together(original(*bound.args, **bound.kwargs), spawned.result_path)
 
     start_processes.__wrapped__ = original  # type: ignore[attr-defined]
     owners = [
@@ -92,11 +94,11 @@ def install(config: dict, started: list, runner: str) -> Callable[[], None]:
         if getattr(module, "start_processes", None) is original
     ]
     for module in owners:
-        module.start_processes = start_processes
+        module.start_processes = start_processes  # type: ignore[attr-defined]  # (torch's stub for the package omits it)
 
     def undo() -> None:
         for module in owners:
-            module.start_processes = original
+            module.start_processes = original  # type: ignore[attr-defined]  # (as above)
 
     return undo
 

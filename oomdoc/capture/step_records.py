@@ -11,6 +11,11 @@ the snapshot says how many (`steps_omitted`).
 
 from __future__ import annotations
 
+import time
+from collections import deque
+
+import torch
+
 # Kept exactly: this many first steps, last steps, and highest peaks between.
 KEEP_FIRST = 32
 KEEP_LAST = 64
@@ -48,3 +53,47 @@ class BoundedSteps:
             reverse=True,
         )[: self.keep_peaks]
         steps[self.keep_first : end] = [between[position] for position in sorted(highest)]
+
+
+class CudaStepTimer:
+    """CUDA step durations without waiting for the GPU at every step.
+
+    An event is recorded on the current stream at each step boundary; a
+    step's duration is the GPU time between its two events (in steady state
+    the step's wall time, whether the GPU or the host is the bottleneck),
+    read once the later event has completed. The first step, which has no
+    event before it, is timed on the host after one synchronize. Until an
+    event is read the host-measured duration stands."""
+
+    def __init__(self):
+        self._last_event = None
+        self._pending: deque = deque()
+
+    def close(self, step: dict, started: float) -> None:
+        try:
+            event = torch.cuda.Event(enable_timing=True)
+            if self._last_event is None:
+                torch.cuda.synchronize()
+                step["duration_s"] = round(time.perf_counter() - started, 6)
+                event.record()
+            else:
+                event.record()
+                self._pending.append((step, self._last_event, event))
+            self._last_event = event
+            self.collect(block=False)
+        except Exception:  # a broken context: keep the host-measured duration
+            self._last_event = None
+
+    def collect(self, block: bool) -> None:
+        pending = self._pending
+        while pending:
+            step, start, end = pending[0]
+            try:
+                if block:
+                    end.synchronize()
+                elif not end.query():
+                    return
+                step["duration_s"] = round(start.elapsed_time(end) / 1000.0, 6)
+            except Exception:
+                pass
+            pending.popleft()

@@ -37,9 +37,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from oomdoc.capture import CONFIG_ENV, STARTED_ENV
+from oomdoc.child_config import ChildConfig, DistributedJob
 from oomdoc.distributed import DistOptions
 from oomdoc.distributed.merge import read_captures
-from oomdoc.runner import ChildRequest, ChildResult, child_env
+from oomdoc.runner import ChildRequest, ChildResult, child_config, child_env
 
 KILL_GRACE_S = 10.0
 # A replay's ranks end within this many seconds of the first one.
@@ -83,27 +84,18 @@ def launcher_command(dist: DistOptions, master_port: int | None) -> list[str]:
     ]
 
 
-def job_config(request: ChildRequest, workdir: str, dist: DistOptions) -> dict:
+def job_config(request: ChildRequest, workdir: str, dist: DistOptions) -> ChildConfig:
     """The configuration every rank reads; `{rank}` is filled in by each."""
-    artifact_dir = request.artifact_dir or workdir
-    return {
-        "target": request.target,
-        "is_module": request.is_module,
-        "args": list(request.args),
-        "device": request.device,
-        "capacity_bytes": request.capacity_bytes,
-        "max_steps": request.max_steps,
-        "micro_batches_per_step": request.micro_batches_per_step,
-        "expected_unit": request.expected_unit,
-        "stop_after_evaluation": request.stop_after_evaluation,
-        "fix": request.fix,
-        "result_path": os.path.join(workdir, "capture-rank{rank}-local{local_rank}.json"),
-        "artifact_dir": os.path.join(artifact_dir, "rank{rank}"),
-        "distributed": {
-            "nproc_per_node": dist.nproc_per_node,
-            "started_path": os.path.join(workdir, "started-rank{rank}-local{local_rank}.pid"),
-        },
-    }
+    config = child_config(
+        request,
+        os.path.join(workdir, "capture-rank{rank}-local{local_rank}.json"),
+        os.path.join(request.artifact_dir or workdir, "rank{rank}"),
+    )
+    config.distributed = DistributedJob(
+        nproc_per_node=dist.nproc_per_node,
+        started_path=os.path.join(workdir, "started-rank{rank}-local{local_rank}.pid"),
+    )
+    return config
 
 
 class FailureWatch:
@@ -195,7 +187,7 @@ def run_job(request: ChildRequest, dist: DistOptions) -> JobResult:
     with tempfile.TemporaryDirectory(prefix="oomdoc-job-") as workdir:
         config_path = os.path.join(workdir, "config.json")
         with open(config_path, "w", encoding="utf-8") as handle:
-            json.dump(job_config(request, workdir, dist), handle)
+            handle.write(job_config(request, workdir, dist).to_json())
         port = (
             free_port()
             if dist.master_port is None

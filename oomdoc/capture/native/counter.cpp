@@ -919,15 +919,16 @@ void after_fork_in_child() {
 }  // namespace
 
 PYBIND11_MODULE(_oomdoc_counter, module) {
+  // Signatures, and why each function exists: _oomdoc_counter.pyi beside this file.
   module.doc() = "The simulated device's per-op accounting (oomdoc.capture.native).";
-  module.def("install", &install);
-  module.def("uninstall", &uninstall);
-  module.def("set_enabled", &set_enabled);
-  module.def("look", &look_python);
-  module.def("read_events", &read_events);
-  module.def("read_and_reset_peak", &read_and_reset_peak);
-  module.def("totals", &totals);
-  module.def("hand_over", &hand_over);
-  module.def("storage_table", &storage_table);
-  module.def("after_fork_in_child", &after_fork_in_child);
+  module.def("install", &install, "Register the ledger's kernel for these ops; returns the names registered.");
+  module.def("uninstall", &uninstall, "Remove the kernels and empty the ledger.");
+  module.def("set_enabled", &set_enabled, "Count or not (the tracker's own work must not).");
+  module.def("look", &look_python, "The dispatch mode's check of an op's tensors (its arguments, or what it made).");
+  module.def("read_events", &read_events, "The log of adds, frees and resizes since the last read.");
+  module.def("read_and_reset_peak", &read_and_reset_peak, "(peak, live) bytes; the peak starts again from the live bytes.");
+  module.def("totals", &totals, "(live bytes, peak bytes, storages registered).");
+  module.def("hand_over", &hand_over, "Stop keeping the ledger: [(key, storage)] of the live storages.");
+  module.def("storage_table", &storage_table, "{storage key: nbytes} of the CPU tensors among these, each storage once.");
+  module.def("after_fork_in_child", &after_fork_in_child, "In a forked process: count nothing, never take the mutex.");
 }
