@@ -426,12 +426,15 @@ def test_rank_imbalance_needs_ten_percent_at_the_same_step_and_phase():
     found = rank_imbalance(
         _job(
             _rank(0, even, even),
-            _rank(1, even, {"forward": 100, "backward": 111}),
+            _rank(1, even, {"forward": 100, "backward": 112}),
             _rank(2, even, even),
         )
     )
     assert found["kind"] == "rank_imbalance" and found["summary"].startswith("Rank 1 holds")
-    assert "(1, backward)" in found["summary"] and found["bytes"] == 11
+    assert "(1, backward)" in found["summary"] and found["bytes"] == 12
+    # 50% more during setup, but a small share of the job's peak: no word.
+    setup = {"setup": 10, "forward": 100}
+    assert rank_imbalance(_job(_rank(0, setup), _rank(1, {**setup, "setup": 15}))) is None
 
 
 def test_rank_imbalance_compares_only_moments_every_rank_had():

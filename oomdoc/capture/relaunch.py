@@ -26,9 +26,8 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Any, Callable
-
 from dataclasses import replace
+from typing import Any, Callable
 
 from oomdoc.capture import CONFIG_ENV
 from oomdoc.capture.spawned import mark_ended_with_peers
@@ -128,9 +127,7 @@ class Relaunches:
                     entry["nprocs"] += 1
                     break
             else:
-                relaunches.started.append(
-                    {"function": name, "nprocs": 1, "launcher": "subprocess"}
-                )
+                relaunches.started.append({"function": name, "nprocs": 1, "launcher": "subprocess"})
 
         subprocess.Popen.__init__ = __init__  # type: ignore[method-assign]
 

@@ -82,19 +82,24 @@ def held_by_moment(entry: RankEntry) -> dict[tuple[int, str], int]:
 
 def rank_imbalance(snapshot: Snapshot) -> dict | None:
     """One rank holds 10% or more above every other rank at the same step
-    and phase (work only one rank does, such as evaluation on rank 0, is no
-    common moment). It never contradicts the OOM: when a rank ran out of
+    and phase, and that much of the job's peak (work only one rank does,
+    such as evaluation on rank 0, is no common moment). It never contradicts the OOM: when a rank ran out of
     memory first, only that rank can be the one that holds more."""
     ranks = [entry for entry in snapshot.ranks if entry.captured and entry.steps]
     if len(ranks) < 2:
         return None
     moments = [held_by_moment(entry) for entry in ranks]
     common = set(moments[0]).intersection(*moments[1:])
+    # A difference worth a word is a share of what the job held at its
+    # peak, not of a small moment (a few hundred KiB more during setup).
+    job_peak = max(max(held.values(), default=0) for held in moments)
     best = None
     for key in sorted(common):
         order = sorted(range(len(ranks)), key=lambda i: moments[i][key], reverse=True)
         high, runner_up = moments[order[0]][key], moments[order[1]][key]
         if runner_up <= 0 or high < (1 + IMBALANCE_SHARE) * runner_up:
+            continue
+        if high - runner_up < IMBALANCE_SHARE * job_peak:
             continue
         if best is None or high - runner_up > best[1]:
             best = (key, high - runner_up, order)

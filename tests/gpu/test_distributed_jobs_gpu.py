@@ -49,7 +49,18 @@ def _run(tmp_path, name, script, args, options=()):
     snapshot = tmp_path / f"{name}.json"
     started = time.perf_counter()
     result = run_oomdoc(
-        ["run", "--device", "cuda", "--device-memory", CAP, *options, "-o", snapshot, script, *args],
+        [
+            "run",
+            "--device",
+            "cuda",
+            "--device-memory",
+            CAP,
+            *options,
+            "-o",
+            snapshot,
+            script,
+            *args,
+        ],
         cwd=tmp_path,
         timeout=900,
     )

@@ -88,7 +88,9 @@ def main():
     parser.add_argument("--accumulate-grad-batches", type=int, default=1)
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--accelerator", default="cpu", help="cpu (the tests) or gpu")
-    parser.add_argument("--devices", type=int, default=1, help="processes (Lightning launches them)")
+    parser.add_argument(
+        "--devices", type=int, default=1, help="processes (Lightning launches them)"
+    )
     parser.add_argument("--strategy", default="auto", help="auto, ddp (subprocesses), ddp_spawn")
     args = parser.parse_args()
 
