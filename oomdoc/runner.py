@@ -597,7 +597,7 @@ def with_spawned_ranks(capture: dict | None, spawned: list[dict]) -> dict | None
     own_steps = len((capture or {}).get("steps") or [])
     ranks = {(member.get("rank") or {}).get("rank") for member in spawned}
     own_is_rank = capture is not None and own_steps > 0 and 0 not in ranks
-    if own_is_rank:
+    if capture is not None and own_is_rank:
         world = max([len(spawned) + 1, *(r + 1 for r in ranks if isinstance(r, int))])
         own = {**capture, "rank": {"rank": 0, "local_rank": 0, "world_size": world}}
         members.insert(0, own)

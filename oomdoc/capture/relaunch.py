@@ -129,7 +129,7 @@ class Relaunches:
             else:
                 relaunches.started.append({"function": name, "nprocs": 1, "launcher": "subprocess"})
 
-        subprocess.Popen.__init__ = __init__  # type: ignore[method-assign]
+        subprocess.Popen.__init__ = __init__  # type: ignore[method-assign,assignment]  # (an overloaded __init__ in the stubs)
 
         def undo() -> None:
             subprocess.Popen.__init__ = original  # type: ignore[method-assign]
