@@ -11,19 +11,18 @@ import pytest
 from oomdoc.fixes import fix_named
 from oomdoc.model import FixResult, Prescription, Snapshot
 from oomdoc.replay.batch import SearchResult
-from oomdoc.replay.orchestrate import (
-    Replay,
-    ReplaysInterrupted,
-    ReplayState,
+from oomdoc.replay.plan import ReplayState, is_no_op
+from oomdoc.replay.prescription import (
+    Candidate,
+    choose,
     measured_choice,
-    replay_key,
+    plan_limits,
     replay_prescription,
-    saver_first_probe,
-    saver_trial,
     start_savers_ahead,
     verify_with_flags,
 )
-from oomdoc.replay.prescribe import Candidate, choose, is_no_op, plan_limits
+from oomdoc.replay.replayer import Replay, ReplaysInterrupted, replay_key
+from oomdoc.replay.search import saver_first_probe, saver_trial
 
 MiB = 1024**2
 

@@ -70,7 +70,7 @@ class BatchRun:
     inconclusive: bool = False  # timed out or failed otherwise: says nothing about memory
     wall_s: float = 0.0
     note: str = ""
-    replay: Any = None  # the replay that measured it (oomdoc.replay.orchestrate.Replay)
+    replay: Any = None  # the replay that measured it (oomdoc.replay.replayer.Replay)
 
 
 def steps_timed(steps: list[Step]) -> list[Step]:
