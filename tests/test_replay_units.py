@@ -540,3 +540,26 @@ def test_the_replays_gradient_accumulation_holds_steps_and_zero_grads_back():
     assert grads == [1.0, 2.0, 1.0, 2.0, 3.0]
     assert all(losses) and state == 1
     assert record["optimizer_steps"] == 4
+
+
+def test_replay_imports_nothing_of_distributed():
+    """One direction (issue 27): oomdoc.distributed runs the replays (handing
+    replay_fixes its launcher), so no module of oomdoc.replay imports
+    oomdoc.distributed, not even lazily or under TYPE_CHECKING."""
+    import ast
+    import pathlib
+
+    import oomdoc.replay
+
+    offending = []
+    for path in sorted(pathlib.Path(oomdoc.replay.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            offending += [
+                f"{path.name}: {name}" for name in names if name.startswith("oomdoc.distributed")
+            ]
+    assert offending == []

@@ -50,6 +50,7 @@ from oomdoc.replay.prescription import (
 from oomdoc.replay.progress import Progress
 from oomdoc.replay.replayer import (
     REPLAY_ENV,
+    Launch,
     Replay,
     Replayer,
     ReplaysInterrupted,
@@ -77,10 +78,12 @@ def replay_fixes(
     request: ChildRequest,
     stderr: TextIO | None = None,
     pool: WarmPool | None = None,
+    launch: Launch | None = None,
 ) -> None:
     """Measure the fixes for an OOM, store them ranked in `snapshot`, and
     the prescription. `pool`: warm children started earlier (one is made
-    when not given)."""
+    when not given). `launch`: how each replay's child runs when not by
+    oomdoc.runner.run_child (a distributed job's launcher)."""
     stderr = stderr or sys.stderr
     own_pool = pool is None
     pool = pool or warm_pool(request)
@@ -99,7 +102,15 @@ def replay_fixes(
     # side by side: Ctrl-C stops them all and keeps what was measured.
     with ChildSignals() as signals:
         replayer = Replayer(
-            snapshot, options, request, progress, pool, leak=leak, jobs=jobs, signals=signals
+            snapshot,
+            options,
+            request,
+            progress,
+            pool,
+            leak=leak,
+            jobs=jobs,
+            signals=signals,
+            launch=launch,
         )
         try:
             interrupted = False

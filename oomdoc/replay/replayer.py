@@ -15,7 +15,7 @@ import json
 import os
 import shutil
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 from oomdoc.model import (
     Snapshot,
@@ -102,6 +102,12 @@ class Replay:
         return self.capture is not None and self.capture.outcome == "interrupted"
 
 
+# Runs one replay's child instead of oomdoc.runner.run_child, for a run that
+# a launcher started: oomdoc.distributed passes its own, so that replays keep
+# the job's launcher and world size (replay imports nothing of distributed).
+Launch = Callable[[ChildRequest], ChildResult]
+
+
 class ReplaysInterrupted(Exception):
     """Ctrl-C reached a replay: stop replaying, keep what was measured."""
 
@@ -144,8 +150,10 @@ class Replayer:
         leak: bool = False,
         jobs: int = 1,
         signals: ChildSignals | None = None,
+        launch: Launch | None = None,
     ):
         self.snapshot = snapshot
+        self.launch = launch
         self.options = options
         self.request = request
         self.progress = progress
@@ -333,11 +341,8 @@ class Replayer:
         return replay
 
     def _measure(self, child: ChildRequest, job: Job, label: str) -> tuple[ChildResult, Replay]:
-        distributed = getattr(self.options, "distributed", None)
-        if distributed is not None:  # the same launcher and world size (oomdoc.distributed)
-            from oomdoc.distributed.launch import run_distributed_child
-
-            result = run_distributed_child(child, distributed)
+        if self.launch is not None:  # e.g. a distributed job's launcher, with its world size
+            result = self.launch(child)
         else:
             result = run_child(child, pool=self.pool, signals=self.signals, cancel=job.cancel)
         return result, measure(result, label, child.output_path or "")
