@@ -50,6 +50,10 @@ class Fix:
     cuda_only: bool = False
     # Measured by the largest-batch search rather than by one replay.
     searches_batch: bool = False
+    # Sets the batch size (and gradient accumulation) its payload gives, alone
+    # or `also` with other fixes: every replay at another batch goes through
+    # it (oomdoc.fixes.batch_fix), so that no room names it.
+    changes_batch: bool = False
     # Replays try fixes in this order (lowest first).
     replay_priority: int = 9
     # Saves memory at any batch size, so the prescription may combine it with

@@ -26,6 +26,7 @@ class SmallerBatch(Fix):
     addresses = ("activations",)
     combines_with = ("autocast", "checkpointing")
     searches_batch = True
+    changes_batch = True
     replay_priority = 0
 
     def snippet(self, context: dict) -> str:

@@ -29,14 +29,6 @@ import shlex
 
 from oomdoc.script_flags import batch_flags, equals_only, is_short
 
-FIX_NAMES = (
-    "smaller_batch",
-    "autocast",
-    "checkpointing",
-    "lighter_optimizer",
-    "empty_cache",
-    "expandable_segments",
-)
 EXPANDABLE_ENV = "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
 
 # Command-line flags scripts commonly declare for each fix, most specific

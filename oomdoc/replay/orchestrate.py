@@ -265,7 +265,7 @@ def reference_step_seconds(
     return None, "no step of the failing configuration completed"
 
 
-def smaller_batch_result(
+def batch_search_result(
     snapshot: Snapshot,
     fix: Fix,
     search: batch_model.SearchResult,
@@ -364,8 +364,8 @@ def finish(snapshot: Snapshot, replayer: Replayer, state: ReplayState, progress:
             need, estimated = int(predicted), True
     reference_s, reference_text = reference_step_seconds(snapshot, search)
     if search is not None:
-        batch_fix = next(fix for fix in FIXES if fix.searches_batch)
-        found = smaller_batch_result(snapshot, batch_fix, search, state.batch_info, reference_s)
+        searcher = next(fix for fix in FIXES if fix.searches_batch)
+        found = batch_search_result(snapshot, searcher, search, state.batch_info, reference_s)
         if found is not None:
             results.insert(0, found)
     static = static_breakdown(snapshot, replayer)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from oomdoc.diagnosis.leak import rule as leak_rule
-from oomdoc.fixes import fix_named
+from oomdoc.fixes import batch_fix, fix_named
 from oomdoc.frameworks import context_from_snapshot, framework_of
 from oomdoc.frameworks.base import accumulation_on_command_line, with_enough_steps
 from oomdoc.model import (
@@ -415,7 +415,7 @@ def replay_prescription(
     replayer: Replayer, snapshot: Snapshot, state: ReplayState, prescription: Prescription
 ) -> Replay:
     """One replay of exactly the prescribed configuration: its fixes, its
-    micro-batch, and oomdoc.fixes.smaller_batch's gradient accumulation, long
+    micro-batch, and the batch fix's gradient accumulation (batch_fix), long
     enough for two optimizer steps (the script's steps flag raised if need be)."""
     payload, label, args, env, micro_batches, raised = prescription_replay(
         replayer,
@@ -444,13 +444,13 @@ def prescription_replay(
     steps flag raised) of the replay of `fixes` at micro-batch `micro` with
     `steps` accumulation steps: one place, so that one started ahead
     (start_savers_ahead) is the one replay_prescription asks for."""
-    payload: dict = {"name": "smaller_batch"}
+    payload: dict = {"name": batch_fix().name}
     env: dict = {}
     if fixes:
         fix = fix_named("+".join(fixes))
         assert fix is not None
         request = fix.request(snapshot)
-        payload, env = dict(request.payload, also=["smaller_batch"]), request.env
+        payload, env = dict(request.payload, also=[batch_fix().name]), request.env
     payload.update(batch_size=micro, accumulation_steps=steps)
     rewritten, _flag = batch_size_in(replayer, state, payload, micro)
     args = rewritten if rewritten is not None else list(replayer.request.args)
@@ -532,7 +532,7 @@ def with_accumulation(
 def prescription_context(
     snapshot: Snapshot, prescription: Prescription, state: ReplayState
 ) -> tuple[list[str], dict]:
-    """The prescription's changes (the batch change as `smaller_batch`) and
+    """The prescription's changes (the batch change as batch_fix's name) and
     what their replays learned, for the framework units."""
     changes = list(prescription.fixes)
     context = context_from_snapshot(snapshot)
@@ -541,7 +541,7 @@ def prescription_context(
         context.update(state.contexts.get(name) or {})
     if prescription.batch_size and prescription.accumulation_steps > 1:
         how = state.batch_info.get("source") or "batch_size"
-        changes.append("smaller_batch")
+        changes.append(batch_fix().name)
         context.update(
             micro_batch=prescription.batch_size,
             accumulation_steps=prescription.accumulation_steps,
@@ -597,7 +597,7 @@ def flags_replay(
     if not covered:
         return None
     micro_batches = 1
-    if "smaller_batch" in covered:
+    if batch_fix().name in covered:
         micro_batches = accumulation_on_command_line(args, snapshot.script_options)
     replayed_args, raised = enough_steps(replayer, snapshot, args, micro_batches)
     return FlagsReplay(args, replayed_args, raised, covered, micro_batches)

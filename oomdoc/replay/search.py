@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from oomdoc.fixes import Fix, fix_named
+from oomdoc.fixes import Fix, batch_fix, fix_named
 from oomdoc.model import (
     Snapshot,
 )
@@ -101,16 +101,17 @@ def search_batch(
     args = list(replayer.request.args)
     found = find_search_batch(args, options.batch_arg, snapshot)
     baseline = batch_model.observe(snapshot, 0)
+    batch = batch_fix()
     info: dict = {}
     if found is not None:
         position, flag, original = found
         info.update(source=flag, original_batch_size=original)
 
         def trial(batch_size: int) -> batch_model.BatchRun:
-            payload = {"name": "smaller_batch", "batch_mode": "argv", "batch_size": batch_size}
+            payload = {"name": batch.name, "batch_mode": "argv", "batch_size": batch_size}
             replay = replayer.run(
                 payload,
-                f"smaller_batch ({spelled(flag, batch_size, snapshot.script_option_syntax)})",
+                f"{batch.name} ({spelled(flag, batch_size, snapshot.script_option_syntax)})",
                 args=with_batch_size(args, position, flag, batch_size),
             )
             return to_batch_run(replay, batch_size)
@@ -126,10 +127,10 @@ def search_batch(
             return None, info, no_batch_size()
         divisor = batch_model.probe_divisor(snapshot)
         probe_replay = replayer.run(
-            {"name": "smaller_batch", "batch_mode": "dataloader", "batch_divisor": divisor},
-            f"smaller_batch (DataLoader batch / {divisor})",
+            {"name": batch.name, "batch_mode": "dataloader", "batch_divisor": divisor},
+            f"{batch.name} (DataLoader batch / {divisor})",
         )
-        record = probe_replay.applied.get("smaller_batch") or {}
+        record = probe_replay.applied.get(batch.name) or {}
         if probe_replay.outcome in ("fits", "oom") and not record.get("patched"):
             return None, info, no_batch_size()
         if not record.get("original_batch_size") or not record.get("batch_size"):
@@ -139,13 +140,13 @@ def search_batch(
 
         def trial(batch_size: int) -> batch_model.BatchRun:
             payload = {
-                "name": "smaller_batch",
+                "name": batch.name,
                 "batch_mode": "dataloader",
                 "batch_size": batch_size,
                 "original_batch_size": original,
             }
             return to_batch_run(
-                replayer.run(payload, f"smaller_batch (DataLoader batch {batch_size})"), batch_size
+                replayer.run(payload, f"{batch.name} (DataLoader batch {batch_size})"), batch_size
             )
 
         runs = [to_batch_run(probe_replay, int(record["batch_size"]))]
@@ -268,7 +269,7 @@ def saver_trial(
     """(payload, label, args, env) of the replay of `fix` at `batch_size`:
     one place, so that a replay started ahead is the one later asked for."""
     request = fix.request(snapshot)
-    payload = dict(request.payload, also=["smaller_batch"], batch_size=batch_size)
+    payload = dict(request.payload, also=[batch_fix().name], batch_size=batch_size)
     args, flag = batch_size_in(replayer, state, payload, batch_size)
     how = (
         spelled(flag, batch_size, snapshot.script_option_syntax)
