@@ -62,7 +62,7 @@ def run_distributed_session(options: RunOptions, stderr: TextIO | None = None) -
         )
     snapshot.notes.extend(result.notes)
     if snapshot.options is not None:
-        snapshot.options.extra["distributed"] = dist.as_dict()
+        snapshot.options.distributed = dist.as_dict()
 
     if snapshot.outcome == "oom" and options.replay and capture is not None:
         from oomdoc.replay.orchestrate import REPLAY_ENV, replay_fixes

@@ -8,7 +8,7 @@ import inspect
 import sys
 from typing import Any, Optional
 
-from oomdoc.fixes.base import Fix, FixRequest
+from oomdoc.fixes.base import Fix, FixRequest, SnippetContext
 from oomdoc.model import Snapshot
 
 NOT_DISTRIBUTED = "needs a distributed job (oomdoc run --nproc-per-node N)"
@@ -40,7 +40,7 @@ class Fsdp(Fix):
                 "CUDA only: FSDP2 frees its gathered parameters by resizing their storage, "
                 "which the simulated device does not see"
             )
-        parallel = snapshot.extra.get("parallel")
+        parallel = snapshot.parallel
         if not (isinstance(parallel, dict) and parallel.get("ddp")):
             return "the script wraps no model in DistributedDataParallel"
         return None
@@ -58,7 +58,7 @@ class Fsdp(Fix):
         blocks = ", ".join(f"{s['count']} x {s['class']} in {s['path']}" for s in sharded)
         return f"FSDP2 ({record.get('api')}) in place of DDP: {blocks or 'the root only'}; measured per rank"
 
-    def snippet(self, context: dict) -> str:
+    def snippet(self, context: SnippetContext) -> str:
         path = context.get("blocks_path", "blocks")
         loop = "for block in model:" if path == "(root)" else f"for block in model.{path}:"
         return (
@@ -127,7 +127,7 @@ class ZeroOptimizer(Fix):
             request.context["optimizer"] = f"torch.optim.{wrapped[0]}"
         return f"ZeroRedundancyOptimizer around {', '.join(wrapped) or 'no optimizer'}; measured per rank"
 
-    def snippet(self, context: dict) -> str:
+    def snippet(self, context: SnippetContext) -> str:
         optimizer = context.get("optimizer", "torch.optim.AdamW")
         return (
             "from torch.distributed.optim import ZeroRedundancyOptimizer\n"

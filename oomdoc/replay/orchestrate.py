@@ -20,6 +20,7 @@ from typing import Any, Optional, TextIO
 from oomdoc.diagnosis.leak import rule as leak_rule
 from oomdoc.diagnosis.steps import steady_growth
 from oomdoc.fixes import FIXES, Fix, fix_named
+from oomdoc.fixes.base import SnippetContext
 from oomdoc.fixes.optimizer import optimizer_state_estimate
 from oomdoc.fixes.ranking import rank_fixes
 from oomdoc.frameworks import context_from_snapshot, framework_of, preimports
@@ -30,7 +31,6 @@ from oomdoc.model import (
     ReplaySummary,
     Skipped,
     Snapshot,
-    to_dict,
 )
 from oomdoc.replay import batch as batch_model
 from oomdoc.replay.plan import (
@@ -221,7 +221,7 @@ def still_leaking(result: FixResult, capture: Snapshot, failing: Snapshot) -> No
             f": it would run out of memory near step {reaches}, "
             f"{delay:+d} steps from the failing run's step {oom_step}"
         )
-        result.extra["delays_oom_by_steps"] = delay
+        result.delays_oom_by_steps = delay
     result.detail = f"{text}; {result.detail}" if result.detail else text
 
 
@@ -318,9 +318,8 @@ def batch_search_result(
         },
     )
     result = result_from(best.replay, fix, detail, snippet)
-    result.extra.update(
-        max_batch_size=maximum, micro_batch_size=micro, accumulation_steps=steps, how=how_text
-    )
+    result.max_batch_size, result.micro_batch_size = maximum, micro
+    result.accumulation_steps, result.how = steps, how_text
     if reference_s and best.step_s:
         # Accumulation processes the original batch in `steps` micro-steps.
         result.step_time_ratio = round(steps * best.step_s * (micro / maximum) / reference_s, 3)
@@ -395,14 +394,13 @@ def finish(snapshot: Snapshot, replayer: Replayer, state: ReplayState, progress:
     )
     unused = replayer.unused_runs()
     if unused:
-        summary.extra["unused_runs"] = unused
+        summary.unused_runs = unused
     if search is not None:
         summary.batch_search = batch_search_record(search, state.batch_info.get("source"))
     if state.saver_search is not None and state.saver_fix is not None:
-        summary.extra["saver_batch_search"] = dict(
-            to_dict(batch_search_record(state.saver_search, state.batch_info.get("source"))),
-            fixes=state.saver_fix.name,
-        )
+        saver_search = batch_search_record(state.saver_search, state.batch_info.get("source"))
+        saver_search.fixes = state.saver_fix.name
+        summary.saver_batch_search = saver_search
     snapshot.replay = summary
     side_by_side = f", up to {replayer.jobs} side by side" if replayer.jobs > 1 else ""
     progress.header(f"{len(replayer.replays)} replays in {progress.total():.1f} s{side_by_side}")
@@ -419,7 +417,9 @@ def batch_search_record(search: batch_model.SearchResult, source: Optional[str])
     )
 
 
-def snippet_in_framework(snapshot: Snapshot, name: str, context: dict) -> str:
+def snippet_in_framework(snapshot: Snapshot, name: str, context: SnippetContext) -> str:
     """A fix's snippet in the knobs of the framework the run went through
     (torch code for a plain loop)."""
-    return framework_of(snapshot).snippet(name, {**context_from_snapshot(snapshot), **context})
+    full = context_from_snapshot(snapshot)
+    full.update(context)
+    return framework_of(snapshot).snippet(name, full)

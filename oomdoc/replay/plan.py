@@ -12,6 +12,7 @@ from typing import Optional
 
 from oomdoc.errors import UsageError
 from oomdoc.fixes import FIXES, Combination, Fix, fix_named
+from oomdoc.fixes.base import SnippetContext
 from oomdoc.model import (
     FixResult,
     Skipped,
@@ -150,7 +151,7 @@ class ReplayState:
     search: Optional[batch_model.SearchResult] = None
     batch_info: dict = field(default_factory=dict)
     # What each fix's replay learned for its snippet (blocks, dtype, ...).
-    contexts: dict[str, dict] = field(default_factory=dict)
+    contexts: dict[str, SnippetContext] = field(default_factory=dict)
     # The largest batch under the combined memory savers.
     saver_search: Optional[batch_model.SearchResult] = None
     saver_fix: Optional[Fix] = None

@@ -28,8 +28,9 @@ from typing import Any, Optional
 
 from oomdoc.diagnosis.leak import rule as leak_rule
 from oomdoc.fixes import batch_fix, fix_named
+from oomdoc.fixes.base import SnippetContext
 from oomdoc.frameworks import context_from_snapshot, framework_of
-from oomdoc.frameworks.base import accumulation_on_command_line, with_enough_steps
+from oomdoc.frameworks.base import FrameworkContext, accumulation_on_command_line, with_enough_steps
 from oomdoc.model import (
     Prescription,
     Snapshot,
@@ -187,7 +188,7 @@ def prescription_from(
     )
     if best.samples_per_second and micro != best.batch_size:
         # The throughput is the batch the candidate ran, not the micro-batch.
-        prescription.extra["throughput_batch_size"] = best.batch_size
+        prescription.throughput_batch_size = best.batch_size
     return prescription
 
 
@@ -428,7 +429,7 @@ def replay_prescription(
     replay = replayer.run(
         payload, label, args=args, extra_env=env, micro_batches_per_step=micro_batches
     )
-    prescription.extra["accumulation_replay"] = replay_record(replay, args, raised)
+    prescription.accumulation_replay = replay_record(replay, args, raised)
     return replay
 
 
@@ -515,7 +516,7 @@ def with_accumulation(
     prescription.headroom_bytes = capacity - peak
     if prescription.accumulation_steps > 1:
         prescription.accumulation_measured = True
-    record = prescription.extra.get("accumulation_replay") or {}
+    record = prescription.accumulation_replay or {}
     throughput = (
         f", {candidate.samples_per_second:.1f} samples/s" if candidate.samples_per_second else ""
     )
@@ -531,22 +532,20 @@ def with_accumulation(
 
 def prescription_context(
     snapshot: Snapshot, prescription: Prescription, state: ReplayState
-) -> tuple[list[str], dict]:
+) -> tuple[list[str], FrameworkContext]:
     """The prescription's changes (the batch change as batch_fix's name) and
     what their replays learned, for the framework units."""
     changes = list(prescription.fixes)
     context = context_from_snapshot(snapshot)
     context["update"] = parameter_update(snapshot, state.search)
     for name in prescription.fixes:
-        context.update(state.contexts.get(name) or {})
+        context.update(state.contexts.get(name) or SnippetContext())
     if prescription.batch_size and prescription.accumulation_steps > 1:
         how = state.batch_info.get("source") or "batch_size"
         changes.append(batch_fix().name)
-        context.update(
-            micro_batch=prescription.batch_size,
-            accumulation_steps=prescription.accumulation_steps,
-            how=how if how.startswith("-") else "batch_size",
-        )
+        context["micro_batch"] = prescription.batch_size
+        context["accumulation_steps"] = prescription.accumulation_steps
+        context["how"] = how if how.startswith("-") else "batch_size"
     return changes, context
 
 
@@ -641,7 +640,7 @@ def verify_with_flags(
     record["covers"] = flags.covers
     if flags.micro_batches <= 1:
         del record["accumulation_covered"]
-    prescription.extra["verified_by_flags"] = record
+    prescription.verified_by_flags = record
     if replay.fits and replay.peak_allocated_bytes and prescription.peak_allocated_bytes:
         ratio = replay.peak_allocated_bytes / prescription.peak_allocated_bytes
         record["peak_ratio"] = round(ratio, 3)

@@ -410,9 +410,9 @@ def device_has_room(snapshot: Snapshot, capacity_bytes: int | None, jobs: int) -
     available memory, each process also holding the failing run's resident size."""
     device = snapshot.device
     if device.kind == "cuda":
-        free = cuda_free_bytes(int(device.extra.get("index") or 0))
-        if free is None and isinstance(device.extra.get("nvml_free_bytes"), int):
-            free = device.extra["nvml_free_bytes"]
+        free = cuda_free_bytes(device.index or 0)
+        if free is None:
+            free = device.nvml_free_bytes
         return room_to_share(jobs, capacity_bytes, free, CUDA_CONTEXT_BYTES)
     resident = snapshot.host.process_rss_bytes if snapshot.host else 0
     return room_to_share(jobs, capacity_bytes, host_available_bytes(), resident)
@@ -466,8 +466,7 @@ def measure(result: ChildResult, label: str, log_path: str) -> Replay:
     if capture is None:
         replay.message = f"the replay ended without a capture (exit status {result.exit_code})"
         return replay
-    applied = capture.extra.get("fix_applied")
-    replay.applied = applied if isinstance(applied, dict) else {}
+    replay.applied = capture.fix_applied or {}
     if capture.outcome == "ok":
         peak = capture.peak
         replay.outcome = "fits"

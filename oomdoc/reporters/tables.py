@@ -227,7 +227,7 @@ def prescription_lines(analysis: Analysis) -> list[str]:
             if prescription.accumulation_measured
             else "  the peak is the micro-batch's without gradient accumulation (not measured with it)"
         )
-    checked = prescription.extra.get("verified_by_flags")
+    checked = prescription.verified_by_flags
     if isinstance(checked, dict) and checked.get("args") is not None:
         args = " ".join(str(arg) for arg in checked["args"])
         peak = checked.get("peak_allocated_bytes")
@@ -244,7 +244,7 @@ def prescription_lines(analysis: Analysis) -> list[str]:
             lines.append("    (it ended before an optimizer step and two more micro-batches)")
     if prescription.samples_per_second:
         text = f"  throughput {prescription.samples_per_second:.1f} samples/s"
-        measured_at = prescription.extra.get("throughput_batch_size")
+        measured_at = prescription.throughput_batch_size
         if isinstance(measured_at, int) and measured_at != prescription.batch_size:
             text += f" (measured at batch {measured_at})"
         if prescription.throughput_ratio:
