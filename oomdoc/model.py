@@ -12,7 +12,11 @@ these fields and the derived values defined here (`Snapshot.needed_bytes`,
 `Breakdown.total`, ...) instead of walking dicts. Sizes are int bytes.
 
 Field names follow the JSON keys, except `class`, which is `class_name`
-here (the JSON key is given in the field's metadata).
+here (the JSON key is given in the field's metadata). A field made with
+`when_set` is written only when it differs from its default or the document
+it was read from had it: keys the child, the replays or a reporter write
+only in some runs (`Device.index`, `Prescription.verified_by_flags`, ...)
+stay absent from the others, as when they lived in `extra`.
 """
 
 from __future__ import annotations
@@ -34,6 +38,13 @@ Record = TypeVar("Record")
 
 def _json_key(spec: dataclasses.Field) -> str:
     return spec.metadata.get("key", spec.name)
+
+
+def when_set(default: Any = None, factory: Any = None) -> Any:
+    """A field written only when set (see the module docstring)."""
+    if factory is not None:
+        return field(default_factory=factory, metadata={"when_set": True})
+    return field(default=default, metadata={"when_set": True})
 
 
 _HINTS: dict[type, dict[str, Any]] = {}
@@ -115,6 +126,7 @@ def parse(cls: type[Record], data: dict) -> Record:
     # Written back, a field the input did not have stays absent while it
     # keeps its default: a document read and written again is unchanged.
     record.__dict__["_absent"] = known - set(data)
+    record.__dict__["_present"] = known & set(data)
     return record
 
 
@@ -131,11 +143,13 @@ def to_dict(record: Any) -> Any:
     if dataclasses.is_dataclass(record) and not isinstance(record, type):
         out: dict[str, Any] = {}
         absent = record.__dict__.get("_absent", ())
+        present = record.__dict__.get("_present", ())
         for spec in dataclasses.fields(record):
             if spec.name == "extra":
                 continue
             key, value = _json_key(spec), getattr(record, spec.name)
-            if key in absent and value == _default_of(spec):
+            unset = value == _default_of(spec)
+            if unset and (key in absent or (spec.metadata.get("when_set") and key not in present)):
                 continue
             out[key] = to_dict(value)
         out.update(to_dict(getattr(record, "extra", None) or {}))
@@ -175,6 +189,15 @@ class Device:
     total_bytes: Optional[int] = None
     supports_bf16: Optional[bool] = None
     other_processes: List[OtherProcess] = field(default_factory=list)
+    # CUDA: the card's index, and what NVML said at capture (the memory of
+    # every process on the card): the replays read nvml_free_bytes to decide
+    # whether they can share the card when NVML cannot be asked again.
+    index: Optional[int] = when_set()
+    driver_version: Optional[str] = when_set()
+    nvml_used_bytes: Optional[int] = when_set()
+    nvml_free_bytes: Optional[int] = when_set()
+    # The simulated device: how it counts (every CPU tensor of the process).
+    notes: List[str] = when_set(factory=list)
     extra: Dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -261,6 +284,9 @@ class Oom:
     # previous call's outputs still alive then.
     evaluation_pass: Optional[int] = None
     previous_outputs: Optional[HeldOutputs] = None
+    # The module whose forward (or backward) asked for the memory, as in
+    # `modules`; None outside any module and in older snapshots.
+    module: Optional[str] = when_set()
     extra: Dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -317,6 +343,10 @@ class Step:
     duration_s: Optional[float] = None
     retained_graphs: List[RetainedGraph] = field(default_factory=list)
     retained_activation_bytes: int = 0
+    # A replay side by side with others: the step was timed while their
+    # device work may have run too (oomdoc.capture.gate), so its duration is
+    # not the step's own (oomdoc.replay.batch.timed_on_a_shared_device).
+    device_shared: bool = when_set(False)
     extra: Dict[str, Any] = field(default_factory=dict)
 
 
@@ -399,6 +429,20 @@ class FixResult:
     replay_s: Optional[float] = None
     detail: Optional[str] = None
     snippet: Optional[str] = None
+    # Under a leak: by how many steps the fix would postpone the OOM.
+    delays_oom_by_steps: Optional[int] = when_set()
+    # The batch search's result (the fix that searches the batch): the
+    # largest batch that fits, the micro-batch and accumulation steps that
+    # keep the user's effective batch, and how the batch is set (the flag
+    # spelled with its value, or `DataLoader(batch_size=N)`).
+    max_batch_size: Optional[int] = when_set()
+    micro_batch_size: Optional[int] = when_set()
+    accumulation_steps: Optional[int] = when_set()
+    how: Optional[str] = when_set()
+    # lighter_optimizer on one process: what sharding the optimizer state
+    # over ranks would save per rank (`per_rank_saved_bytes`, by world size)
+    # and the static bytes it was computed from (`basis`).
+    sharding_estimate: Optional[Dict[str, Any]] = when_set()
     extra: Dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -421,6 +465,8 @@ class BatchSearch:
     exact: bool = False
     trials: List[List[Any]] = field(default_factory=list)
     stopped: Optional[str] = None
+    # The search under the combined savers: which (`a+b`).
+    fixes: Optional[str] = when_set()
     extra: Dict[str, Any] = field(default_factory=dict)
 
 
@@ -441,6 +487,10 @@ class ReplaySummary:
     runs: List[Dict[str, Any]] = field(default_factory=list)
     # How many replays could run side by side (oomdoc run --replay-jobs).
     jobs: int = 1
+    # Replays started ahead that no decision needed (their `runs` records).
+    unused_runs: List[Dict[str, Any]] = when_set(factory=list)
+    # The second batch search, under the combined savers (`fixes`).
+    saver_batch_search: Optional[BatchSearch] = when_set()
     extra: Dict[str, Any] = field(default_factory=dict)
 
 
@@ -463,6 +513,11 @@ class Framework:
     name: str = "plain"
     version: Optional[str] = None
     entry: Optional[str] = None  # Trainer, Fabric, Accelerator...
+    # The import name the evidence came from (`transformers`, `lightning`,
+    # `pytorch_lightning`, `lightning_fabric`, `accelerate`), and when it
+    # was first seen (`forward`, `backward`, `optimizer_step`, `oom`).
+    module: Optional[str] = when_set()
+    seen_at: Optional[str] = when_set()
     extra: Dict[str, Any] = field(default_factory=dict)
 
 
@@ -494,6 +549,15 @@ class Prescription:
     # The option that sets `batch_size` when it is an evaluation batch (an
     # OOM in evaluation: nothing is accumulated), e.g. `--eval-batch-size`.
     evaluation_batch_flag: Optional[str] = None
+    # The batch whose replay measured samples_per_second, when it is not
+    # batch_size (a micro-batch planned above the batches measured).
+    throughput_batch_size: Optional[int] = when_set()
+    # The replay of exactly this configuration with its accumulation, and
+    # the one with the script's own flags (docs/snapshot.md, `prescription`):
+    # `args`, `outcome`, `peak_allocated_bytes`, `accumulation_covered`,
+    # `note`; the latter also `covers` and `peak_ratio`.
+    accumulation_replay: Optional[Dict[str, Any]] = when_set()
+    verified_by_flags: Optional[Dict[str, Any]] = when_set()
     extra: Dict[str, Any] = field(default_factory=dict)
 
 
@@ -529,6 +593,8 @@ class Options:
     device: Optional[str] = None
     capacity_bytes: Optional[int] = None
     max_steps: Optional[int] = None
+    # A distributed job: its launch options (the snapshot's `launch`).
+    distributed: Optional[Dict[str, Any]] = when_set()
     extra: Dict[str, Any] = field(default_factory=dict)
 
 
@@ -589,6 +655,14 @@ class Snapshot:
     # oomdoc check: the num_workers of each DataLoader made to load in the
     # script's process instead (oomdoc.capture.serial_dataloaders).
     dataloader_workers_removed: List[int] = field(default_factory=list)
+    # Of the script's options, those that take a value: to their `choices`
+    # (empty when any value goes); the others are switches.
+    script_option_values: Dict[str, List[str]] = when_set(factory=dict)
+    # A replay: what the child recorded of each fix it applied, by fix name
+    # (the fix's own record: `patched`, `batch_size`, `models`, ...).
+    fix_applied: Optional[Dict[str, Any]] = when_set()
+    # Data-parallel wrappers the script called (`data_parallel`, `ddp`).
+    parallel: Optional[Dict[str, Any]] = when_set()
     prescription: Optional[Prescription] = None
     # A distributed job: one entry per rank; the top-level fields are the
     # primary rank's (the first to run out of memory).

@@ -1,5 +1,5 @@
 """The flags scripts commonly give a batch size: one list, read by the batch
-search (oomdoc.replay.orchestrate), the framework units (oomdoc.frameworks)
+search (oomdoc.replay.search), the framework units (oomdoc.frameworks)
 and the CLI's help; and how a script takes its options (the snapshot's
 `script_option_syntax`), for every replay and snippet to write them so.
 Imports nothing: the CLI reads it at startup."""

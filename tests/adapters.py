@@ -13,7 +13,7 @@ from oomdoc.fixes import fix_named
 from oomdoc.fixes.optimizer import sharding_estimate as _sharding_estimate
 from oomdoc.fixes.ranking import rank_fixes as _rank_fixes
 from oomdoc.model import Breakdown, FixResult, Site, Snapshot, parse, to_dict
-from oomdoc.replay import orchestrate as _orchestrate
+from oomdoc.replay import plan as _plan
 from oomdoc.replay.rank import best_pair as _best_pair
 from oomdoc.reporters import render
 
@@ -73,7 +73,7 @@ def not_applied(name: str, applied: dict):
 
 
 def plan(document, requested):
-    chosen, skipped = _orchestrate.plan(snapshot_of(document), requested)
+    chosen, skipped = _plan.plan(snapshot_of(document), requested)
     return chosen, to_dict(skipped)
 
 

@@ -11,19 +11,18 @@ import pytest
 from oomdoc.fixes import fix_named
 from oomdoc.model import FixResult, Prescription, Snapshot
 from oomdoc.replay.batch import SearchResult
-from oomdoc.replay.orchestrate import (
-    Replay,
-    ReplaysInterrupted,
-    ReplayState,
+from oomdoc.replay.plan import ReplayState, is_no_op
+from oomdoc.replay.prescription import (
+    Candidate,
+    choose,
     measured_choice,
-    replay_key,
+    plan_limits,
     replay_prescription,
-    saver_first_probe,
-    saver_trial,
     start_savers_ahead,
     verify_with_flags,
 )
-from oomdoc.replay.prescribe import Candidate, choose, is_no_op, plan_limits
+from oomdoc.replay.replayer import Replay, ReplaysInterrupted, replay_key
+from oomdoc.replay.search import saver_first_probe, saver_trial
 
 MiB = 1024**2
 
@@ -120,7 +119,8 @@ def test_a_prescription_with_accumulation_is_measured_with_it():
         "batch_mode": "argv",
     }
     assert args == ["--batch-size", "16", "--steps", "8"] and micro_batches == 4
-    assert "--steps raised to 8" in chosen.extra["accumulation_replay"]["note"]
+    assert chosen.accumulation_replay is not None
+    assert "--steps raised to 8" in chosen.accumulation_replay["note"]
 
 
 def test_a_prescription_over_the_margin_with_accumulation_gives_way():
@@ -185,7 +185,7 @@ def test_a_planned_micro_batch_is_prescribed_only_as_measured():
     chosen = prescribe_with(replayer, [planned()])
     assert (chosen.batch_size, chosen.accumulation_steps) == (16, 4)
     assert chosen.accumulation_measured is True and chosen.peak_allocated_bytes == 90 * MiB
-    assert chosen.extra["throughput_batch_size"] == 10  # the throughput is batch 10's
+    assert chosen.throughput_batch_size == 10  # the throughput is batch 10's
     over = ScriptedReplayer([("fits", 97 * MiB), ("fits", 60 * MiB)])
     chosen = prescribe_with(over, [planned()])
     assert [call[0]["batch_size"] for call in over.calls] == [16, 8]
@@ -315,7 +315,8 @@ def test_the_script_own_flags_check_starts_beside_the_prescription_replay():
     )
     verify_with_flags(replayer, snapshot, prescription, state)
     assert replayer.asked == [flags_key]
-    checked = prescription.extra["verified_by_flags"]
+    checked = prescription.verified_by_flags
+    assert checked is not None
     assert checked["args"] == list(flags_key[2][:-2]) and checked["note"].startswith("--max_steps")
 
     # Without the saver search: the choice starts it beside its replay with

@@ -461,14 +461,14 @@ def test_the_estimate_comes_from_how_far_the_forward_got():
     large batch the bytes made so far would suggest."""
     workload, batch = TYPICAL["gpt-rounded"][0], 64
     failing = Snapshot.from_dict(workload.capture(batch))
-    module = failing.oom.extra["module"]
+    module = failing.oom.module
     block = int(module.split(".")[1])
     made = failing.oom.needed_bytes - failing.steps[0].start_allocated_bytes
     assert forward_progress(failing, made) == pytest.approx((block + 0.5) / workload.blocks)
     truth = workload.true_max(batch)
     estimate = estimated_max_batch(failing, batch)
     assert abs(estimate - truth) <= 0.25 * truth, (estimate, truth)
-    failing.oom.extra.pop("module")  # no module attribution: the forward counts as complete
+    failing.oom.module = None  # no module attribution: the forward counts as complete
     assert forward_progress(failing, made) == 1.0
     assert estimated_max_batch(failing, batch) > 2 * truth
 

@@ -19,8 +19,9 @@ from conftest import REPO_ROOT, oomdoc_env
 from oomdoc.fixes import fix_named
 from oomdoc.model import Snapshot
 from oomdoc.replay.lanes import AHEAD, DEMANDED, SPECULATIVE, Job, Lanes, default_jobs
-from oomdoc.replay.orchestrate import plan, replay_jobs
+from oomdoc.replay.plan import plan
 from oomdoc.replay.progress import Progress
+from oomdoc.replay.replayer import replay_jobs
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB

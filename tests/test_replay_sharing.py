@@ -20,7 +20,7 @@ from conftest import SCRIPTS, load_json, oomdoc_env, run_oomdoc
 from oomdoc.capture.backends import SimulatedBackend
 from oomdoc.capture.tracker import StopRun, Tracker
 from oomdoc.model import Snapshot
-from oomdoc.replay import lanes, orchestrate
+from oomdoc.replay import lanes, replayer
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB
@@ -216,21 +216,21 @@ def test_replays_share_the_device_only_when_it_has_room_for_every_lane(monkeypat
 
 
 def test_the_room_is_read_now_else_from_the_failing_run(monkeypatch):
-    device_has_room = orchestrate.device_has_room
+    device_has_room = replayer.device_has_room
     cuda = Snapshot.from_dict(
         {"device": {"kind": "cuda", "capacity_bytes": 16 * GiB, "nvml_free_bytes": 60 * GiB}}
     )
-    monkeypatch.setattr(orchestrate, "cuda_free_bytes", lambda index: 80 * GiB, raising=False)
+    monkeypatch.setattr(replayer, "cuda_free_bytes", lambda index: 80 * GiB, raising=False)
     assert device_has_room(cuda, 16 * GiB, 3)
     assert not device_has_room(cuda, 32 * GiB, 3)
     # NVML unreadable now: what the failing run saw free, its own memory still held.
-    monkeypatch.setattr(orchestrate, "cuda_free_bytes", lambda index: None)
+    monkeypatch.setattr(replayer, "cuda_free_bytes", lambda index: None)
     assert device_has_room(cuda, 16 * GiB, 3)
     assert not device_has_room(cuda, 16 * GiB, 4)
     simulated = Snapshot.from_dict(
         {"device": {"kind": "simulated"}, "host": {"process_rss_bytes": GiB}}
     )
-    monkeypatch.setattr(orchestrate, "host_available_bytes", lambda: 8 * GiB)
+    monkeypatch.setattr(replayer, "host_available_bytes", lambda: 8 * GiB)
     assert device_has_room(simulated, GiB, 2)
     assert not device_has_room(simulated, 4 * GiB, 2)
 

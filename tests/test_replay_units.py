@@ -21,9 +21,10 @@ from adapters import (
 
 from oomdoc.capture.tracker import checkpoint_targets
 from oomdoc.errors import UsageError
-from oomdoc.replay import orchestrate
-from oomdoc.replay.orchestrate import check_replay_options, find_batch_arg, with_batch_size
+from oomdoc.replay import orchestrate, search
+from oomdoc.replay.plan import check_replay_options
 from oomdoc.replay.progress import Progress
+from oomdoc.replay.search import find_batch_arg, with_batch_size
 from oomdoc.script_flags import BATCH_FLAGS, LONG_BATCH_FLAGS, batch_flags
 from oomdoc.snapshot import SnapshotError, validate
 
@@ -79,7 +80,7 @@ def test_one_list_of_batch_flags_for_the_search_the_units_and_the_help():
     from oomdoc.frameworks import base
 
     assert getattr(base, "BATCH_FLAGS", BATCH_FLAGS) is BATCH_FLAGS
-    assert not hasattr(orchestrate, "BATCH_FLAGS")
+    assert not hasattr(orchestrate, "BATCH_FLAGS") and not hasattr(search, "BATCH_FLAGS")
     assert {"-b", "--batch_size", "--batch-size", "--bs", "--train_batch_size"} <= set(BATCH_FLAGS)
     assert {"--per_device_train_batch_size", "--micro_batch_size"} <= set(BATCH_FLAGS)
     run = typer.main.get_command(app).commands["run"]  # type: ignore[attr-defined]
@@ -539,3 +540,26 @@ def test_the_replays_gradient_accumulation_holds_steps_and_zero_grads_back():
     assert grads == [1.0, 2.0, 1.0, 2.0, 3.0]
     assert all(losses) and state == 1
     assert record["optimizer_steps"] == 4
+
+
+def test_replay_imports_nothing_of_distributed():
+    """One direction (issue 27): oomdoc.distributed runs the replays (handing
+    replay_fixes its launcher), so no module of oomdoc.replay imports
+    oomdoc.distributed, not even lazily or under TYPE_CHECKING."""
+    import ast
+    import pathlib
+
+    import oomdoc.replay
+
+    offending = []
+    for path in sorted(pathlib.Path(oomdoc.replay.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            offending += [
+                f"{path.name}: {name}" for name in names if name.startswith("oomdoc.distributed")
+            ]
+    assert offending == []

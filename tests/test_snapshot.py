@@ -129,3 +129,79 @@ def test_default_snapshot_path_skips_existing(tmp_path):
     first.write_text("x")
     second = default_snapshot_path("dir/My Train.py", tmp_path)
     assert second != first and not second.exists()
+
+
+def test_fields_that_lived_in_extra_are_typed_and_round_trip():
+    """Issue 27: the keys the child, the replays and the distributed launch
+    write in some runs only are typed fields, read by name; a document read
+    and written again is unchanged, and keys oomdoc does not know still go
+    to `extra`."""
+    from oomdoc.model import FixResult, Prescription, ReplaySummary, Snapshot
+
+    document = copy.deepcopy(VALID)
+    document["device"].update(kind="cuda", index=1, nvml_free_bytes=512, driver_version="550")
+    document["oom"]["module"] = "transformer.h.*.mlp"
+    document["fix_applied"] = {"smaller_batch": {"patched": True}}
+    document["parallel"] = {"ddp": [{"class": "GPT"}]}
+    document["script_option_values"] = {"--optim": ["adamw", "adafactor"], "--lr": []}
+    document["steps"] = [{"index": 0, "device_shared": True}]
+    document["fixes"] = [
+        {"name": "smaller_batch", "max_batch_size": 5, "micro_batch_size": 4, "how": "--bs 4"}
+    ]
+    document["replay"] = {"unused_runs": [{"label": "x"}], "saver_batch_search": {"fixes": "a+b"}}
+    document["prescription"] = {"throughput_batch_size": 6, "verified_by_flags": {"args": []}}
+    document["a_key_from_the_future"] = {"kept": True}
+    snapshot = Snapshot.from_dict(document)
+    assert snapshot.device.index == 1 and snapshot.device.nvml_free_bytes == 512
+    assert snapshot.oom is not None and snapshot.oom.module == "transformer.h.*.mlp"
+    assert snapshot.fix_applied == {"smaller_batch": {"patched": True}}
+    assert snapshot.parallel == {"ddp": [{"class": "GPT"}]}
+    assert snapshot.script_option_values["--optim"] == ["adamw", "adafactor"]
+    assert snapshot.steps[0].device_shared is True
+    assert snapshot.fixes[0].max_batch_size == 5 and snapshot.fixes[0].how == "--bs 4"
+    assert snapshot.replay is not None and snapshot.replay.unused_runs == [{"label": "x"}]
+    assert snapshot.replay.saver_batch_search is not None
+    assert snapshot.replay.saver_batch_search.fixes == "a+b"
+    assert snapshot.prescription is not None
+    assert snapshot.prescription.throughput_batch_size == 6
+    assert snapshot.prescription.verified_by_flags == {"args": []}
+    assert snapshot.extra == {"a_key_from_the_future": {"kept": True}}
+    assert snapshot.to_dict() == document
+    # Made by code: such a field is written only once it is set.
+    written = Snapshot.from_dict(copy.deepcopy(VALID))
+    written.write_every_field()
+    keys = set(written.to_dict())
+    assert {"fix_applied", "parallel", "script_option_values"}.isdisjoint(keys)
+    assert "steps" in keys  # a field that is always written still is
+    from oomdoc.model import to_dict
+
+    assert set(to_dict(FixResult(name="autocast"))).isdisjoint({"how", "delays_oom_by_steps"})
+    result = FixResult(name="autocast", delays_oom_by_steps=3)
+    assert to_dict(result)["delays_oom_by_steps"] == 3
+    assert "unused_runs" not in to_dict(ReplaySummary())
+    assert "verified_by_flags" not in to_dict(Prescription())
+
+
+def test_every_field_written_only_when_set_is_documented():
+    """The promoted fields (issue 27: three of them were in no document)
+    are each described in docs/snapshot.md."""
+    import dataclasses
+    import pathlib
+
+    from oomdoc import model
+
+    docs = (pathlib.Path(__file__).parent.parent / "docs" / "snapshot.md").read_text()
+    records = [
+        value
+        for value in vars(model).values()
+        if isinstance(value, type) and dataclasses.is_dataclass(value)
+    ]
+    promoted = [
+        f"{record.__name__}.{spec.name}"
+        for record in records
+        for spec in dataclasses.fields(record)
+        if spec.metadata.get("when_set")
+    ]
+    assert len(promoted) >= 15
+    missing = [name for name in promoted if f"{name.split('.')[1]}`" not in docs]
+    assert missing == []

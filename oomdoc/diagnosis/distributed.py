@@ -127,7 +127,7 @@ def rank_imbalance(snapshot: Snapshot) -> dict | None:
         )
     if high_entry.outcome == "oom":
         evidence.append(f"{_name(high_entry)} is the rank that ran out of memory first")
-    parallel = snapshot.extra.get("parallel") or {}
+    parallel = snapshot.parallel or {}
     if parallel.get("data_parallel"):
         evidence.append("nn.DataParallel gathers every replica's outputs on device 0")
     evidence.append(

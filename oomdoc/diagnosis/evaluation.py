@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Optional
 
 from oomdoc.diagnosis.base import TIER_DECISIVE, Diagnosis
+from oomdoc.fixes.autocast import Autocast
 from oomdoc.formatting import format_location
 from oomdoc.model import Snapshot
 from oomdoc.script_flags import EVAL_BATCH_FLAGS
@@ -90,7 +91,7 @@ def rule(snapshot: Snapshot) -> Optional[Diagnosis]:
         summary,
         evidence,
         held_bytes or snapshot.breakdown.bytes_of("activations"),
-        fixes=["autocast"],
+        fixes=[Autocast.name],
         remedy="\n".join(remedy_lines),
         tier=TIER_DECISIVE,
     )

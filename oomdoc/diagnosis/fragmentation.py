@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Optional
 
 from oomdoc.diagnosis.base import TIER_BREAKDOWN, TIER_DECISIVE, Diagnosis, MiB
-from oomdoc.fixes.allocator import cannot_fit_by_allocator
+from oomdoc.fixes.allocator import EmptyCache, ExpandableSegments, cannot_fit_by_allocator
 from oomdoc.model import Allocator, Oom, Snapshot
 from oomdoc.sizes import format_bytes
 
@@ -69,7 +69,8 @@ def rule(snapshot: Snapshot) -> Optional[Diagnosis]:
     expandable = allocator.expandable_segments is True
     if expandable:
         evidence.append("expandable_segments is already on")
-    fixes = ["empty_cache"] if expandable else ["expandable_segments", "empty_cache"]
+    allocator_fixes = (ExpandableSegments.name, EmptyCache.name)
+    fixes = [EmptyCache.name] if expandable else list(allocator_fixes)
     if possibly_decisive:
         evidence.append(
             f"CUDA reported {format_bytes(device_free)} free on the device at the OOM: a per-process memory cap "
@@ -82,8 +83,7 @@ def rule(snapshot: Snapshot) -> Optional[Diagnosis]:
     replayed = [
         fix
         for fix in snapshot.fixes
-        if fix.measured
-        and any(part in ("expandable_segments", "empty_cache") for part in fix.parts)
+        if fix.measured and any(part in allocator_fixes for part in fix.parts)
     ]
     if (decisive or possibly_decisive) and replayed and not any(fix.fits for fix in replayed):
         decisive = possibly_decisive = False
@@ -96,7 +96,7 @@ def rule(snapshot: Snapshot) -> Optional[Diagnosis]:
     skipped = [
         entry.name
         for entry in (snapshot.replay.skipped if snapshot.replay else [])
-        if entry.name in ("expandable_segments", "empty_cache")
+        if entry.name in allocator_fixes
     ]
     if (decisive or possibly_decisive) and not replayed and skipped:
         reason = cannot_fit_by_allocator(snapshot)

@@ -8,7 +8,7 @@ import sys
 from typing import TextIO
 
 from oomdoc.distributed import DistOptions, check_dist_options
-from oomdoc.distributed.launch import run_job
+from oomdoc.distributed.launch import run_distributed_child, run_job
 from oomdoc.distributed.merge import merge_rank_captures, missing_entry
 from oomdoc.errors import UsageError
 from oomdoc.model import RankEntry, parse
@@ -62,7 +62,7 @@ def run_distributed_session(options: RunOptions, stderr: TextIO | None = None) -
         )
     snapshot.notes.extend(result.notes)
     if snapshot.options is not None:
-        snapshot.options.extra["distributed"] = dist.as_dict()
+        snapshot.options.distributed = dist.as_dict()
 
     if snapshot.outcome == "oom" and options.replay and capture is not None:
         from oomdoc.replay.orchestrate import REPLAY_ENV, replay_fixes
@@ -70,7 +70,14 @@ def run_distributed_session(options: RunOptions, stderr: TextIO | None = None) -
         # Never filled: a job's ranks are started by the launcher, not warm.
         pool = WarmPool(request.device, REPLAY_ENV)
         try:
-            replay_fixes(snapshot, options, request, stderr=stderr, pool=pool)
+            replay_fixes(
+                snapshot,
+                options,
+                request,
+                stderr=stderr,
+                pool=pool,
+                launch=lambda child: run_distributed_child(child, dist),
+            )
         finally:
             pool.close()
 

@@ -19,7 +19,16 @@ from oomdoc.fixes.optimizer import LighterOptimizer
 from oomdoc.fixes.sharding import Fsdp, ZeroOptimizer
 from oomdoc.fixes.smaller_batch import SmallerBatch
 
-__all__ = ["FIXES", "Combination", "Effect", "Fix", "FixRequest", "fix_named", "compatible"]
+__all__ = [
+    "FIXES",
+    "Combination",
+    "Effect",
+    "Fix",
+    "FixRequest",
+    "batch_fix",
+    "fix_named",
+    "compatible",
+]
 
 # Catalogue order: estimates and diagnoses list fixes in this order.
 FIXES: tuple[Fix, ...] = (
@@ -55,6 +64,12 @@ def fix_named(name: str) -> Optional[Fix]:
     if not all(compatible(a, b) for i, a in enumerate(fixes) for b in fixes[i + 1 :]):
         return None
     return Combination(*fixes)
+
+
+def batch_fix() -> Fix:
+    """The fix that changes the batch (`changes_batch`): the batch searches'
+    replays and the prescription's accumulation are it, alone or `also`."""
+    return next(fix for fix in FIXES if fix.changes_batch)
 
 
 def replay_order() -> list[Fix]:

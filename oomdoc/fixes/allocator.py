@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any, Optional
 
-from oomdoc.fixes.base import Effect, Fix, FixRequest
+from oomdoc.fixes.base import Effect, Fix, FixRequest, SnippetContext
 from oomdoc.model import Snapshot
 from oomdoc.sizes import format_bytes
 
@@ -72,7 +72,7 @@ class ExpandableSegments(Fix):
     def describe(self, applied: dict, request: FixRequest) -> str:
         return f"{CONF_ENV}={EXPANDABLE}"
 
-    def snippet(self, context: dict) -> str:
+    def snippet(self, context: SnippetContext) -> str:
         return f"{CONF_ENV}={EXPANDABLE} python train.py"
 
     def estimate(self, snapshot: Snapshot) -> Optional[Effect]:
@@ -115,7 +115,7 @@ class EmptyCache(Fix):
     def describe(self, applied: dict, request: FixRequest) -> str:
         return "torch.cuda.empty_cache() before each forward pass"
 
-    def snippet(self, context: dict) -> str:
+    def snippet(self, context: SnippetContext) -> str:
         return "optimizer.step()\noptimizer.zero_grad(set_to_none=True)\ntorch.cuda.empty_cache()"
 
     def apply(self, payload: dict, record: dict, tracker: Any) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from oomdoc.fixes.base import Effect, Fix, FixRequest
+from oomdoc.fixes.base import Effect, Fix, FixRequest, SnippetContext
 from oomdoc.model import Snapshot
 from oomdoc.sizes import format_bytes
 
@@ -37,7 +37,8 @@ class Autocast(Fix):
         dtype = "bfloat16" if (not on_cuda or snapshot.device.supports_bf16) else "float16"
         device_type = "cuda" if on_cuda else "cpu"
         settings = {"device_type": device_type, "dtype": dtype}
-        return FixRequest(payload={"name": self.name, **settings}, context=dict(settings))
+        context = SnippetContext(device_type=device_type, dtype=dtype)
+        return FixRequest(payload={"name": self.name, **settings}, context=context)
 
     def not_applied(self, applied: dict) -> Optional[str]:
         record = self.record_in(applied)
@@ -55,7 +56,7 @@ class Autocast(Fix):
             detail += "; float16 needs torch.amp.GradScaler (loss scaling)"
         return detail
 
-    def snippet(self, context: dict) -> str:
+    def snippet(self, context: SnippetContext) -> str:
         device_type = context.get("device_type", "cuda")
         dtype = context.get("dtype", "bfloat16")
         snippet = (

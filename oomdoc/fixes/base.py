@@ -9,9 +9,42 @@ before the user's script starts) imports torch inside the method.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, TypedDict
 
 from oomdoc.model import Breakdown, FixResult, Snapshot
+
+
+class SnippetContext(TypedDict, total=False):
+    """What a fix's snippet is made concrete with; every key is optional (a
+    snippet without one writes a placeholder). Replays learn most of it
+    (FixRequest.context, Fix.describe); the framework units add the
+    snapshot's part (oomdoc.frameworks.base.FrameworkContext)."""
+
+    # smaller_batch: the batch that fits, the steps that keep the effective
+    # batch, and the batch-size flag (`--batch-size`, or `batch_size` for a
+    # DataLoader)
+    micro_batch: int
+    accumulation_steps: int
+    how: str
+    # autocast: `cuda`/`cpu`, `bfloat16`/`float16`
+    device_type: str
+    dtype: str
+    # checkpointing: the (first) repeated blocks, relative to the model
+    # called; every run of blocks wrapped, in order (`path`, `class`,
+    # `count`); the name the model goes by in the snippet
+    blocks_path: str
+    blocks_class: str
+    blocks_count: int
+    blocks_groups: list[dict[str, Any]]
+    owner: str
+    # lighter_optimizer: the optimizer measured (`Adafactor`), and what its
+    # snippet passes it
+    optimizer: Optional[str]
+    parameters: str
+    # How the script updates its parameters: `optimizer`, `manual` or None
+    update: Optional[str]
+    # The snapshot's `script_option_syntax`: how to spell an option
+    script_option_syntax: Optional[str]
 
 
 @dataclass
@@ -21,7 +54,7 @@ class FixRequest:
 
     payload: dict = field(default_factory=dict)
     env: dict = field(default_factory=dict)
-    context: dict = field(default_factory=dict)
+    context: SnippetContext = field(default_factory=lambda: SnippetContext())
 
 
 @dataclass
@@ -50,6 +83,10 @@ class Fix:
     cuda_only: bool = False
     # Measured by the largest-batch search rather than by one replay.
     searches_batch: bool = False
+    # Sets the batch size (and gradient accumulation) its payload gives, alone
+    # or `also` with other fixes: every replay at another batch goes through
+    # it (oomdoc.fixes.batch_fix), so that no room names it.
+    changes_batch: bool = False
     # Replays try fixes in this order (lowest first).
     replay_priority: int = 9
     # Saves memory at any batch size, so the prescription may combine it with
@@ -97,7 +134,7 @@ class Fix:
         `request.context` what the snippet needs."""
         return ""
 
-    def snippet(self, context: dict) -> str:
+    def snippet(self, context: SnippetContext) -> str:
         """How to apply the fix by hand, made concrete with `context`."""
         raise NotImplementedError
 
@@ -153,5 +190,5 @@ class Combination(Fix):
         details = [part.describe(applied, request) for part in self.parts]
         return "; ".join(detail for detail in details if detail)
 
-    def snippet(self, context: dict) -> str:
+    def snippet(self, context: SnippetContext) -> str:
         return "\n\n".join(f"# {part.name}\n{part.snippet(context)}" for part in self.parts)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import weakref
 from typing import Any, Optional
 
-from oomdoc.fixes.base import Effect, Fix, FixRequest
+from oomdoc.fixes.base import Effect, Fix, FixRequest, SnippetContext
 from oomdoc.model import Snapshot
 from oomdoc.sizes import format_bytes
 
@@ -47,19 +47,22 @@ class Checkpointing(Fix):
         if wrapped:
             first = wrapped[0]
             request.context.update(
-                blocks_path=first["path"],
-                blocks_class=first["class"],
-                blocks_count=first["count"],
-                # Every run of blocks it wrapped (a ResNet's four stages), in order.
-                blocks_groups=[
-                    {"path": w["path"], "class": w["class"], "count": w["count"]} for w in wrapped
-                ],
+                SnippetContext(
+                    blocks_path=first["path"],
+                    blocks_class=first["class"],
+                    blocks_count=first["count"],
+                    # Every run of blocks it wrapped (a ResNet's four stages), in order.
+                    blocks_groups=[
+                        {"path": w["path"], "class": w["class"], "count": w["count"]}
+                        for w in wrapped
+                    ],
+                )
             )
         return "checkpointed " + ", ".join(
             f"{w['count']} x {w['class']} in {w['path']}" for w in wrapped
         )
 
-    def snippet(self, context: dict) -> str:
+    def snippet(self, context: SnippetContext) -> str:
         """`context`: blocks_path, blocks_class, blocks_count; `owner`, the
         expression the path starts from (default `model`)."""
         owner = context.get("owner", "model")
@@ -158,7 +161,7 @@ class Checkpointing(Fix):
         tracker.forward_start_callbacks.append(wrap)
 
 
-def loops(context: dict, owner: str) -> list[str]:
+def loops(context: SnippetContext, owner: str) -> list[str]:
     """One checkpointed loop per run of blocks the replay wrapped, in order
     (a ResNet's four stages), over `owner.path`; the blocks' class and count
     as a comment."""

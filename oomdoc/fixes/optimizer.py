@@ -6,7 +6,7 @@ import inspect
 import sys
 from typing import Any, Optional
 
-from oomdoc.fixes.base import Effect, Fix, FixRequest
+from oomdoc.fixes.base import Effect, Fix, FixRequest, SnippetContext
 from oomdoc.model import Breakdown, FixResult, Snapshot
 from oomdoc.sizes import format_bytes
 
@@ -105,7 +105,7 @@ class LighterOptimizer(Fix):
         if (snapshot.world_size or 1) >= 2:
             return  # a distributed job's replays measure sharding (fsdp, zero_optimizer)
         estimate = sharding_estimate(static)
-        result.extra["sharding_estimate"] = {
+        result.sharding_estimate = {
             "per_rank_saved_bytes": estimate,
             "basis": {
                 "parameters": static.parameters,
@@ -135,7 +135,7 @@ class LighterOptimizer(Fix):
         replaced = sorted(set(record.get("replaced") or []))
         return f"measured torch.optim.{record.get('optimizer')} in place of {', '.join(replaced)}"
 
-    def snippet(self, context: dict) -> str:
+    def snippet(self, context: SnippetContext) -> str:
         """`context`: the optimizer measured; `parameters`, the expression for
         the model's parameters (default `model.parameters()`)."""
         parameters = context.get("parameters", "model.parameters()")

@@ -9,7 +9,7 @@ import inspect
 import sys
 from typing import Any, Iterator, Optional
 
-from oomdoc.fixes.base import Fix, FixRequest
+from oomdoc.fixes.base import Fix, FixRequest, SnippetContext
 from oomdoc.fixes.optimizer import oom_before_any_state
 from oomdoc.model import Snapshot
 
@@ -42,7 +42,7 @@ class Fsdp(Fix):
                 "CUDA only: FSDP2 frees its gathered parameters by resizing their storage, "
                 "which the simulated device does not see"
             )
-        parallel = snapshot.extra.get("parallel")
+        parallel = snapshot.parallel
         if not (isinstance(parallel, dict) and parallel.get("ddp")):
             return "the script wraps no model in DistributedDataParallel"
         return None
@@ -60,7 +60,7 @@ class Fsdp(Fix):
         blocks = ", ".join(f"{s['count']} x {s['class']} in {s['path']}" for s in sharded)
         return f"FSDP2 ({record.get('api')}) in place of DDP: {blocks or 'the root only'}; measured per rank"
 
-    def snippet(self, context: dict) -> str:
+    def snippet(self, context: SnippetContext) -> str:
         path = context.get("blocks_path", "blocks")
         loop = "for block in model:" if path == "(root)" else f"for block in model.{path}:"
         return (
@@ -181,7 +181,7 @@ class ZeroOptimizer(Fix):
             request.context["optimizer"] = f"torch.optim.{wrapped[0]}"
         return f"ZeroRedundancyOptimizer around {', '.join(wrapped) or 'no optimizer'}; measured per rank"
 
-    def snippet(self, context: dict) -> str:
+    def snippet(self, context: SnippetContext) -> str:
         optimizer = context.get("optimizer", "torch.optim.AdamW")
         return (
             "from torch.distributed.optim import ZeroRedundancyOptimizer\n"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import Any, Optional
 
-from oomdoc.fixes.base import Effect, Fix
+from oomdoc.fixes.base import Effect, Fix, SnippetContext
 from oomdoc.model import Snapshot
 from oomdoc.script_flags import spelled
 from oomdoc.sizes import format_bytes
@@ -26,9 +26,10 @@ class SmallerBatch(Fix):
     addresses = ("activations",)
     combines_with = ("autocast", "checkpointing")
     searches_batch = True
+    changes_batch = True
     replay_priority = 0
 
-    def snippet(self, context: dict) -> str:
+    def snippet(self, context: SnippetContext) -> str:
         if context.get("micro_batch"):
             micro, steps = context["micro_batch"], context["accumulation_steps"]
             how = spelled(
@@ -100,7 +101,7 @@ class SmallerBatch(Fix):
         on_dataloader_init(smaller)
 
 
-def update_lines(context: dict, indent: str, scaled: bool = False) -> list[str]:
+def update_lines(context: SnippetContext, indent: str, scaled: bool = False) -> list[str]:
     """The update every `accumulation_steps` micro-batches: the optimizer's
     step, or for a script without one (context `update` `manual`) its own
     update by hand and `model.zero_grad()`."""

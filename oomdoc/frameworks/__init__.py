@@ -10,7 +10,7 @@ module with a `Framework` subclass and one line in FRAMEWORKS. Torch-free.
 from __future__ import annotations
 
 from oomdoc.frameworks.accelerate import Accelerate
-from oomdoc.frameworks.base import Framework
+from oomdoc.frameworks.base import Framework, FrameworkContext
 from oomdoc.frameworks.huggingface import HuggingFace
 from oomdoc.frameworks.lightning import Lightning
 from oomdoc.frameworks.plain import Plain
@@ -31,27 +31,26 @@ def framework_for(name: str | None) -> Framework:
     return _BY_NAME.get(name or "plain", _BY_NAME["plain"])
 
 
-def context_from_snapshot(snapshot: Snapshot) -> dict:
+def context_from_snapshot(snapshot: Snapshot) -> FrameworkContext:
     """The part of a unit's context that the snapshot itself holds: the
     framework's entry and import name, the command, the script's options,
     how it updates its parameters (`update`: `optimizer`, `manual` or None),
     and the autocast device and dtype the replays use."""
     framework = snapshot.framework
     device = snapshot.device
-    values = snapshot.extra.get("script_option_values")
-    return {
-        "entry": framework.entry if framework else None,
-        "version": framework.version if framework else None,
-        "module": framework.extra.get("module") if framework else None,
-        "command": list(snapshot.command),
-        "script_options": list(snapshot.script_options),
-        "script_option_values": dict(values) if isinstance(values, dict) else {},
-        "script_option_aliases": dict(snapshot.script_option_aliases),
-        "script_option_syntax": snapshot.script_option_syntax,
-        "update": snapshot.parameter_update,
-        "device_type": "cuda" if device.on_cuda else "cpu",
-        "dtype": "bfloat16" if (not device.on_cuda or device.supports_bf16) else "float16",
-    }
+    return FrameworkContext(
+        entry=framework.entry if framework else None,
+        version=framework.version if framework else None,
+        module=framework.module if framework else None,
+        command=list(snapshot.command),
+        script_options=list(snapshot.script_options),
+        script_option_values=dict(snapshot.script_option_values),
+        script_option_aliases=dict(snapshot.script_option_aliases),
+        script_option_syntax=snapshot.script_option_syntax,
+        update=snapshot.parameter_update,
+        device_type="cuda" if device.on_cuda else "cpu",
+        dtype="bfloat16" if (not device.on_cuda or device.supports_bf16) else "float16",
+    )
 
 
 def framework_of(snapshot: Snapshot) -> Framework:

@@ -3,7 +3,12 @@ and `with accelerator.accumulate(model):` around the step."""
 
 from __future__ import annotations
 
-from oomdoc.frameworks.base import EXPANDABLE_ENV, Framework, effective_batch_comment
+from oomdoc.frameworks.base import (
+    EXPANDABLE_ENV,
+    Framework,
+    FrameworkContext,
+    effective_batch_comment,
+)
 from oomdoc.frameworks.plain import (
     DEFAULT_SNIPPETS,
     checkpointing_snippet,
@@ -13,11 +18,11 @@ from oomdoc.frameworks.plain import (
 MIXED_PRECISION = {"bfloat16": "bf16", "float16": "fp16"}
 
 
-def _mixed_precision(context: dict) -> str:
+def _mixed_precision(context: FrameworkContext) -> str:
     return MIXED_PRECISION.get(context.get("dtype", "bfloat16"), "bf16")
 
 
-def _accumulation_loop(context: dict, empty_cache: bool = False) -> str:
+def _accumulation_loop(context: FrameworkContext, empty_cache: bool = False) -> str:
     micro = context.get("micro_batch")
     comment = effective_batch_comment(context)
     lines = [
@@ -40,7 +45,7 @@ class Accelerate(Framework):
     name = "accelerate"
     label = "accelerate"
 
-    def _accelerator(self, fixes: list[str], context: dict) -> str:
+    def _accelerator(self, fixes: list[str], context: FrameworkContext) -> str:
         arguments = ["..."]
         if "autocast" in fixes:
             arguments.append(f'mixed_precision="{_mixed_precision(context)}"')
@@ -53,7 +58,7 @@ class Accelerate(Framework):
             text += "  # no bf16 on this GPU: accelerate scales the loss"
         return text
 
-    def snippet(self, fix: str, context: dict) -> str:
+    def snippet(self, fix: str, context: FrameworkContext) -> str:
         parts = fix.split("+")
         if len(parts) > 1:
             return self.prescription_snippet(parts, context)
@@ -73,7 +78,7 @@ class Accelerate(Framework):
             return f"{EXPANDABLE_ENV} accelerate launch train.py ..."
         return DEFAULT_SNIPPETS.get(fix, "")
 
-    def prescription_snippet(self, fixes: list[str], context: dict) -> str:
+    def prescription_snippet(self, fixes: list[str], context: FrameworkContext) -> str:
         fixes = [part for fix in fixes for part in fix.split("+")]
         blocks = [self._accelerator(fixes, context)]
         if "lighter_optimizer" in fixes:

@@ -5,20 +5,8 @@ A unit speaks one framework's language: how each fix is written there
 and the script's own command-line flag for a fix (`flag_variant`), so that a
 replay can verify the user's knob next to oomdoc's own applied fix.
 
-The `context` every method takes is a plain dict; each key is optional:
-
-| key | meaning |
-| --- | --- |
-| `micro_batch`, `accumulation_steps` | smaller_batch: the batch that fits, and the steps that keep the effective batch |
-| `how` | smaller_batch: the batch-size flag (`--batch-size`), or `batch_size` for a DataLoader |
-| `device_type`, `dtype` | autocast: `cuda`/`cpu`, `bfloat16`/`float16` |
-| `blocks_path`, `blocks_class`, `blocks_count` | checkpointing: the (first) repeated blocks, relative to the model called |
-| `blocks_groups` | checkpointing: every run of blocks wrapped, in order (`path`, `class`, `count`) |
-| `optimizer` | lighter_optimizer: the optimizer measured (`Adafactor`) |
-| `entry`, `module`, `version` | the snapshot's `framework.entry` (`Trainer`, `Fabric`, ...), import name and version |
-| `command` | the snapshot's `command`: `[SCRIPT, *ARGS]` or `["-m", MODULE, *ARGS]` |
-| `update` | how the script updates its parameters: `optimizer`, `manual` (by hand, no optimizer) or None (unknown) |
-| `script_options`, `script_option_values`, `script_option_aliases` | the snapshot's keys of the same names |
+The `context` every method takes is a FrameworkContext: a fix's
+SnippetContext (what the replays learned) and the snapshot's part.
 
 Torch-free: the parent imports this.
 """
@@ -26,17 +14,29 @@ Torch-free: the parent imports this.
 from __future__ import annotations
 
 import shlex
+from typing import Optional
 
+from oomdoc.fixes.base import SnippetContext
 from oomdoc.script_flags import batch_flags, equals_only, is_short
 
-FIX_NAMES = (
-    "smaller_batch",
-    "autocast",
-    "checkpointing",
-    "lighter_optimizer",
-    "empty_cache",
-    "expandable_segments",
-)
+
+class FrameworkContext(SnippetContext, total=False):
+    """A fix's SnippetContext and what the snapshot holds for every unit
+    (oomdoc.frameworks.context_from_snapshot)."""
+
+    # The snapshot's `framework.entry` (`Trainer`, `Fabric`, ...), import
+    # name (`framework.module`) and version
+    entry: Optional[str]
+    module: Optional[str]
+    version: Optional[str]
+    # The snapshot's `command`: `[SCRIPT, *ARGS]` or `["-m", MODULE, *ARGS]`
+    command: list[str]
+    # The snapshot's keys of the same names
+    script_options: list[str]
+    script_option_values: dict[str, list[str]]
+    script_option_aliases: dict[str, str]
+
+
 EXPANDABLE_ENV = "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
 
 # Command-line flags scripts commonly declare for each fix, most specific
@@ -113,16 +113,16 @@ class Framework:
     # `imported_packages`: what the framework loads lazily (oomdoc.capture.imports).
     preimports: tuple[str, ...] = ()
 
-    def snippet(self, fix: str, context: dict) -> str:
+    def snippet(self, fix: str, context: FrameworkContext) -> str:
         """How to apply `fix` (or `a+b`) by hand, in this framework's knobs."""
         raise NotImplementedError
 
-    def prescription_snippet(self, fixes: list[str], context: dict) -> str:
+    def prescription_snippet(self, fixes: list[str], context: FrameworkContext) -> str:
         """Several fixes as one configuration block in this framework's terms."""
         raise NotImplementedError
 
     def flag_variant(
-        self, fix: str, args: list[str], script_options: list[str], context: dict
+        self, fix: str, args: list[str], script_options: list[str], context: FrameworkContext
     ) -> list[str] | None:
         """The script's argv with its own flag for `fix` added (or set), when
         the script declares one, else None (also None when it is already on).
@@ -138,7 +138,7 @@ class Framework:
         return generic_flag_variant(fix, args, script_options, context, self.dtype_values)
 
     # ------------------------------------------------------------ shared
-    def command_with_flags(self, fixes: list[str], context: dict) -> str | None:
+    def command_with_flags(self, fixes: list[str], context: FrameworkContext) -> str | None:
         """The script's command with its own flags for every fix that has one
         (None when none has): the by-hand run of a prescription."""
         command = context.get("command")
@@ -157,7 +157,9 @@ class Framework:
         head = ["python", "-m", command[1]] if command[0] == "-m" else ["python", command[0]]
         return env + shlex.join([*head, *args])
 
-    def own_flags_block(self, fixes: list[str], context: dict, label: str) -> str | None:
+    def own_flags_block(
+        self, fixes: list[str], context: FrameworkContext, label: str
+    ) -> str | None:
         """`# label:` and the command with the script's own flags; when some
         fixes have no flag there, the label says which ones it covers."""
         command = self.command_with_flags(fixes, context)
@@ -179,7 +181,7 @@ class Framework:
         return f"# {label}:\n{command}"
 
 
-def effective_batch_comment(context: dict) -> str:
+def effective_batch_comment(context: FrameworkContext) -> str:
     """`2 accumulation steps of 12 keep the effective batch at 24`, or empty."""
     micro, steps = context.get("micro_batch"), context.get("accumulation_steps")
     if not micro or not steps:
@@ -196,12 +198,12 @@ def declared(script_options, *names: str) -> str | None:
     return None
 
 
-def takes_value(option: str, context: dict) -> bool:
+def takes_value(option: str, context: FrameworkContext) -> bool:
     """Whether the option needs a value (unknown: as a switch)."""
     return option in (context.get("script_option_values") or {})
 
 
-def choices_of(option: str, context: dict) -> list[str]:
+def choices_of(option: str, context: FrameworkContext) -> list[str]:
     return list((context.get("script_option_values") or {}).get(option) or [])
 
 
@@ -258,7 +260,7 @@ def switch_is_on(args: list[str], option: str) -> bool:
     return found[1] is None or found[1].lower() in _TRUE
 
 
-def dtype_value(option: str, dtype: str, context: dict, defaults: dict) -> str | None:
+def dtype_value(option: str, dtype: str, context: FrameworkContext, defaults: dict) -> str | None:
     """The value for a flag that takes the dtype: one of its choices when it
     lists them (None when none means the dtype), else the framework's default."""
     choices = choices_of(option, context)
@@ -280,7 +282,7 @@ def accumulation_on_command_line(args: list[str], script_options) -> int:
 
 
 def with_enough_steps(
-    args: list[str], script_options, context: dict, needed: int
+    args: list[str], script_options, context: FrameworkContext, needed: int
 ) -> tuple[list[str], str | None]:
     """args with the script's steps flag (`--max_steps`, `--steps`, ...)
     raised to `needed` when it is below that or not given (its default is
@@ -299,7 +301,7 @@ def with_enough_steps(
 
 
 def generic_flag_variant(
-    fix: str, args: list[str], script_options, context: dict, dtype_defaults: dict
+    fix: str, args: list[str], script_options, context: FrameworkContext, dtype_defaults: dict
 ) -> list[str] | None:
     """The flags a script commonly declares for a fix, written as the
     script takes them (context's `script_option_syntax`)."""

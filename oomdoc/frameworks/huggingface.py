@@ -6,6 +6,7 @@ from __future__ import annotations
 from oomdoc.frameworks.base import (
     EXPANDABLE_ENV,
     Framework,
+    FrameworkContext,
     declared,
     effective_batch_comment,
     find_option,
@@ -22,7 +23,7 @@ def _flag(field: str) -> str:
     return f"--{field}"
 
 
-def checkpointing_field(context: dict) -> str:
+def checkpointing_field(context: FrameworkContext) -> str:
     """`activation_checkpointing` where the script's TrainingArguments have it
     (newer transformers, where `gradient_checkpointing` is its deprecated
     alias), else `gradient_checkpointing`."""
@@ -37,7 +38,7 @@ class HuggingFace(Framework):
     # `import transformers` is lazy: the Trainer's module is the seconds.
     preimports = ("transformers.trainer",)
 
-    def fields(self, fix: str, context: dict) -> list[tuple[str, str, str]]:
+    def fields(self, fix: str, context: FrameworkContext) -> list[tuple[str, str, str]]:
         """(TrainingArguments field, its value as Python, as a flag value ('' for
         a switch)) that apply `fix`; empty when the Trainer has no knob for it."""
         if fix == "smaller_batch":
@@ -59,7 +60,7 @@ class HuggingFace(Framework):
             return [("torch_empty_cache_steps", "1", "1")]
         return []
 
-    def _comment(self, fix: str, context: dict) -> str:
+    def _comment(self, fix: str, context: FrameworkContext) -> str:
         if fix == "smaller_batch":
             return effective_batch_comment(context)
         if fix == "autocast" and context.get("dtype") == "float16":
@@ -78,13 +79,13 @@ class HuggingFace(Framework):
             return "torch.cuda.empty_cache() every step"
         return ""
 
-    def _flags_text(self, fields, context: dict) -> str:
+    def _flags_text(self, fields, context: FrameworkContext) -> str:
         return " ".join(
             _flag(field) + (f" {flag_value}" if flag_value else "")
             for field, _value, flag_value in fields
         )
 
-    def snippet(self, fix: str, context: dict) -> str:
+    def snippet(self, fix: str, context: FrameworkContext) -> str:
         parts = fix.split("+")
         if len(parts) > 1:
             return self.prescription_snippet(parts, context)
@@ -114,7 +115,7 @@ class HuggingFace(Framework):
             lines.append(f"# or, without the Trainer's switch: model.{method}()")
         return "\n".join(lines)
 
-    def prescription_snippet(self, fixes: list[str], context: dict) -> str:
+    def prescription_snippet(self, fixes: list[str], context: FrameworkContext) -> str:
         """One TrainingArguments(...) with every knob, then the same as flags."""
         fixes = [part for fix in fixes for part in fix.split("+")]
         lines = ["training_args = TrainingArguments(", "    ...,  # your other arguments"]
@@ -144,7 +145,7 @@ class HuggingFace(Framework):
         return "\n\n".join(blocks)
 
     def flag_variant(
-        self, fix: str, args: list[str], script_options: list[str], context: dict
+        self, fix: str, args: list[str], script_options: list[str], context: FrameworkContext
     ) -> list[str] | None:
         parts = fix.split("+")
         if len(parts) > 1:

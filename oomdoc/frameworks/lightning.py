@@ -5,7 +5,12 @@ the DataModule; or, for Fabric, `Fabric(precision=...)` and its loop."""
 from __future__ import annotations
 
 from oomdoc.fixes import checkpointing
-from oomdoc.frameworks.base import EXPANDABLE_ENV, Framework, effective_batch_comment
+from oomdoc.frameworks.base import (
+    EXPANDABLE_ENV,
+    Framework,
+    FrameworkContext,
+    effective_batch_comment,
+)
 from oomdoc.frameworks.plain import (
     DEFAULT_SNIPPETS,
     checkpointing_snippet,
@@ -15,22 +20,22 @@ from oomdoc.frameworks.plain import (
 PRECISION = {"bfloat16": "bf16-mixed", "float16": "16-mixed"}
 
 
-def _alias(context: dict) -> str:
+def _alias(context: FrameworkContext) -> str:
     """`pl` for `import pytorch_lightning as pl`, else `L` (`import lightning as L`)."""
     return "pl" if context.get("module") == "pytorch_lightning" else "L"
 
 
-def _import_line(context: dict) -> str:
+def _import_line(context: FrameworkContext) -> str:
     if context.get("module") == "pytorch_lightning":
         return "import pytorch_lightning as pl"
     return "import lightning as L"
 
 
-def _precision(context: dict) -> str:
+def _precision(context: FrameworkContext) -> str:
     return PRECISION.get(context.get("dtype", "bfloat16"), "bf16-mixed")
 
 
-def _module_checkpointing(context: dict) -> str:
+def _module_checkpointing(context: FrameworkContext) -> str:
     """Checkpointing written inside the LightningModule's forward."""
     body = "".join(f"        {line}\n" for line in checkpointing.loops(context, "self"))
     return (
@@ -43,7 +48,7 @@ def _module_checkpointing(context: dict) -> str:
     )
 
 
-def _module_optimizer(context: dict) -> str:
+def _module_optimizer(context: FrameworkContext) -> str:
     return (
         "def configure_optimizers(self):  # in your LightningModule\n"
         "    return torch.optim.Adafactor(self.parameters(), lr=lr)  # factored second moments"
@@ -62,10 +67,10 @@ class Lightning(Framework):
     label = "Lightning"
     dtype_values = PRECISION
 
-    def _fabric(self, context: dict) -> bool:
+    def _fabric(self, context: FrameworkContext) -> bool:
         return context.get("entry") == "Fabric"
 
-    def _trainer_arguments(self, fixes: list[str], context: dict) -> list[str]:
+    def _trainer_arguments(self, fixes: list[str], context: FrameworkContext) -> list[str]:
         arguments = []
         if "autocast" in fixes:
             tail = (
@@ -80,7 +85,7 @@ class Lightning(Framework):
             arguments.append(f"accumulate_grad_batches={steps},  # {comment}")
         return arguments
 
-    def _batch_line(self, context: dict) -> str:
+    def _batch_line(self, context: FrameworkContext) -> str:
         micro = context.get("micro_batch")
         size = str(micro) if micro else "BATCH // 2"
         line = f"# batch_size={size} in your DataModule (its train_dataloader's DataLoader)"
@@ -89,7 +94,7 @@ class Lightning(Framework):
             line += f"\n# or on the command line: {how} {micro}"
         return line
 
-    def snippet(self, fix: str, context: dict) -> str:
+    def snippet(self, fix: str, context: FrameworkContext) -> str:
         parts = fix.split("+")
         if len(parts) > 1:
             return self.prescription_snippet(parts, context)
@@ -118,7 +123,7 @@ class Lightning(Framework):
             return f"{EXPANDABLE_ENV} python train.py ..."
         return DEFAULT_SNIPPETS.get(fix, "")
 
-    def _fabric_snippet(self, fix: str, context: dict) -> str:
+    def _fabric_snippet(self, fix: str, context: FrameworkContext) -> str:
         alias = _alias(context)
         if fix == "autocast":
             return f'fabric = {alias}.Fabric(..., precision="{_precision(context)}")'
@@ -132,7 +137,7 @@ class Lightning(Framework):
             return f"{EXPANDABLE_ENV} python train.py ..."
         return DEFAULT_SNIPPETS.get(fix, "")
 
-    def _fabric_loop(self, context: dict) -> str:
+    def _fabric_loop(self, context: FrameworkContext) -> str:
         steps = context.get("accumulation_steps") or 2
         micro = context.get("micro_batch")
         comment = effective_batch_comment(context)
@@ -150,7 +155,7 @@ class Lightning(Framework):
             "        optimizer.zero_grad(set_to_none=True)"
         )
 
-    def prescription_snippet(self, fixes: list[str], context: dict) -> str:
+    def prescription_snippet(self, fixes: list[str], context: FrameworkContext) -> str:
         fixes = [part for fix in fixes for part in fix.split("+")]
         alias = _alias(context)
         blocks = []

@@ -5,10 +5,15 @@ from __future__ import annotations
 
 from oomdoc.fixes import fix_named
 from oomdoc.fixes.smaller_batch import update_lines
-from oomdoc.frameworks.base import EXPANDABLE_ENV, Framework, effective_batch_comment
+from oomdoc.frameworks.base import (
+    EXPANDABLE_ENV,
+    Framework,
+    FrameworkContext,
+    effective_batch_comment,
+)
 
 
-def catalogue_snippet(fix: str, context: dict) -> str:
+def catalogue_snippet(fix: str, context: FrameworkContext) -> str:
     """The fix as plain torch code: the fix unit's own snippet (oomdoc.fixes)."""
     unit = fix_named(fix)
     return unit.snippet(context) if unit is not None else ""
@@ -27,18 +32,20 @@ class _DefaultSnippets:
 DEFAULT_SNIPPETS = _DefaultSnippets()
 
 
-def autocast_snippet(context: dict) -> str:
+def autocast_snippet(context: FrameworkContext) -> str:
     return catalogue_snippet("autocast", context)
 
 
-def checkpointing_snippet(context: dict, owner: str = "model") -> str | None:
+def checkpointing_snippet(context: FrameworkContext, owner: str = "model") -> str | None:
     """Checkpointing of the measured blocks, `owner.path`; None without them."""
     if not context.get("blocks_path"):
         return None
     return catalogue_snippet("checkpointing", {**context, "owner": owner})
 
 
-def lighter_optimizer_snippet(context: dict, parameters: str = "model.parameters()") -> str | None:
+def lighter_optimizer_snippet(
+    context: FrameworkContext, parameters: str = "model.parameters()"
+) -> str | None:
     if context.get("optimizer") != "Adafactor":
         return None
     return catalogue_snippet("lighter_optimizer", {**context, "parameters": parameters})
@@ -48,7 +55,7 @@ class Plain(Framework):
     name = "plain"
     label = "a plain PyTorch loop"
 
-    def snippet(self, fix: str, context: dict) -> str:
+    def snippet(self, fix: str, context: FrameworkContext) -> str:
         parts = fix.split("+")
         if len(parts) > 1:
             return "\n\n".join(f"# {part}\n{self.snippet(part, context)}" for part in parts)
@@ -63,7 +70,7 @@ class Plain(Framework):
                 )
         return catalogue_snippet(fix, context)
 
-    def prescription_snippet(self, fixes: list[str], context: dict) -> str:
+    def prescription_snippet(self, fixes: list[str], context: FrameworkContext) -> str:
         """One training loop with every fix in it."""
         fixes = [part for fix in fixes for part in fix.split("+")]
         lines = []

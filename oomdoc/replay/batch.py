@@ -70,7 +70,7 @@ class BatchRun:
     inconclusive: bool = False  # timed out or failed otherwise: says nothing about memory
     wall_s: float = 0.0
     note: str = ""
-    replay: Any = None  # the replay that measured it (oomdoc.replay.orchestrate.Replay)
+    replay: Any = None  # the replay that measured it (oomdoc.replay.replayer.Replay)
 
 
 def steps_timed(steps: list[Step]) -> list[Step]:
@@ -86,7 +86,7 @@ def timed_on_a_shared_device(steps: list[Step]) -> bool:
     """Whether a step that makes the step time ran while other replays could
     use the device (a replay sharing it, oomdoc.capture.gate, that stopped
     before it took the device alone)."""
-    return any(step.extra.get("device_shared") for step in steps_timed(steps))
+    return any(step.device_shared for step in steps_timed(steps))
 
 
 def median_step_seconds(steps: list[Step]) -> float | None:
@@ -424,7 +424,7 @@ def forward_progress(snapshot: Snapshot, made_bytes: float) -> float:
     model returned (the loss): all of it. Blocks are assumed alike, which
     overstates the later blocks of a CNN (whose feature maps shrink): the
     first replay then fits, below the limit. 1 when unknown."""
-    module = snapshot.oom.extra.get("module") if snapshot.oom else None
+    module = snapshot.oom.module if snapshot.oom else None
     if not isinstance(module, str):
         return 1.0
     groups = [block for model in snapshot.models for block in model.repeated_blocks]

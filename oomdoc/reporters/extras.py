@@ -74,7 +74,11 @@ class JobExtras:
 
 
 def prescription_extras(prescription: Prescription) -> PrescriptionExtras:
-    return parse(PrescriptionExtras, prescription.extra)
+    flags = prescription.verified_by_flags
+    return PrescriptionExtras(
+        verified_by_flags=parse(FlagsReplay, flags) if isinstance(flags, dict) else None,
+        throughput_batch_size=prescription.throughput_batch_size,
+    )
 
 
 def site_extras(site: Site) -> SiteExtras:

@@ -1,0 +1,507 @@
+"""Running one replay in a fresh child process, and reading its result.
+
+Each replay runs the same script with the same arguments on the same device
+and capacity, with one fix applied from the start, until the failing step has
+completed and at least two full steps have run (the optimizer creates its
+state in the first step, so the second usually peaks higher), then the
+tracker stops it cleanly. Replays set OOMDOC_REPLAY=1 so that a script can
+skip side effects, and send the script's output to a log. Several may run
+side by side (oomdoc.replay.lanes); this module knows no fix by name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Optional
+
+from oomdoc.model import (
+    Snapshot,
+)
+from oomdoc.replay import batch as batch_model
+from oomdoc.replay.lanes import (
+    AHEAD,
+    CUDA_CONTEXT_BYTES,
+    DEMANDED,
+    Job,
+    Lanes,
+    cuda_free_bytes,
+    default_jobs,
+    host_available_bytes,
+    room_to_share,
+)
+from oomdoc.replay.progress import Progress
+from oomdoc.runner import ChildRequest, ChildResult, ChildSignals, WarmPool, run_child
+from oomdoc.sizes import format_bytes
+
+MIN_REPLAY_TIMEOUT_S = 120.0
+
+
+# Under a leak, replays run this many steps: enough to see whether memory
+# still grows per step (and by how much), far fewer than the failing run.
+LEAK_REPLAY_STEPS = 6
+
+
+# Every replay's environment: scripts may skip side effects under
+# OOMDOC_REPLAY=1; a replay needs peaks and step times, not allocation sites,
+# and without the allocator's history (and the _snapshot() calls it feeds)
+# each CUDA replay starts and runs faster.
+REPLAY_ENV = {"OOMDOC_REPLAY": "1", "OOMDOC_ALLOCATION_HISTORY": "0"}
+
+
+@dataclass
+class Replay:
+    """One replay's outcome, measured."""
+
+    label: str
+    outcome: str  # fits | oom | timeout | error
+    peak_allocated_bytes: int | None = None
+    peak_reserved_bytes: int | None = None
+    step_s: float | None = None
+    wall_s: float = 0.0
+    capture: Optional[Snapshot] = None
+    message: str = ""
+    log_path: str | None = None
+    # What the child recorded of the fixes it applied: {fix name: record}.
+    applied: dict = field(default_factory=dict)
+    warm: bool = False
+    fix_name: str = ""
+    # When it started, in seconds since the replays began (side by side,
+    # several overlap), and how long it waited for the device lock.
+    started_s: float = 0.0
+    lock_wait_s: float = 0.0
+    # Ctrl-C or SIGTERM ended it; or oomdoc stopped it, its answer unneeded.
+    stopped_by_user: bool = False
+    cancelled: bool = False
+    # Run a second time, with the device to itself throughout, because its
+    # step time came from a step timed while other replays shared the device.
+    timed_again_alone: bool = False
+
+    def timing(self) -> dict:
+        """Where the replay's time went, for the snapshot's replay summary."""
+        timings = (self.capture.timings if self.capture else None) or {}
+        return {
+            "label": self.label,
+            "outcome": self.outcome,
+            "wall_s": round(self.wall_s, 2),
+            "warm": self.warm,
+            "started_s": round(self.started_s, 2),
+            "peak_allocated_bytes": self.peak_allocated_bytes,
+            **({"timed_again_alone": True} if self.timed_again_alone else {}),
+            **timings,
+        }
+
+    @property
+    def fits(self) -> bool:
+        return self.outcome == "fits"
+
+    @property
+    def interrupted(self) -> bool:
+        return self.capture is not None and self.capture.outcome == "interrupted"
+
+
+# Runs one replay's child instead of oomdoc.runner.run_child, for a run that
+# a launcher started: oomdoc.distributed passes its own, so that replays keep
+# the job's launcher and world size (replay imports nothing of distributed).
+Launch = Callable[[ChildRequest], ChildResult]
+
+
+class ReplaysInterrupted(Exception):
+    """Ctrl-C reached a replay: stop replaying, keep what was measured."""
+
+
+def replay_key(
+    payload: Optional[dict],
+    label: str,
+    args: list[str] | None,
+    extra_env: dict | None,
+    micro_batches_per_step: int | None = None,
+) -> tuple:
+    """What makes two asks for a replay the same replay."""
+    return (
+        label,
+        json.dumps(payload, sort_keys=True),
+        None if args is None else tuple(args),
+        tuple(sorted((extra_env or {}).items())),
+        micro_batches_per_step,
+    )
+
+
+class Replayer:
+    """Runs replays like the failing run, with a fix, and measures them.
+
+    `run` is how the decisions ask for a replay, one at a time, as if each
+    ran alone. With `jobs` > 1, `ahead` starts replays the decisions will (or
+    may) ask for in other lanes (oomdoc.replay.lanes); `run` then waits for
+    that one instead of starting another. Replays that run side by side take
+    the device in turn (the device lock, oomdoc.capture.gate): all their
+    device work, or, when the device has room for all of them
+    (device_has_room), only their timed steps."""
+
+    def __init__(
+        self,
+        snapshot: Snapshot,
+        options: Any,
+        request: ChildRequest,
+        progress: Progress,
+        pool: WarmPool,
+        leak: bool = False,
+        jobs: int = 1,
+        signals: ChildSignals | None = None,
+        launch: Launch | None = None,
+    ):
+        self.snapshot = snapshot
+        self.launch = launch
+        self.options = options
+        self.request = request
+        self.progress = progress
+        self.pool = pool
+        self.failing_step = (snapshot.oom.step if snapshot.oom else None) or 0
+        self.step_unit = snapshot.step_unit
+        # An OOM in evaluation: replays run until that evaluation pass has
+        # ended, wherever a smaller batch moves it (not a step count).
+        oom = snapshot.oom
+        self.stop_after_evaluation = (
+            oom.evaluation_pass if oom is not None and oom.in_evaluation else None
+        )
+        self.max_steps = max(self.failing_step + 1, 2)
+        if leak:
+            self.max_steps = LEAK_REPLAY_STEPS
+        if options.max_steps:
+            self.max_steps = min(self.max_steps, max(options.max_steps, 1))
+        self.leak = leak
+        self.timeout_s = options.replay_timeout_s or default_timeout(snapshot)
+        self.replays: list[Replay] = []
+        self.jobs = max(1, jobs)
+        self.signals = signals
+        self.lanes = Lanes(self.jobs) if self.jobs > 1 else None
+        self.device_lock: str | None = None
+        # True: their untimed device work overlaps (oomdoc.capture.gate).
+        # Only when replays run more than one step: the first step's time
+        # is then never the one used.
+        self.share_device: bool | None = None
+        if self.lanes is not None:
+            self.device_lock = os.path.join(pool.log_dir, "device.lock")
+            open(self.device_lock, "ab").close()
+            if self.max_steps >= 2 and device_has_room(snapshot, request.capacity_bytes, self.jobs):
+                self.share_device = True
+        # Replays started ahead, by replay_key, until the decisions ask for
+        # them; those they never asked for (`discard_ahead`).
+        self._ahead: dict[tuple, Job] = {}
+        # Started ahead but not yet handed to the lanes: that happens once
+        # the first replay the decisions ask for is, so that it gets the
+        # warmest child and the first lane.
+        self._unsubmitted: list[Job] = []
+        self._discarded: list[tuple[str, Job]] = []
+        self._interrupted = False
+
+    @property
+    def stopped(self) -> bool:
+        """Ctrl-C or SIGTERM came: no replay starts any more."""
+        return self._interrupted or (self.signals is not None and self.signals.stopped)
+
+    def _job(
+        self, payload, label, args, extra_env, priority: int, micro_batches_per_step=None
+    ) -> Job:
+        return Job(
+            lambda job: self._execute(job, payload, label, args, extra_env, micro_batches_per_step),
+            priority,
+        )
+
+    def ahead(
+        self,
+        payload: Optional[dict],
+        label: str,
+        args: list[str] | None = None,
+        extra_env: dict | None = None,
+        priority: int = AHEAD,
+        micro_batches_per_step: int | None = None,
+    ) -> Optional[tuple]:
+        """Start, in a free lane, a replay that `run` will (or, SPECULATIVE,
+        may) be asked for with the same arguments; its key. Nothing without
+        lanes."""
+        key = replay_key(payload, label, args, extra_env, micro_batches_per_step)
+        if self.lanes is None or self.stopped:
+            return None
+        if key not in self._ahead:
+            job = self._job(payload, label, args, extra_env, priority, micro_batches_per_step)
+            self._ahead[key] = job
+            self._unsubmitted.append(job)
+        return key
+
+    def run(
+        self,
+        payload: Optional[dict],
+        label: str,
+        args: list[str] | None = None,
+        extra_env: dict | None = None,
+        micro_batches_per_step: int | None = None,
+    ) -> Replay:
+        job = self._ahead.pop(
+            replay_key(payload, label, args, extra_env, micro_batches_per_step), None
+        )
+        if job is None:
+            if self.stopped:
+                raise ReplaysInterrupted()
+            job = self._job(payload, label, args, extra_env, DEMANDED, micro_batches_per_step)
+            if self.lanes is None:
+                job.run()
+            else:
+                self.lanes.submit(job)
+        elif self.lanes is not None:
+            if job in self._unsubmitted:
+                self._unsubmitted.remove(job)
+                job.priority = DEMANDED
+                self.lanes.submit(job)
+            else:
+                self.lanes.promote(job, DEMANDED)
+        if self.lanes is not None:
+            for waiting in self._unsubmitted:
+                self.lanes.submit(waiting)
+            self._unsubmitted.clear()
+        replay = job.wait()
+        if replay is None or replay.stopped_by_user or replay.cancelled:
+            raise ReplaysInterrupted()  # it never ran, or Ctrl-C ended it
+        if replay.outcome in ("timeout", "error"):
+            replay.log_path = keep_log(replay.log_path or "", self.request.artifact_dir)
+        self.replays.append(replay)
+        return replay
+
+    def _execute(
+        self,
+        job: Job,
+        payload: Optional[dict],
+        label: str,
+        args: list[str] | None,
+        extra_env: dict | None,
+        micro_batches_per_step: int | None = None,
+    ) -> Optional[Replay]:
+        """Run one replay's child (in a lane, or inline without lanes)."""
+        if self.stopped or job.cancel.is_set():
+            return None
+        name = payload["name"] if payload else "flags"
+        started_s = self.progress.total()
+        number = self.progress.start(label, job.number)
+        log_name = f"replay-{number}-{name.replace('+', '-')}.log"
+        log_path = os.path.join(self.pool.log_dir, log_name)
+        env = dict(REPLAY_ENV)
+        env.update(extra_env or {})
+        child = ChildRequest(
+            target=self.request.target,
+            args=list(self.request.args if args is None else args),
+            device=self.request.device,
+            capacity_bytes=self.request.capacity_bytes,
+            is_module=self.request.is_module,
+            max_steps=self.max_steps,
+            micro_batches_per_step=micro_batches_per_step,
+            expected_unit=self.step_unit,
+            stop_after_evaluation=self.stop_after_evaluation,
+            fix=payload,
+            extra_env=env,
+            output_path=log_path,
+            timeout_s=self.timeout_s,
+            device_lock=self.device_lock,
+            share_device=self.share_device,
+        )
+        result, replay = self._measure(child, job, label)
+        if (
+            replay.fits
+            and child.share_device  # as it ran (another lane may have stopped sharing)
+            and not (self.stopped or job.cancel.is_set())
+            and replay.capture is not None
+            and batch_model.timed_on_a_shared_device(replay.capture.steps)
+        ):
+            # Its step time came from steps that other replays' device work
+            # may have slowed (it ran a single step): timed again, alone. The
+            # script's other replays are likely to stop as early: from now on
+            # they keep the device to themselves from the start.
+            child.share_device = self.share_device = False
+            first_wall_s = replay.wall_s
+            result, replay = self._measure(child, job, label)
+            replay.wall_s += first_wall_s
+            replay.timed_again_alone = True
+        replay.fix_name = name
+        replay.started_s = started_s
+        if result.cancelled:
+            replay.cancelled = True
+            self.progress.finish("stopped: its answer was not needed", number)
+        elif not result.timed_out and (
+            result.exit_code == 130
+            or replay.interrupted
+            or (self.stopped and result.capture is None)
+        ):
+            replay.stopped_by_user = self._interrupted = True
+            if self.lanes is not None:
+                self.lanes.withdraw_all()
+            self.progress.finish("interrupted", number)
+        else:
+            self.progress.finish(summarise(replay), number)
+        return replay
+
+    def _measure(self, child: ChildRequest, job: Job, label: str) -> tuple[ChildResult, Replay]:
+        if self.launch is not None:  # e.g. a distributed job's launcher, with its world size
+            result = self.launch(child)
+        else:
+            result = run_child(child, pool=self.pool, signals=self.signals, cancel=job.cancel)
+        return result, measure(result, label, child.output_path or "")
+
+    def discard_ahead(self, keep: Iterable[Optional[tuple]] = ()) -> None:
+        """The decisions will ask for none of the replays started ahead that
+        are left but those of `keep` (keys): the others not started never
+        start, those running are stopped."""
+        kept = set(keep)
+        for key, job in list(self._ahead.items()):
+            if key in kept:
+                continue
+            del self._ahead[key]
+            job.cancel.set()
+            if job in self._unsubmitted:
+                self._unsubmitted.remove(job)
+                continue
+            if self.lanes is not None and self.lanes.withdraw(job):
+                continue
+            self._discarded.append((key[0], job))
+
+    def unused_runs(self) -> list[dict]:
+        """The replays started ahead that no decision needed: their timings
+        (`stopped` when oomdoc ended them early)."""
+        runs = []
+        for label, job in self._discarded:
+            replay = job.result if job.finished.is_set() else None
+            if isinstance(replay, Replay):
+                record = replay.timing()
+                if replay.cancelled:
+                    record["outcome"] = "stopped"
+                runs.append(record)
+            else:
+                runs.append({"label": label, "outcome": "stopped"})
+        return runs
+
+    def close(self) -> None:
+        """Stop what still runs and wait for the lanes to end."""
+        self.discard_ahead()
+        if self.lanes is not None:
+            self.lanes.close()
+
+
+def warm_pool(request: ChildRequest) -> WarmPool:
+    """Warm children for the replays of `request`, the first one starting now
+    (replay_fixes adds one per lane, and what they import ahead)."""
+    pool = WarmPool(request.device, REPLAY_ENV)
+    pool.fill()
+    return pool
+
+
+# Side by side on CUDA too: the deferred capture set-up they rely on (the
+# memory cap and the allocator history start at CUDA's lazy initialisation,
+# oomdoc.capture.gate) was checked on the H100 with 3 lanes: the largest
+# batches (GPT 20, ResNet-50 192, GPT-2-medium Trainer 7, Lightning 24) and
+# every peak matched the replays run one after another.
+CUDA_SIDE_BY_SIDE_BY_DEFAULT = True
+
+
+def device_has_room(snapshot: Snapshot, capacity_bytes: int | None, jobs: int) -> bool:
+    """Whether the device has room for `jobs` replays capped at
+    `capacity_bytes` at once (oomdoc.replay.lanes.room_to_share), read now:
+    on CUDA from NVML (else what the failing run's NVML saw free, while it
+    still held its own memory), on the simulated device from the host's
+    available memory, each process also holding the failing run's resident size."""
+    device = snapshot.device
+    if device.kind == "cuda":
+        free = cuda_free_bytes(device.index or 0)
+        if free is None:
+            free = device.nvml_free_bytes
+        return room_to_share(jobs, capacity_bytes, free, CUDA_CONTEXT_BYTES)
+    resident = snapshot.host.process_rss_bytes if snapshot.host else 0
+    return room_to_share(jobs, capacity_bytes, host_available_bytes(), resident)
+
+
+def replay_jobs(snapshot: Snapshot, options: Any) -> int:
+    """How many replays may run side by side: `--replay-jobs`, else what this
+    machine allows (oomdoc.replay.lanes.default_jobs). One for a distributed
+    job, whose replays take every GPU of the failing run."""
+    if getattr(options, "distributed", None) is not None:
+        return 1
+    requested = getattr(options, "replay_jobs", None)
+    if requested:
+        return int(requested)
+    if snapshot.device.kind == "cuda" and not CUDA_SIDE_BY_SIDE_BY_DEFAULT:
+        return 1
+    host = snapshot.host
+    return default_jobs(
+        snapshot.device.kind,
+        available_bytes=host.available_bytes if host else None,
+        child_bytes=host.process_rss_bytes if host else None,
+    )
+
+
+def default_timeout(snapshot: Snapshot) -> float:
+    """Generous: four times what the failing run's steps took, plus start-up."""
+    spent = sum(step.duration_s or 0.0 for step in snapshot.steps)
+    return max(MIN_REPLAY_TIMEOUT_S, 4 * (spent + 15))
+
+
+def measure(result: ChildResult, label: str, log_path: str) -> Replay:
+    capture = Snapshot.from_dict(result.capture) if result.capture is not None else None
+    replay = Replay(
+        label=label,
+        outcome="error",
+        wall_s=result.wall_s,
+        capture=capture,
+        log_path=log_path,
+        warm=result.warm,
+        lock_wait_s=result.lock_wait_s,
+    )
+    if result.timed_out:
+        replay.outcome = "timeout"
+        # The wait for the device (replays side by side) does not count.
+        replay.message = (
+            f"killed after {result.wall_s - result.lock_wait_s:.0f} s (--replay-timeout)"
+        )
+        if result.lock_wait_s >= 1:
+            replay.message += f", besides {result.lock_wait_s:.0f} s waiting for the device"
+        return replay
+    if capture is None:
+        replay.message = f"the replay ended without a capture (exit status {result.exit_code})"
+        return replay
+    replay.applied = capture.fix_applied or {}
+    if capture.outcome == "ok":
+        peak = capture.peak
+        replay.outcome = "fits"
+        replay.peak_allocated_bytes = (peak.allocated_bytes if peak else None) or 0
+        replay.peak_reserved_bytes = (peak.reserved_bytes if peak else None) or 0
+        replay.step_s = batch_model.median_step_seconds(capture.steps)
+    elif capture.outcome == "oom" and capture.oom is not None:
+        oom = capture.oom
+        replay.outcome = "oom"
+        # What it needed when it failed: a lower bound of its peak.
+        replay.peak_allocated_bytes = oom.needed_bytes
+        replay.message = f"ran out of memory in step {oom.step} during {oom.phase}"
+    else:
+        error = capture.error
+        kind = (error.type if error else None) or capture.outcome
+        message = (error.message if error else None) or ""
+        replay.message = f"{kind}: {message}".strip().rstrip(":")
+    return replay
+
+
+def summarise(replay: Replay) -> str:
+    if replay.outcome == "fits":
+        return f"fits, peak {format_bytes(replay.peak_allocated_bytes)}"
+    if replay.outcome == "oom":
+        return f"out of memory (needs more than {format_bytes(replay.peak_allocated_bytes)})"
+    if replay.outcome == "timeout":
+        return "timed out"
+    return f"failed: {replay.message[:120]}"
+
+
+def keep_log(log_path: str, artifact_dir: str | None) -> str | None:
+    """A replay that failed or hung keeps its output next to the snapshot."""
+    if not artifact_dir or not os.path.exists(log_path):
+        return None
+    os.makedirs(artifact_dir, exist_ok=True)
+    destination = os.path.join(artifact_dir, os.path.basename(log_path))
+    shutil.copyfile(log_path, destination)
+    return destination

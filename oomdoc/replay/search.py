@@ -1,0 +1,279 @@
+"""The batch searches: the largest batch that fits (the fix that
+`searches_batch`, through the script's batch flag or its DataLoader), and
+the largest batch under the combined memory savers when they do not fit at
+the user's own batch. The search itself is oomdoc.replay.batch; this module
+runs its trials as replays.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from oomdoc.fixes import Fix, batch_fix, fix_named
+from oomdoc.model import (
+    Snapshot,
+)
+from oomdoc.replay import batch as batch_model
+from oomdoc.replay.plan import (
+    ReplayState,
+    helpful,
+    is_prescribable,
+)
+from oomdoc.replay.replayer import (
+    Replay,
+    Replayer,
+)
+from oomdoc.script_flags import (
+    EVAL_BATCH_FLAGS,
+    LONG_BATCH_FLAGS,
+    batch_flags,
+    is_short,
+    listed,
+    spelled,
+)
+
+
+def find_batch_arg(
+    args: list[str], flag: str | None = None, flags: tuple[str, ...] = LONG_BATCH_FLAGS
+) -> tuple[int, str, int] | None:
+    """(index of the value, flag, batch size) of the last batch-size flag on
+    the command line (`flag`, else one of `flags`), as `--batch-size 64`,
+    `--batch-size=64`, or for a short flag also `-b64`."""
+    names = (flag,) if flag else flags
+    found = None
+    for index, arg in enumerate(args):
+        for name in names:
+            if arg == name and index + 1 < len(args) and args[index + 1].isdigit():
+                found = (index + 1, name, int(args[index + 1]))
+            elif arg.startswith(name + "=") and arg[len(name) + 1 :].isdigit():
+                found = (index, name, int(arg[len(name) + 1 :]))
+            elif is_short(name) and arg.startswith(name) and arg[len(name) :].isdigit():
+                found = (index, name, int(arg[len(name) :]))
+    return found
+
+
+def with_batch_size(args: list[str], position: int, flag: str, batch_size: int) -> list[str]:
+    """args with the batch at `position` (find_batch_arg's) set, in its form."""
+    rewritten = list(args)
+    current = rewritten[position]
+    if current.startswith(flag + "="):
+        rewritten[position] = f"{flag}={batch_size}"
+    elif is_short(flag) and current.startswith(flag):
+        rewritten[position] = f"{flag}{batch_size}"
+    else:
+        rewritten[position] = str(batch_size)
+    return rewritten
+
+
+def find_search_batch(
+    args: list[str], batch_arg: str | None, snapshot: Snapshot
+) -> tuple[int, str, int] | None:
+    """The batch the search changes (find_batch_arg's triple): the flag
+    named with --batch-arg; at an OOM in evaluation, the script's
+    evaluation batch flag when it is on the command line (its training
+    batch does not decide that memory); else its training batch flag."""
+    oom = snapshot.oom
+    if batch_arg is None and oom is not None and oom.in_evaluation:
+        found = find_batch_arg(args, None, EVAL_BATCH_FLAGS)
+        if found is not None:
+            return found
+    return find_batch_arg(args, batch_arg, script_batch_flags(snapshot))
+
+
+def script_batch_flags(snapshot: Snapshot) -> tuple[str, ...]:
+    """The batch flags looked for on the script's command line."""
+    return batch_flags(snapshot.script_options, snapshot.script_option_aliases)
+
+
+def no_batch_size() -> str:
+    """Why the smaller batch cannot be searched: no flag, no DataLoader."""
+    return (
+        f"the script has no batch-size flag on its command line ({listed()}, "
+        "or one named with --batch-arg) and creates no DataLoader with a batch size"
+    )
+
+
+def search_batch(
+    replayer: Replayer, snapshot: Snapshot, options: Any
+) -> tuple[Optional[batch_model.SearchResult], dict, Optional[str]]:
+    """The largest batch size that fits. Returns (search result or None,
+    information for the report, reason when it could not be searched)."""
+    args = list(replayer.request.args)
+    found = find_search_batch(args, options.batch_arg, snapshot)
+    baseline = batch_model.observe(snapshot, 0)
+    batch = batch_fix()
+    info: dict = {}
+    if found is not None:
+        position, flag, original = found
+        info.update(source=flag, original_batch_size=original)
+
+        def trial(batch_size: int) -> batch_model.BatchRun:
+            payload = {"name": batch.name, "batch_mode": "argv", "batch_size": batch_size}
+            replay = replayer.run(
+                payload,
+                f"{batch.name} ({spelled(flag, batch_size, snapshot.script_option_syntax)})",
+                args=with_batch_size(args, position, flag, batch_size),
+            )
+            return to_batch_run(replay, batch_size)
+
+        runs = []
+    else:
+        if options.batch_arg:
+            replayer.progress.header(
+                f"{options.batch_arg} is not on the command line: trying the DataLoader's batch size"
+            )
+        if snapshot.dataloader_batch_sizes == []:
+            # The failing run made no DataLoader a replay could change.
+            return None, info, no_batch_size()
+        divisor = batch_model.probe_divisor(snapshot)
+        probe_replay = replayer.run(
+            {"name": batch.name, "batch_mode": "dataloader", "batch_divisor": divisor},
+            f"{batch.name} (DataLoader batch / {divisor})",
+        )
+        record = probe_replay.applied.get(batch.name) or {}
+        if probe_replay.outcome in ("fits", "oom") and not record.get("patched"):
+            return None, info, no_batch_size()
+        if not record.get("original_batch_size") or not record.get("batch_size"):
+            return None, info, f"the first smaller-batch replay failed: {probe_replay.message}"
+        original = int(record["original_batch_size"])
+        info.update(source="DataLoader", original_batch_size=original)
+
+        def trial(batch_size: int) -> batch_model.BatchRun:
+            payload = {
+                "name": batch.name,
+                "batch_mode": "dataloader",
+                "batch_size": batch_size,
+                "original_batch_size": original,
+            }
+            return to_batch_run(
+                replayer.run(payload, f"{batch.name} (DataLoader batch {batch_size})"), batch_size
+            )
+
+        runs = [to_batch_run(probe_replay, int(record["batch_size"]))]
+    if original <= 1:
+        return None, info, "the batch size is already 1"
+    baseline.batch_size = original
+    result = batch_model.search_max_batch(
+        original,
+        snapshot.device.capacity_bytes,
+        [baseline, *runs],
+        trial,
+        probe=batch_model.first_probe_for(snapshot, original),
+    )
+    result.trials[:0] = runs  # the DataLoader probe was a trial too
+    return result, info, None
+
+
+def to_batch_run(replay: Replay, batch_size: int) -> batch_model.BatchRun:
+    if replay.capture is None or replay.outcome in ("timeout", "error"):
+        run = batch_model.BatchRun(
+            batch_size=batch_size, fits=False, inconclusive=True, note=replay.message
+        )
+    else:
+        run = batch_model.observe(replay.capture, batch_size)
+    run.wall_s = replay.wall_s
+    run.replay = replay
+    return run
+
+
+def search_under_savers(
+    replayer: Replayer, snapshot: Snapshot, options: Any, state: ReplayState
+) -> None:
+    """When the combined savers (or the one saver that helped) do not fit at
+    the failing batch with the margin free, the largest batch under them."""
+    if state.search is None or not state.batch_info.get("source"):
+        return
+    original = state.search.original_batch_size
+    capacity = snapshot.device.capacity_bytes
+    limit = capacity - int(getattr(options, "margin_fraction", 0.05) * capacity)
+    savers = [
+        result
+        for result in state.results
+        if all(
+            is_prescribable(part) and helpful(snapshot, state, part)
+            for part in result.name.split("+")
+        )
+    ]
+    if not savers:
+        return
+    best = max(savers, key=lambda result: (len(result.parts), -(result.peak_allocated_bytes or 0)))
+    if best.fits and best.peak_allocated_bytes is not None and best.peak_allocated_bytes <= limit:
+        return  # it fits at the user's own batch
+    fix = fix_named(best.name)
+    replay = state.replays.get(best.name)
+    if fix is None or replay is None or replay.capture is None:
+        return
+    at_original = to_batch_run(replay, original)
+    if at_original.inconclusive:
+        return
+
+    def trial(batch_size: int) -> batch_model.BatchRun:
+        payload, label, args, env = saver_trial(replayer, snapshot, state, fix, batch_size)
+        return to_batch_run(replayer.run(payload, label, args=args, extra_env=env), batch_size)
+
+    def enough(fit: int, oom: int) -> str | None:
+        # The search is for the prescription, whose gradient accumulation
+        # makes up the user's batch: once every batch from the fit to below
+        # the OOM gives the same micro-batch, no probe can change it.
+        plan = batch_model.accumulation_plan(original, fit, not snapshot.oom_in_evaluation)
+        if plan != batch_model.accumulation_plan(original, oom - 1, not snapshot.oom_in_evaluation):
+            return None
+        return (
+            f"any largest batch from {fit} to {oom - 1} gives the same prescription, "
+            f"{plan[0]} x {plan[1]} accumulation steps"
+        )
+
+    probe = saver_first_probe(state.search)
+    if probe < 1:
+        return
+    state.saver_search = batch_model.search_max_batch(
+        original, capacity, [at_original], trial, probe=probe, max_trials=4, enough=enough
+    )
+    state.saver_fix = fix
+
+
+def saver_first_probe(search: batch_model.SearchResult) -> int:
+    """Where the search under the savers starts: halfway from the plain
+    largest batch to the user's, at least one above it."""
+    original = search.original_batch_size
+    plain_max = search.max_batch_size or 0
+    return min(original - 1, max(plain_max + 1, (plain_max + original) // 2))
+
+
+def batch_size_in(
+    replayer: Replayer, state: ReplayState, payload: dict, batch_size: int
+) -> tuple[Optional[list[str]], Optional[str]]:
+    """Say in `payload` how a replay sets `batch_size`: through the script's
+    batch flag the batch search found, else its DataLoader. (The script's
+    args with that flag rewritten, the flag), or (None, None)."""
+    args = list(replayer.request.args)
+    source = state.batch_info.get("source") or ""
+    found = (
+        find_search_batch(args, replayer.options.batch_arg, replayer.snapshot)
+        if source.startswith("-")
+        else None
+    )
+    if found is None:
+        payload.update(
+            batch_mode="dataloader", original_batch_size=state.batch_info.get("original_batch_size")
+        )
+        return None, None
+    position, flag, _value = found
+    payload["batch_mode"] = "argv"
+    return with_batch_size(args, position, flag, batch_size), flag
+
+
+def saver_trial(
+    replayer: Replayer, snapshot: Snapshot, state: ReplayState, fix: Fix, batch_size: int
+) -> tuple[dict, str, Optional[list[str]], dict]:
+    """(payload, label, args, env) of the replay of `fix` at `batch_size`:
+    one place, so that a replay started ahead is the one later asked for."""
+    request = fix.request(snapshot)
+    payload = dict(request.payload, also=[batch_fix().name], batch_size=batch_size)
+    args, flag = batch_size_in(replayer, state, payload, batch_size)
+    how = (
+        spelled(flag, batch_size, snapshot.script_option_syntax)
+        if flag
+        else f"DataLoader batch {batch_size}"
+    )
+    return payload, f"{fix.name} ({how})", args, request.env
