@@ -8,14 +8,33 @@ storage; `CudaBackend` (oomdoc.capture.cuda) reads the real caching allocator.
 from __future__ import annotations
 
 from operator import attrgetter
-from typing import TYPE_CHECKING, Iterator, Protocol
+from typing import Iterator, Protocol
 
 import torch
 
 from oomdoc import frames
+from oomdoc.capture.modules import ModuleScopes
 
-if TYPE_CHECKING:
-    from oomdoc.capture.tracker import Tracker
+
+class AllocationObserver(Protocol):
+    """What a backend reads of the tracker that observes it
+    (oomdoc.capture.tracker.Tracker): where the script is, and where an OOM
+    is reported. A protocol, so that backends do not import the tracker
+    (which imports them)."""
+
+    phase: str
+    step_index: int
+    scopes: ModuleScopes
+
+    @property
+    def in_backward(self) -> bool: ...
+
+    def on_oom(self, requested_bytes: int, message: str | None) -> None: ...
+
+    def breakdown_and_sites(
+        self, limit: int = 20, with_sites: bool = True
+    ) -> tuple[dict, list[dict]]: ...
+
 
 # Unbound methods: map() calls them twice as fast as methodcaller.
 _UNTYPED_STORAGE = torch.Tensor.untyped_storage
@@ -136,7 +155,7 @@ class Backend:
     # True when live_storages() sees every allocation with its step and phase.
     per_storage = False
 
-    def install(self, tracker: Tracker) -> None: ...
+    def install(self, tracker: AllocationObserver) -> None: ...
 
     def uninstall(self) -> None: ...
 

@@ -7,18 +7,14 @@ import os
 import sys
 from itertools import compress
 from operator import attrgetter, methodcaller
-from typing import TYPE_CHECKING
 
 import torch
 
 from oomdoc import frames
 from oomdoc.capture import nvml_handle
-from oomdoc.capture.backend_base import Backend
+from oomdoc.capture.backend_base import AllocationObserver, Backend
 from oomdoc.capture.modules import phase_from_frames
 from oomdoc.capture.peak_view import PeakView
-
-if TYPE_CHECKING:
-    from oomdoc.capture.tracker import Tracker
 
 _IS_CUDA = attrgetter("is_cuda")
 _GET_DEVICE = methodcaller("get_device")
@@ -47,7 +43,7 @@ class CudaBackend(Backend):
         self._name = "?"
         if not self.deferred:
             self._read_properties()
-        self.tracker: Tracker | None = None
+        self.tracker: AllocationObserver | None = None
         self._recording = False
         self._torch_snapshot = None
         self._device_count: int | None = None
@@ -73,7 +69,7 @@ class CudaBackend(Backend):
         assert self._total is not None
         return self._requested_capacity or self._total
 
-    def install(self, tracker: Tracker) -> None:
+    def install(self, tracker: AllocationObserver) -> None:
         self.tracker = tracker
         self._peaks.install()
         if self.deferred:

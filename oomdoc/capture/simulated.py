@@ -12,11 +12,17 @@ import sys
 from itertools import compress
 from operator import attrgetter
 from types import ModuleType
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
 
 import torch
 
-from oomdoc.capture.backend_base import Backend, OutOfMemoryError, StorageRecord, storage_sites
+from oomdoc.capture.backend_base import (
+    AllocationObserver,
+    Backend,
+    OutOfMemoryError,
+    StorageRecord,
+    storage_sites,
+)
 from oomdoc.capture.modules import category_of
 from oomdoc.capture.passthrough import PassThrough
 from oomdoc.capture.simulated_dispatch import (
@@ -34,9 +40,6 @@ from oomdoc.capture.simulated_dispatch import (
     _Tensor,
 )
 from oomdoc.sizes import format_bytes
-
-if TYPE_CHECKING:
-    from oomdoc.capture.tracker import Tracker
 
 _FORWARD_BACKWARD = frozenset(("forward", "backward"))
 _PHASE_CATEGORIES: dict = {}  # phase -> category_of(None, phase)
@@ -86,7 +89,7 @@ class SimulatedBackend(Backend):
         # they are read, and the live and peak bytes are its own.
         self._native: ModuleType | None = None
         self._rule_lookup: _RuleLookup | None = None
-        self.tracker: Tracker | None = None
+        self.tracker: AllocationObserver | None = None
         self._sequence = 0
         # Bytes per category. Parameters, gradients and optimizer state are
         # the storages the tracker names through apply_known (key -> category);
@@ -113,7 +116,7 @@ class SimulatedBackend(Backend):
     def storage_ledger(self) -> SimulatedBackend:
         return self
 
-    def install(self, tracker: Tracker) -> None:
+    def install(self, tracker: AllocationObserver) -> None:
         self.tracker = tracker
         self._mode = _CountingMode(self)
         self._mode.__enter__()

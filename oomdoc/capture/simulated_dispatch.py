@@ -7,15 +7,22 @@ from __future__ import annotations
 
 import sys
 import weakref
-from typing import TYPE_CHECKING, Any, cast
+from types import ModuleType
+from typing import Any, Protocol, cast
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from oomdoc import frames
 
-if TYPE_CHECKING:
-    from oomdoc.capture.simulated import SimulatedBackend
+
+class Dispatcher(Protocol):
+    """What the dispatch mode calls (oomdoc.capture.simulated's
+    SimulatedBackend, which imports this module: a protocol, not an import)."""
+
+    _native: ModuleType | None
+
+    def dispatch(self, func: Any, args: Any, kwargs: Any) -> Any: ...
 
 
 _Tensor = torch.Tensor
@@ -116,7 +123,7 @@ class _CountingMode(TorchDispatchMode):
         def _should_skip_dynamo(cls) -> bool:
             return False  # __torch_dispatch__ keeps TorchDynamo out itself
 
-    def __init__(self, backend: SimulatedBackend):
+    def __init__(self, backend: Dispatcher):
         super().__init__()
         self.backend = backend
 

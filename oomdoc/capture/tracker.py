@@ -29,7 +29,7 @@ import os
 import sys
 import time
 import weakref
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 import torch.nn as nn
@@ -48,8 +48,12 @@ from oomdoc.capture.retained_graphs import (
 from oomdoc.capture.step_records import BoundedSteps, CudaStepTimer
 from oomdoc.snapshot import CATEGORIES
 
-if TYPE_CHECKING:
-    from oomdoc.capture.parallel import ParallelCapture
+
+class CaptureFields(Protocol):
+    """What adds its own fields to the capture (a protocol: the module that
+    provides it, oomdoc.capture.parallel, imports the tracker)."""
+
+    def fields(self) -> dict: ...
 
 
 class StopRun(BaseException):
@@ -133,7 +137,8 @@ class Tracker(Attribution, LeakChecks):
         self.dataloader_workers_removed: list = []
         self.spawned_ranks: list[dict] = []
         self.uncaptured_processes: list[dict] = []
-        self.parallel_capture: ParallelCapture | None = None
+        # oomdoc.capture.parallel's ParallelCapture, whose fields() the capture adds.
+        self.parallel_capture: CaptureFields | None = None
         self._handles: list = []
         self._originals: list = []
         self._step_started = time.perf_counter()
