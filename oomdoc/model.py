@@ -21,144 +21,15 @@ stay absent from the others, as when they lived in `extra`.
 
 from __future__ import annotations
 
-import dataclasses
-import math
-import sys
-import typing
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, TypeVar, Union
+from typing import Any, Dict, List, Optional
+
+from oomdoc.records import parse, to_dict, when_set  # noqa: F401  (oomdoc.model's API)
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "other")
 OUTCOMES = ("oom", "ok", "error", "interrupted")
 PHASES = ("setup", "forward", "backward", "optimizer", "idle", "evaluation", "communication")
 DEVICE_KINDS = ("cuda", "simulated")
-
-Record = TypeVar("Record")
-
-
-def _json_key(spec: dataclasses.Field) -> str:
-    return spec.metadata.get("key", spec.name)
-
-
-def when_set(default: Any = None, factory: Any = None) -> Any:
-    """A field written only when set (see the module docstring)."""
-    if factory is not None:
-        return field(default_factory=factory, metadata={"when_set": True})
-    return field(default=default, metadata={"when_set": True})
-
-
-_HINTS: dict[type, dict[str, Any]] = {}
-
-
-def _hints(cls: type) -> dict[str, Any]:
-    hints = _HINTS.get(cls)
-    if hints is None:
-        module = sys.modules[cls.__module__]
-        hints = _HINTS[cls] = typing.get_type_hints(cls, vars(module))
-    return hints
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-_MISSING = object()
-
-
-def _coerce(kind: Any, value: Any) -> Any:
-    """`value` as `kind`, or _MISSING when it is not one."""
-    origin = typing.get_origin(kind)
-    if kind is Any:
-        return value
-    if origin is Union:
-        options = [arg for arg in typing.get_args(kind) if arg is not type(None)]
-        if value is None:
-            return None
-        for option in options:
-            coerced = _coerce(option, value)
-            if coerced is not _MISSING:
-                return coerced
-        return _MISSING
-    if origin in (list, List):
-        if not isinstance(value, list):
-            return _MISSING
-        (item_kind,) = typing.get_args(kind) or (Any,)
-        items = (_coerce(item_kind, item) for item in value)
-        return [item for item in items if item is not _MISSING]
-    if origin in (dict, Dict):
-        if not isinstance(value, dict):
-            return _MISSING
-        _key_kind, value_kind = typing.get_args(kind) or (str, Any)
-        pairs = ((str(k), _coerce(value_kind, v)) for k, v in value.items())
-        return {k: v for k, v in pairs if v is not _MISSING}
-    if isinstance(kind, type) and dataclasses.is_dataclass(kind):
-        return parse(kind, value) if isinstance(value, dict) else _MISSING
-    if kind is int:
-        return value if _is_int(value) else _MISSING
-    if kind is float:
-        number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        return float(value) if number and math.isfinite(value) else _MISSING
-    if kind is bool:
-        return value if isinstance(value, bool) else _MISSING
-    if kind is str:
-        return value if isinstance(value, str) else _MISSING
-    return value if isinstance(value, kind) else _MISSING
-
-
-def parse(cls: type[Record], data: dict) -> Record:
-    """A record from a dict, leniently: see the module docstring."""
-    hints = _hints(cls)
-    values: dict[str, Any] = {}
-    known = set()
-    for spec in dataclasses.fields(cls):  # type: ignore[arg-type]
-        if spec.name == "extra":
-            continue
-        key = _json_key(spec)
-        known.add(key)
-        if key not in data:
-            continue
-        coerced = _coerce(hints[spec.name], data[key])
-        if coerced is not _MISSING:
-            values[spec.name] = coerced
-    record = cls(**values)
-    if hasattr(record, "extra"):
-        record.extra = {k: v for k, v in data.items() if k not in known}
-    # Written back, a field the input did not have stays absent while it
-    # keeps its default: a document read and written again is unchanged.
-    record.__dict__["_absent"] = known - set(data)
-    record.__dict__["_present"] = known & set(data)
-    return record
-
-
-def _default_of(spec: dataclasses.Field) -> Any:
-    if spec.default is not dataclasses.MISSING:
-        return spec.default
-    if spec.default_factory is not dataclasses.MISSING:
-        return spec.default_factory()
-    return _MISSING
-
-
-def to_dict(record: Any) -> Any:
-    """A record (or a list or dict of them) back to JSON-ready values."""
-    if dataclasses.is_dataclass(record) and not isinstance(record, type):
-        out: dict[str, Any] = {}
-        absent = record.__dict__.get("_absent", ())
-        present = record.__dict__.get("_present", ())
-        for spec in dataclasses.fields(record):
-            if spec.name == "extra":
-                continue
-            key, value = _json_key(spec), getattr(record, spec.name)
-            unset = value == _default_of(spec)
-            if unset and (key in absent or (spec.metadata.get("when_set") and key not in present)):
-                continue
-            out[key] = to_dict(value)
-        out.update(to_dict(getattr(record, "extra", None) or {}))
-        return out
-    if isinstance(record, list):
-        return [to_dict(item) for item in record]
-    if isinstance(record, dict):
-        return {key: to_dict(value) for key, value in record.items()}
-    return record
 
 
 # --------------------------------------------------------------------- parts
@@ -562,6 +433,53 @@ class Prescription:
 
 
 @dataclass
+class DataParallelWrapper:
+    """An nn.DataParallel the script called: its model's class and devices."""
+
+    class_name: str = field(default="?", metadata={"key": "class"})
+    device_ids: List[int] = field(default_factory=list)
+    output_device: Optional[int] = None
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class DdpModule:
+    """A DistributedDataParallel module's gradient buckets: DDP copies each
+    gradient into a flat bucket for the all-reduce."""
+
+    class_name: str = field(default="?", metadata={"key": "class"})
+    bucket_cap_bytes: Optional[int] = None
+    gradient_as_bucket_view: bool = False
+    find_unused_parameters: bool = False
+    static_graph: bool = False
+    trainable_parameter_bytes: int = 0
+    # As DDP reports them (None when it does not).
+    bucket_sizes_bytes: Optional[List[int]] = None
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Parallel:
+    """The data-parallel wrappers the script called (`parallel`)."""
+
+    data_parallel: List[DataParallelWrapper] = field(default_factory=list)
+    ddp: List[DdpModule] = field(default_factory=list)
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class WaitingAt:
+    """Where a rank was when the job stopped it: a line of the script, and
+    the torch.distributed collective it waited in, if any."""
+
+    file: Optional[str] = None
+    line: Optional[int] = None
+    function: Optional[str] = None
+    collective: Optional[str] = None
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
 class RankEntry:
     """One rank of a distributed job (`ranks`, docs/snapshot.md)."""
 
@@ -577,15 +495,25 @@ class RankEntry:
     breakdown: Optional[Breakdown] = None
     peak: Optional[Peak] = None
     steps: List[Step] = field(default_factory=list)
+    parallel: Optional[Parallel] = when_set()
+    # CUDA: what the rank's caching allocator held (reserved) at the end.
+    allocator_reserved_bytes: Optional[int] = when_set()
+    waiting_at: Optional[WaitingAt] = when_set()
+    # The signal that stopped the rank (SIGTERM from the launcher or oomdoc).
+    stopped_by: Optional[str] = when_set()
+    # A replay's rank oomdoc ended after its peer reached the step limit.
+    ended_with_peers: bool = when_set(False)
     extra: Dict[str, Any] = field(default_factory=dict)
 
     @property
-    def peak_bytes(self) -> Optional[int]:
-        """The most it held: its peak, or what it needed at its OOM."""
+    def held_bytes(self) -> Optional[int]:
+        """The most it held (allocated, in use): its peak, or at its OOM what
+        it held when the request failed (never the request: it was not held,
+        and held plus request is above the capacity)."""
         if not self.captured:
             return None
         peak = (self.peak.allocated_bytes if self.peak else None) or 0
-        return max(peak, self.oom.needed_bytes if self.oom else 0)
+        return max(peak, self.oom.allocated_bytes if self.oom else 0)
 
 
 @dataclass
@@ -662,7 +590,7 @@ class Snapshot:
     # (the fix's own record: `patched`, `batch_size`, `models`, ...).
     fix_applied: Optional[Dict[str, Any]] = when_set()
     # Data-parallel wrappers the script called (`data_parallel`, `ddp`).
-    parallel: Optional[Dict[str, Any]] = when_set()
+    parallel: Optional[Parallel] = when_set()
     prescription: Optional[Prescription] = None
     # A distributed job: one entry per rank; the top-level fields are the
     # primary rank's (the first to run out of memory).

@@ -128,7 +128,7 @@ def test_rank_imbalance_names_rank_0(imbalance_job):
     # the cache rank 0 alone keeps: 8 MiB a step, 3 steps before the OOM
     assert diagnosis["bytes"] >= 16 * 2**20
     assert "rank_imbalance: Rank 0 holds" in result.stderr
-    assert data_parallel(document) is None
+    assert data_parallel(parse(Snapshot, document)) is None
 
 
 def test_launch_runs_the_script_as_each_rank(tmp_path):
@@ -483,7 +483,7 @@ def test_data_parallel_is_seen_in_a_single_process_run(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     document = read_snapshot(tmp_path / "dp.json")
     assert document["parallel"]["data_parallel"][0]["class"] == "Sequential"
-    diagnosis = data_parallel(document)
+    diagnosis = data_parallel(parse(Snapshot, document))
     assert diagnosis["fixes"] == ["ddp"] and "torchrun --nproc-per-node" in diagnosis["remedy"]
 
 

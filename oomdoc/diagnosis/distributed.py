@@ -1,18 +1,15 @@
 """Diagnoses of data-parallel runs, each a standalone rule.
 
-Every rule takes a snapshot document (a job document with `ranks`, or a
-single-process snapshot) and returns None or a diagnosis in the format of
-oomdoc.diagnosis (as a dict): {kind, summary, evidence, bytes, fixes, remedy}. Fix names
+Every rule takes a Snapshot (a job with `ranks`, or a single process) and
+returns None or a diagnosis in the format of oomdoc.diagnosis (as a dict): {kind, summary, evidence, bytes, fixes, remedy}. Fix names
 here (ddp, fsdp, zero_optimizer, gradient_as_bucket_view, ...) are for the
 fix catalogue to adopt.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 from oomdoc.diagnosis.base import TIER_BREAKDOWN, TIER_CONTEXT, TIER_DECISIVE, Diagnosis
-from oomdoc.model import RankEntry, Snapshot
+from oomdoc.model import DataParallelWrapper, DdpModule, Device, RankEntry, Snapshot
 from oomdoc.sizes import format_bytes
 
 MiB = 1024**2
@@ -52,17 +49,8 @@ def _diagnosis(kind, summary, evidence, num_bytes, fixes=(), remedy=None) -> dic
     }
 
 
-def _ranks(document: dict) -> list[dict]:
-    return [
-        entry
-        for entry in document.get("ranks") or []
-        if isinstance(entry, dict) and entry.get("captured", True)
-    ]
-
-
-def _name(entry: Any) -> str:
-    rank = entry.rank if isinstance(entry, RankEntry) else entry.get("rank")
-    return f"rank {rank}"
+def _name(entry: RankEntry) -> str:
+    return f"rank {entry.rank}"
 
 
 def held_by_moment(entry: RankEntry) -> dict[tuple[int, str], int]:
@@ -127,8 +115,8 @@ def rank_imbalance(snapshot: Snapshot) -> dict | None:
         )
     if high_entry.outcome == "oom":
         evidence.append(f"{_name(high_entry)} is the rank that ran out of memory first")
-    parallel = snapshot.parallel or {}
-    if parallel.get("data_parallel"):
+    data_parallel = _data_parallel_wrappers(snapshot)
+    if data_parallel:
         evidence.append("nn.DataParallel gathers every replica's outputs on device 0")
     evidence.append(
         "typical causes: evaluation, logging or a checkpoint gather done on rank 0 only "
@@ -145,7 +133,7 @@ def rank_imbalance(snapshot: Snapshot) -> dict | None:
         "    history.append(loss.detach().item())   # a number, not a tensor on the GPU\n"
         "# gather checkpoints to the CPU: torch.distributed.checkpoint, or state_dict() then .cpu()"
     )
-    fixes = ["ddp"] if parallel.get("data_parallel") else []
+    fixes = ["ddp"] if data_parallel else []
     return _diagnosis("rank_imbalance", summary, evidence, excess, fixes=fixes, remedy=remedy)
 
 
@@ -168,21 +156,27 @@ def _largest_difference(
     return best
 
 
-def data_parallel(document: dict) -> dict | None:
+def _data_parallel_wrappers(snapshot: Snapshot) -> list[DataParallelWrapper]:
+    wrappers = list(snapshot.parallel.data_parallel if snapshot.parallel else [])
+    for entry in snapshot.ranks:
+        if entry.captured and entry.parallel:
+            wrappers += entry.parallel.data_parallel
+    return wrappers
+
+
+def data_parallel(snapshot: Snapshot) -> dict | None:
     """nn.DataParallel: one process drives every GPU and gathers on device 0."""
-    wrappers = list((document.get("parallel") or {}).get("data_parallel") or [])
-    for entry in _ranks(document):
-        wrappers += list((entry.get("parallel") or {}).get("data_parallel") or [])
+    wrappers = _data_parallel_wrappers(snapshot)
     if not wrappers:
         return None
     first = wrappers[0]
-    devices = first.get("device_ids") or []
+    devices = first.device_ids
+    output_device = first.output_device if first.output_device is not None else 0
     evidence = [
-        f"the script calls nn.DataParallel({first.get('class')})"
+        f"the script calls nn.DataParallel({first.class_name})"
         + (f" over devices {devices}" if devices else ""),
         "DataParallel replicates the model on every step and gathers all outputs (and the loss) "
-        f"on device {first.get('output_device', 0) if first.get('output_device') is not None else 0}, "
-        "so that device holds more than the others and runs out first",
+        f"on device {output_device}, so that device holds more than the others and runs out first",
         "PyTorch recommends DistributedDataParallel even on one machine: one process per GPU, "
         "each holding only its own batch",
     ]
@@ -190,30 +184,35 @@ def data_parallel(document: dict) -> dict | None:
     return _diagnosis("data_parallel", summary, evidence, 0, fixes=["ddp"], remedy=DDP_SNIPPET)
 
 
-def ddp_buckets(document: dict) -> dict | None:
+def _ddp_modules(snapshot: Snapshot) -> list[DdpModule]:
+    """The job's DDP modules: the snapshot's own, else the first rank's that has some."""
+    if snapshot.parallel and snapshot.parallel.ddp:
+        return list(snapshot.parallel.ddp)
+    for entry in snapshot.ranks:
+        if entry.captured and entry.parallel and entry.parallel.ddp:
+            return list(entry.parallel.ddp)
+    return []
+
+
+def ddp_buckets(snapshot: Snapshot) -> dict | None:
     """DDP's gradient buckets: a second copy of the gradients unless
     gradient_as_bucket_view=True."""
-    modules = list((document.get("parallel") or {}).get("ddp") or [])
-    if not modules:
-        for entry in _ranks(document):
-            modules += list((entry.get("parallel") or {}).get("ddp") or [])
-            if modules:
-                break
+    modules = _ddp_modules(snapshot)
     if not modules:
         return None
     evidence = []
     extra = 0
     for module in modules:
-        sizes = module.get("bucket_sizes_bytes")
-        bucket_bytes = sum(sizes) if sizes else int(module.get("trainable_parameter_bytes") or 0)
+        sizes = module.bucket_sizes_bytes
+        bucket_bytes = sum(sizes) if sizes else module.trainable_parameter_bytes
         measured = "as DDP reports them" if sizes else "estimated: the trainable parameters' bytes"
-        cap = module.get("bucket_cap_bytes")
+        cap = module.bucket_cap_bytes
         evidence.append(
-            f"DDP({module.get('class')}): {len(sizes) if sizes else '?'} bucket(s), "
+            f"DDP({module.class_name}): {len(sizes) if sizes else '?'} bucket(s), "
             f"{format_bytes(bucket_bytes)} in all ({measured})"
             + (f", bucket_cap_mb={cap / MiB:g}" if cap else "")
         )
-        if module.get("gradient_as_bucket_view"):
+        if module.gradient_as_bucket_view:
             evidence.append("gradient_as_bucket_view=True: the gradients are views of the buckets")
         else:
             extra += bucket_bytes
@@ -221,73 +220,61 @@ def ddp_buckets(document: dict) -> dict | None:
                 "gradient_as_bucket_view=False: every gradient is also copied into a bucket, "
                 f"so {format_bytes(bucket_bytes)} more than the gradients themselves"
             )
-    if extra:
-        evidence.extend(_bucket_sites(document, modules))
-        summary = (
-            f"DDP's gradient buckets hold a second copy of the gradients ({format_bytes(extra)})"
-        )
-        fixes = ["gradient_as_bucket_view"]
-    else:
-        summary = (
-            "DDP's gradient buckets share memory with the gradients (gradient_as_bucket_view=True)"
-        )
-        fixes = []
-    peak = int((document.get("peak") or {}).get("allocated_bytes") or 0)
-    if not extra or extra < BUCKET_SHARE_OF_PEAK * peak:
+    peak = snapshot.peak.allocated_bytes if snapshot.peak else None
+    if not extra or extra < BUCKET_SHARE_OF_PEAK * (peak or 0):
         return None  # nothing to gain worth a word
-    return _diagnosis("ddp_buckets", summary, evidence, extra, fixes=fixes, remedy=BUCKET_SNIPPET)
+    evidence.extend(_bucket_sites(snapshot, modules))
+    summary = f"DDP's gradient buckets hold a second copy of the gradients ({format_bytes(extra)})"
+    return _diagnosis(
+        "ddp_buckets",
+        summary,
+        evidence,
+        extra,
+        fixes=["gradient_as_bucket_view"],
+        remedy=BUCKET_SNIPPET,
+    )
 
 
-def _bucket_sites(document: dict, modules: list[dict]) -> list[str]:
+def _bucket_sites(snapshot: Snapshot, modules: list[DdpModule]) -> list[str]:
     """Where the breakdown put the buckets: flat tensors of a bucket's size
     among the allocation sites (the category is where they were made)."""
-    sizes = {size for module in modules for size in module.get("bucket_sizes_bytes") or []}
+    sizes = {size for module in modules for size in module.bucket_sizes_bytes or []}
     found = []
-    for site in document.get("top_allocations") or []:
-        shape = site.get("shape")
-        if site.get("bytes") in sizes and isinstance(shape, list) and len(shape) == 1:
-            location = site.get("location") or {}
+    for site in snapshot.top_allocations:
+        shape = site.shape
+        if site.bytes in sizes and isinstance(shape, list) and len(shape) == 1:
+            location = site.location
+            made_at = f"{location.file}:{location.line}" if location else "?"
             found.append(
-                f"the bucket is the flat {shape[0]}-element {site.get('dtype') or ''} tensor the "
-                f"breakdown counts under {site.get('category')} (made at "
-                f"{location.get('file')}:{location.get('line')})"
+                f"the bucket is the flat {shape[0]}-element {site.dtype or ''} tensor the "
+                f"breakdown counts under {site.category} (made at {made_at})"
             )
     return found[:2]
 
 
-def outside_allocator(document: dict) -> dict | None:
+def outside_allocator(snapshot: Snapshot) -> dict | None:
     """CUDA: memory of this GPU that PyTorch's allocator does not hold: the
     CUDA context, NCCL's buffers and other processes (pynvml, per rank)."""
-    entries = _ranks(document) or [
-        {
-            "rank": None,
-            "device": document.get("device"),
-            "allocator_reserved_bytes": (document.get("allocator") or {}).get("reserved_bytes"),
-        }
-    ]
+    entries: list[tuple[int | None, Device | None, int]] = [
+        (entry.rank, entry.device, entry.allocator_reserved_bytes or 0)
+        for entry in snapshot.ranks
+        if entry.captured
+    ] or [(None, snapshot.device, snapshot.allocator.reserved_bytes if snapshot.allocator else 0)]
     worst = None
-    for entry in entries:
-        device = entry.get("device") or {}
-        used = device.get("nvml_used_bytes")
-        total = int(device.get("total_bytes") or 0)
-        if used is None or not total:
+    for rank, device, reserved in entries:
+        if device is None or device.nvml_used_bytes is None or not device.total_bytes:
             continue
-        others = sum(
-            int(p.get("used_bytes") or 0)
-            for p in device.get("other_processes") or []
-            if isinstance(p, dict)
-        )
-        reserved = int(entry.get("allocator_reserved_bytes") or 0)
-        own_outside = max(0, int(used) - others - reserved)
+        others = sum(process.used_bytes for process in device.other_processes)
+        own_outside = max(0, device.nvml_used_bytes - others - reserved)
         outside = own_outside + others
         if worst is None or outside > worst[0]:
-            worst = (outside, own_outside, others, reserved, entry, total)
+            worst = (outside, own_outside, others, reserved, rank, device.total_bytes)
     if worst is None:
         return None
-    outside, own_outside, others, reserved, entry, total = worst
+    outside, own_outside, others, reserved, rank, total = worst
     if outside < OUTSIDE_ALLOCATOR_SHARE * total:
         return None
-    where = f"{_name(entry)}'s GPU" if entry.get("rank") is not None else "the GPU"
+    where = f"rank {rank}'s GPU" if rank is not None else "the GPU"
     evidence = [
         f"{where}: {format_bytes(outside)} of {format_bytes(total)} is used outside PyTorch's "
         f"caching allocator ({format_bytes(reserved)} reserved by it)",
@@ -296,7 +283,7 @@ def outside_allocator(document: dict) -> dict | None:
     ]
     if others:
         evidence.append(f"other processes on this GPU: {format_bytes(others)}")
-    if (document.get("device") or {}).get("capacity_bytes", total) < total:
+    if snapshot.device.capacity_bytes < total:
         evidence.append(
             "--device-memory caps PyTorch's allocator only: this memory comes on top of the cap"
         )
@@ -309,16 +296,12 @@ def outside_allocator(document: dict) -> dict | None:
     return _diagnosis("outside_allocator", summary, evidence, outside, remedy=remedy)
 
 
-RULES = (data_parallel, ddp_buckets, outside_allocator)
+RULES = (rank_imbalance, data_parallel, ddp_buckets, outside_allocator)
 
 
 def diagnose_distributed(snapshot: Snapshot) -> list[dict]:
     """Every rule above that fires, largest first."""
-    document = snapshot.to_dict()
-    found = [d for d in (rule(document) for rule in RULES) if d is not None]
-    imbalance = rank_imbalance(snapshot)
-    if imbalance is not None:
-        found.append(imbalance)
+    found = [d for d in (rule(snapshot) for rule in RULES) if d is not None]
     return sorted(found, key=lambda d: -d["bytes"])
 
 
@@ -332,9 +315,7 @@ TIERS = {
 
 
 def rule(snapshot: Snapshot) -> list[Diagnosis]:
-    """The data-parallel diagnoses of a snapshot. These rules still read the
-    job document's JSON form (docs/snapshot.md, `ranks`): they came from the
-    distributed work before the typed model covered every rank field."""
+    """The data-parallel diagnoses of a snapshot."""
     return [
         Diagnosis(**found, tier=TIERS[found["kind"]]) for found in diagnose_distributed(snapshot)
     ]

@@ -42,8 +42,7 @@ class Fsdp(Fix):
                 "CUDA only: FSDP2 frees its gathered parameters by resizing their storage, "
                 "which the simulated device does not see"
             )
-        parallel = snapshot.parallel
-        if not (isinstance(parallel, dict) and parallel.get("ddp")):
+        if not (snapshot.parallel and snapshot.parallel.ddp):
             return "the script wraps no model in DistributedDataParallel"
         return None
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from oomdoc.model import Prescription, RankEntry, Site, Snapshot, parse
+from oomdoc.model import Prescription, Site, Snapshot, parse
 
 
 @dataclass
@@ -49,25 +49,6 @@ class SiteExtras:
 
 
 @dataclass
-class WaitingAt:
-    """Where a rank was when the job stopped: a line of the script, and the
-    collective it waited in, if any."""
-
-    file: Optional[str] = None
-    line: Optional[int] = None
-    function: Optional[str] = None
-    collective: Optional[str] = None
-
-
-@dataclass
-class RankStop:
-    """The signal that stopped a rank and where it waited."""
-
-    stopped_by: Optional[str] = None
-    waiting_at: Optional[WaitingAt] = None
-
-
-@dataclass
 class JobExtras:
     # The first rank that failed (any failure, not only an OOM).
     first_failing_rank: Optional[int] = None
@@ -83,10 +64,6 @@ def prescription_extras(prescription: Prescription) -> PrescriptionExtras:
 
 def site_extras(site: Site) -> SiteExtras:
     return parse(SiteExtras, site.extra)
-
-
-def rank_stop(entry: RankEntry) -> RankStop:
-    return parse(RankStop, entry.extra)
 
 
 def job_extras(snapshot: Snapshot) -> JobExtras:

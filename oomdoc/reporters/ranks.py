@@ -13,7 +13,6 @@ from tabulate import tabulate
 
 from oomdoc.formatting import relative_path
 from oomdoc.model import CATEGORIES, RankEntry, Snapshot
-from oomdoc.reporters.extras import rank_stop
 from oomdoc.sizes import format_bytes
 
 
@@ -23,16 +22,6 @@ def _where(
     if not file:
         return ""
     return f"{relative_path(file, cwd)}:{line} in {function}"
-
-
-def _peak(entry: RankEntry) -> int | None:
-    """The most the rank held: at an OOM, what it held then, never what it
-    needed (that is above the capacity; the last column says how much more)."""
-    if not entry.captured:
-        return None
-    peak = (entry.peak.allocated_bytes if entry.peak else None) or 0
-    held_at_oom = entry.oom.allocated_bytes if entry.oom else 0
-    return max(peak, held_at_oom)
 
 
 def _rank_name(entry: RankEntry) -> str:
@@ -46,9 +35,8 @@ def _outcome(entry: RankEntry) -> str:
         return f"OOM (step {oom.step if oom else None}, {oom.phase if oom else None})"
     if outcome == "no_capture":
         return "no capture (killed?)"
-    stopped_by = rank_stop(entry).stopped_by
-    if outcome == "interrupted" and stopped_by:
-        return f"stopped ({stopped_by})"
+    if outcome == "interrupted" and entry.stopped_by:
+        return f"stopped ({entry.stopped_by})"
     return outcome
 
 
@@ -56,7 +44,7 @@ def rank_rows(snapshot: Snapshot) -> list[list[str]]:
     rows = []
     for entry in snapshot.ranks:
         breakdown = entry.breakdown
-        peak = _peak(entry)
+        peak = entry.held_bytes
         requested = entry.oom.requested_bytes if entry.oom else 0
         rows.append(
             [
@@ -115,8 +103,7 @@ def failure_lines(snapshot: Snapshot) -> list[str]:
                 "Then also out of memory: " + ", ".join(f"rank {e.rank}" for e in others) + "."
             )
     for entry in ranks:
-        stop = rank_stop(entry)
-        waiting = stop.waiting_at
+        waiting = entry.waiting_at
         if waiting and entry.outcome != "oom":
             where = (
                 _where(waiting.file, waiting.line, waiting.function, cwd)
@@ -127,8 +114,8 @@ def failure_lines(snapshot: Snapshot) -> list[str]:
                 f"Rank {entry.rank} was "
                 + (f"waiting in {collective} at {where}" if collective else f"at {where}")
                 + (
-                    f" when it was stopped ({stop.stopped_by})."
-                    if stop.stopped_by
+                    f" when it was stopped ({entry.stopped_by})."
+                    if entry.stopped_by
                     else (
                         " when its peer failed."
                         if entry.outcome == "error"
