@@ -586,6 +586,9 @@ class Snapshot:
     # Of the script's options, those that take a value: to their `choices`
     # (empty when any value goes); the others are switches.
     script_option_values: Dict[str, List[str]] = when_set(factory=dict)
+    # Each option's default where the script says it plainly (argparse's
+    # `default=`, a configurator script's module-level `NAME = 5 * 8`), as text.
+    script_option_defaults: Dict[str, str] = when_set(factory=dict)
     # A replay: what the child recorded of each fix it applied, by fix name
     # (the fix's own record: `patched`, `batch_size`, `models`, ...).
     fix_applied: Optional[Dict[str, Any]] = when_set()

@@ -17,7 +17,7 @@ from oomdoc import fixes
 from oomdoc.frameworks import FRAMEWORKS, Framework, context_from_snapshot, framework_for
 from oomdoc.frameworks.accelerate import Accelerate
 from oomdoc.frameworks.base import (
-    accumulation_on_command_line,
+    accumulation_in_effect,
     find_option,
     with_enough_steps,
     with_option,
@@ -249,6 +249,9 @@ def test_hf_flag_variants():
     assert hf.flag_variant("smaller_batch", accumulating, HF_OPTIONS, context)[-1] == (
         "--gradient_accumulation_steps=6"
     )
+    # Not on the command line: the script's default is kept (4 x 2), not 1 x 2.
+    defaults = {**context, "script_option_defaults": {"--gradient_accumulation_steps": "4"}}
+    assert hf.flag_variant("smaller_batch", args, HF_OPTIONS, defaults)[-1] == "8"
     assert hf.flag_variant("autocast+checkpointing", args, HF_OPTIONS, context) == [
         *args,
         "--bf16",
@@ -478,8 +481,11 @@ def test_steps_flag_is_raised_for_replays_with_accumulation():
     assert with_enough_steps([], ["--max_steps"], hf, 4)[0] == ["--max_steps", "4"]
     assert with_enough_steps(["--steps", "2"], ["--steps"], {}, 8) == (["--steps", "2"], None)
     assert with_enough_steps(["--steps", "2"], ["--fast"], context, 8) == (["--steps", "2"], None)
-    assert accumulation_on_command_line(["--accumulate-grad-batches", "4"], options) == 4
-    assert accumulation_on_command_line(["--batch-size", "4"], options) == 1
+    assert accumulation_in_effect(["--accumulate-grad-batches", "4"], options) == 4
+    assert accumulation_in_effect(["--batch-size", "4"], options) == 1
+    defaults = {"--accumulate-grad-batches": "3"}
+    assert accumulation_in_effect(["--batch-size", "4"], options, defaults) == 3
+    assert accumulation_in_effect(["--accumulate-grad-batches", "2"], options, defaults) == 2
 
 
 def test_short_options_with_their_value_attached():
@@ -746,6 +752,8 @@ def test_lightning_trainer_is_detected_with_its_options(tmp_path):
         "--accumulate-grad-batches",
         "--gradient-checkpointing",
         "--accelerator",
+        "--devices",
+        "--strategy",
     ]
     assert document["script_option_values"]["--precision"] == ["32-true", "bf16-mixed"]
     assert document["script_dataclasses"] == {}
@@ -919,3 +927,29 @@ def test_how_the_script_updates_its_parameters():
         "optimizer"
     )
     assert Snapshot.from_dict({"steps": [{"index": 0}]}).parameter_update is None
+
+
+def test_a_configurator_script_s_defaults_are_read_from_its_file(tmp_path):
+    """nanoGPT's defaults are module-level constant expressions; by the first
+    forward the script may have changed them (it divides the accumulation
+    steps by the world size), so they are read from the file."""
+    from oomdoc.capture.frameworks import module_constants
+
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import os\n"
+        "gradient_accumulation_steps = 5 * 8\n"
+        "batch_size = 12\n"
+        "learning_rate = 6e-4\n"
+        "dataset = 'openwebtext'\n"
+        "batch_size = 99  # a second assignment: the first is the default\n"
+        "device = os.environ.get('DEVICE', 'cuda')\n"
+        "flag = True\n"
+    )
+    assert module_constants(str(script)) == {
+        "gradient_accumulation_steps": "40",
+        "batch_size": "12",
+        "learning_rate": "0.0006",
+        "dataset": "openwebtext",
+    }
+    assert module_constants(str(tmp_path / "missing.py")) == {}

@@ -23,6 +23,7 @@ read at the first model call, the configuration done by then.
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import functools
 import os
@@ -72,6 +73,7 @@ class FrameworkDetector:
         self.done = False
         self.options: list[str] = []
         self.option_values: dict[str, list[str]] = {}
+        self.option_defaults: dict[str, str] = {}
         self.aliases: dict[str, str] = {}
         self.syntax: str | None = None  # `argparse` or `configurator`
         self.dataclasses: dict[str, list[str]] = {}
@@ -152,6 +154,8 @@ class FrameworkDetector:
                     self.options.append(option)
                 if option != name and name is not None:
                     self.aliases.setdefault(option, name)
+                if action.nargs not in (0, "?") and _plain(action.default):
+                    self.option_defaults.setdefault(option, str(action.default))
                 if action.nargs not in (0, "?") and option not in self.option_values:
                     choices = action.choices
                     self.option_values[option] = (
@@ -182,6 +186,12 @@ class FrameworkDetector:
             if _is_setting(namespace, name) and option not in self.options:
                 self.options.append(option)
                 self.option_values[option] = []
+        # The defaults as the file writes them: by now the script may have
+        # changed its globals itself (nanoGPT divides the accumulation steps
+        # by the world size).
+        for name, value in module_constants(namespace.get("__file__")).items():
+            if f"--{name}" in self.options:
+                self.option_defaults.setdefault(f"--{name}", value)
 
     # ------------------------------------------------------------ evidence
     def _on_forward(self, module) -> None:
@@ -286,9 +296,64 @@ class FrameworkDetector:
             "script_options": list(self.options),
             "script_option_values": dict(self.option_values),
             "script_option_aliases": dict(self.aliases),
+            "script_option_defaults": dict(self.option_defaults),
             "script_option_syntax": self.syntax,
             "script_dataclasses": dict(self.dataclasses),
         }
+
+
+def _plain(value: object) -> bool:
+    return type(value) in (int, float, str) and len(str(value)) < 200
+
+
+def module_constants(path: object) -> dict[str, str]:
+    """A script's module-level `NAME = <constant expression>` assignments
+    (numbers, strings, + - * // / of them), each the first one, as text."""
+    if not isinstance(path, str) or not path.endswith(".py"):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as handle:
+            tree = ast.parse(handle.read())
+    except (OSError, SyntaxError, ValueError):
+        return {}
+    found: dict[str, str] = {}
+    for node in tree.body:
+        if (
+            isinstance(node, ast.Assign)
+            and len(node.targets) == 1
+            and isinstance(node.targets[0], ast.Name)
+            and node.targets[0].id not in found
+        ):
+            value = _constant(node.value)
+            if value is not None:
+                found[node.targets[0].id] = str(value)
+    return found
+
+
+_OPERATORS = {
+    ast.Add: lambda a, b: a + b,
+    ast.Sub: lambda a, b: a - b,
+    ast.Mult: lambda a, b: a * b,
+    ast.FloorDiv: lambda a, b: a // b,
+    ast.Div: lambda a, b: a / b,
+}
+
+
+def _constant(node: ast.expr) -> object:
+    """The value of a constant expression of numbers and strings, else None."""
+    if isinstance(node, ast.Constant) and _plain(node.value) and not isinstance(node.value, bool):
+        return node.value
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        inner = _constant(node.operand)
+        return -inner if isinstance(inner, (int, float)) else None
+    if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
+        left, right = _constant(node.left), _constant(node.right)
+        if isinstance(left, (int, float)) and isinstance(right, (int, float)):
+            try:
+                return _OPERATORS[type(node.op)](left, right)
+            except ArithmeticError:
+                return None
+    return None
 
 
 def _is_setting(namespace: dict, name: str) -> bool:

@@ -46,6 +46,7 @@ def context_from_snapshot(snapshot: Snapshot) -> FrameworkContext:
         script_options=list(snapshot.script_options),
         script_option_values=dict(snapshot.script_option_values),
         script_option_aliases=dict(snapshot.script_option_aliases),
+        script_option_defaults=dict(snapshot.script_option_defaults),
         script_option_syntax=snapshot.script_option_syntax,
         update=snapshot.parameter_update,
         device_type="cuda" if device.on_cuda else "cpu",

@@ -35,6 +35,7 @@ class FrameworkContext(SnippetContext, total=False):
     script_options: list[str]
     script_option_values: dict[str, list[str]]
     script_option_aliases: dict[str, str]
+    script_option_defaults: dict[str, str]
 
 
 EXPANDABLE_ENV = "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
@@ -273,12 +274,16 @@ def dtype_value(option: str, dtype: str, context: FrameworkContext, defaults: di
     return None
 
 
-def accumulation_on_command_line(args: list[str], script_options) -> int:
-    """The gradient accumulation the command line already asks for (1 when
-    none of the script's accumulation flags is given a number)."""
+def accumulation_in_effect(args: list[str], script_options, defaults=None) -> int:
+    """The gradient accumulation the script's flag asks for: its value on
+    the command line, else the script's default for it (`defaults`: the
+    snapshot's script_option_defaults), else 1. A new value is this times
+    the steps wanted: a script may divide it (nanoGPT divides it by the
+    world size), and the product keeps that division right."""
     flag = declared(script_options, *ACCUMULATION_FLAGS)
     found = find_option(args, flag) if flag else None
-    return int(found[1]) if found and found[1] and found[1].isdigit() else 1
+    value = found[1] if found else (defaults or {}).get(flag) if flag else None
+    return int(value) if value and value.isdigit() and int(value) > 0 else 1
 
 
 def with_enough_steps(
@@ -346,7 +351,9 @@ def generic_flag_variant(
             return None
         if batch_flag not in (script_options or ()) and find_option(args, batch_flag) is None:
             return None
-        already = accumulation_on_command_line(args, script_options)
+        already = accumulation_in_effect(
+            args, script_options, context.get("script_option_defaults")
+        )
         variant = with_option(args, batch_flag, str(micro), syntax)
         return with_option(variant, accumulation_flag, str(already * steps), syntax)
     if fix == "lighter_optimizer":

@@ -7,6 +7,7 @@ from oomdoc.frameworks.base import (
     EXPANDABLE_ENV,
     Framework,
     FrameworkContext,
+    accumulation_in_effect,
     declared,
     effective_batch_comment,
     find_option,
@@ -157,8 +158,9 @@ class HuggingFace(Framework):
             batch_flag = how if how.startswith("-") else declared(options, _flag(BATCH_FIELD))
             accumulation = declared(options, "--gradient_accumulation_steps")
             if micro and steps and batch_flag and accumulation:
-                found = find_option(args, accumulation)
-                already = int(found[1]) if found and found[1] and found[1].isdigit() else 1
+                already = accumulation_in_effect(
+                    args, [accumulation], context.get("script_option_defaults")
+                )
                 variant = with_option(args, batch_flag, str(micro))
                 return with_option(variant, accumulation, str(already * steps))
             return generic_flag_variant(fix, args, script_options, context, self.dtype_values)

@@ -30,7 +30,7 @@ from oomdoc.diagnosis.leak import rule as leak_rule
 from oomdoc.fixes import batch_fix, fix_named
 from oomdoc.fixes.base import SnippetContext
 from oomdoc.frameworks import context_from_snapshot, framework_of
-from oomdoc.frameworks.base import FrameworkContext, accumulation_on_command_line, with_enough_steps
+from oomdoc.frameworks.base import FrameworkContext, accumulation_in_effect, with_enough_steps
 from oomdoc.model import (
     Prescription,
     Snapshot,
@@ -455,7 +455,9 @@ def prescription_replay(
     payload.update(batch_size=micro, accumulation_steps=steps)
     rewritten, _flag = batch_size_in(replayer, state, payload, micro)
     args = rewritten if rewritten is not None else list(replayer.request.args)
-    micro_batches = steps * accumulation_on_command_line(args, snapshot.script_options)
+    micro_batches = steps * accumulation_in_effect(
+        args, snapshot.script_options, snapshot.script_option_defaults
+    )
     args, raised = enough_steps(replayer, snapshot, args, micro_batches)
     label = f"the prescription ({' + '.join(fixes) or 'no fix'}, batch {micro} x {steps} accumulation steps)"
     return payload, label, args, env, micro_batches, raised
@@ -597,7 +599,9 @@ def flags_replay(
         return None
     micro_batches = 1
     if batch_fix().name in covered:
-        micro_batches = accumulation_on_command_line(args, snapshot.script_options)
+        micro_batches = accumulation_in_effect(
+            args, snapshot.script_options, snapshot.script_option_defaults
+        )
     replayed_args, raised = enough_steps(replayer, snapshot, args, micro_batches)
     return FlagsReplay(args, replayed_args, raised, covered, micro_batches)
 
