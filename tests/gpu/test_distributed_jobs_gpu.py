@@ -84,7 +84,8 @@ def test_a_ddp_gpt_trainer_gets_a_measured_prescription_that_fits_both_ranks(tmp
     print(f"\nwhole diagnosis: {wall_s:.1f} s")
     print("\n".join(rank_section_lines(parse(Snapshot, document))))
     for run in document["replay"]["runs"]:
-        print(run.get("label"), run["outcome"], run.get("peak_allocated_bytes"), run.get("wall_s"))
+        timing = {key: run.get(key) for key in ("wall_s", "startup_s", "setup_s", "script_s")}
+        print(run.get("label"), run["outcome"], run.get("peak_allocated_bytes"), timing)
     assert document["outcome"] == "oom" and document["world_size"] == 2, result.stderr[-4000:]
     assert all(run["outcome"] in ("fits", "oom") for run in document["replay"]["runs"])
     _held_within_the_cap(document)
