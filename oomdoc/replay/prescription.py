@@ -583,7 +583,7 @@ def flags_replay(
 ) -> Optional[FlagsReplay]:
     """The replay verify_with_flags runs for `prescription` (only its fixes,
     batch size and accumulation steps are read), or None where the script
-    has no flag for any of its changes: one place, so that one started ahead
+    has no flag for one of its changes: one place, so that one started ahead
     is the one later asked for."""
     changes, context = prescription_context(snapshot, prescription, state)
     if not changes or not snapshot.script_options:
@@ -595,7 +595,9 @@ def flags_replay(
         variant = framework.flag_variant(change, args, snapshot.script_options, context)
         if variant is not None:
             args, covered = variant, [*covered, change]
-    if not covered:
+    if len(covered) < len(changes):
+        # Without a flag for every change the run is not the prescription
+        # (it would lack the others): nothing to verify by the script's flags.
         return None
     micro_batches = 1
     if batch_fix().name in covered:
