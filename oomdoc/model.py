@@ -222,6 +222,19 @@ class Step:
 
 
 @dataclass
+class Frame:
+    """A frame of a site's stack, in oomdoc's keys (file, line, function)
+    or PyTorch's (filename, line, name)."""
+
+    file: Optional[str] = None
+    filename: Optional[str] = None
+    line: Optional[int] = None
+    function: Optional[str] = None
+    name: Optional[str] = None
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
 class Site:
     """Live allocations grouped by the user's code location, shape and dtype."""
 
@@ -234,6 +247,9 @@ class Site:
     # The module whose forward (or backward) made them, repeated blocks
     # folded (`transformer.h.*.attn`); None outside modules or in old snapshots.
     module: Optional[str] = None
+    # The allocation's stack, innermost first, where the source had one.
+    stack: List[Frame] = when_set(factory=list)
+    frames: List[Frame] = when_set(factory=list)
     extra: Dict[str, Any] = field(default_factory=dict)
 
 
@@ -393,6 +409,25 @@ class Framework:
 
 
 @dataclass
+class FlagsCheck:
+    """The prescription replayed with the script's own flags and no fix of
+    oomdoc's (`prescription.verified_by_flags`)."""
+
+    args: Optional[List[str]] = None
+    outcome: Optional[str] = None
+    peak_allocated_bytes: Optional[int] = None
+    # How the replay's steps flag was raised to run enough steps.
+    note: Optional[str] = when_set()
+    # False: the replay ended before an optimizer step and two more micro-batches.
+    accumulation_covered: Optional[bool] = when_set()
+    # The prescribed changes the flags make.
+    covers: List[str] = when_set(factory=list)
+    # Its peak over the prescription's.
+    peak_ratio: Optional[float] = when_set()
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
 class Prescription:
     """The configuration to use instead: measured by the replays (or, for a
     leak, the code change that stops it)."""
@@ -428,7 +463,7 @@ class Prescription:
     # `args`, `outcome`, `peak_allocated_bytes`, `accumulation_covered`,
     # `note`; the latter also `covers` and `peak_ratio`.
     accumulation_replay: Optional[Dict[str, Any]] = when_set()
-    verified_by_flags: Optional[Dict[str, Any]] = when_set()
+    verified_by_flags: Optional[FlagsCheck] = when_set()
     extra: Dict[str, Any] = field(default_factory=dict)
 
 
@@ -600,6 +635,8 @@ class Snapshot:
     ranks: List[RankEntry] = field(default_factory=list)
     world_size: Optional[int] = None
     first_oom_rank: Optional[int] = None
+    # The first rank that failed in any way (an OOM or another error).
+    first_failing_rank: Optional[int] = when_set()
     primary_rank: Optional[int] = None
     source: Optional[Dict[str, Any]] = None
     trace_before_oom: Optional[List[TraceEvent]] = None

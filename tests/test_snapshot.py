@@ -155,7 +155,7 @@ def test_fields_that_lived_in_extra_are_typed_and_round_trip():
     assert snapshot.device.index == 1 and snapshot.device.nvml_free_bytes == 512
     assert snapshot.oom is not None and snapshot.oom.module == "transformer.h.*.mlp"
     assert snapshot.fix_applied == {"smaller_batch": {"patched": True}}
-    assert snapshot.parallel == {"ddp": [{"class": "GPT"}]}
+    assert snapshot.parallel is not None and snapshot.parallel.ddp[0].class_name == "GPT"
     assert snapshot.script_option_values["--optim"] == ["adamw", "adafactor"]
     assert snapshot.steps[0].device_shared is True
     assert snapshot.fixes[0].max_batch_size == 5 and snapshot.fixes[0].how == "--bs 4"
@@ -164,7 +164,8 @@ def test_fields_that_lived_in_extra_are_typed_and_round_trip():
     assert snapshot.replay.saver_batch_search.fixes == "a+b"
     assert snapshot.prescription is not None
     assert snapshot.prescription.throughput_batch_size == 6
-    assert snapshot.prescription.verified_by_flags == {"args": []}
+    flags = snapshot.prescription.verified_by_flags
+    assert flags is not None and flags.args == []
     assert snapshot.extra == {"a_key_from_the_future": {"kept": True}}
     assert snapshot.to_dict() == document
     # Made by code: such a field is written only once it is set.

@@ -32,8 +32,10 @@ from oomdoc.fixes.base import SnippetContext
 from oomdoc.frameworks import context_from_snapshot, framework_of
 from oomdoc.frameworks.base import FrameworkContext, accumulation_in_effect, with_enough_steps
 from oomdoc.model import (
+    FlagsCheck,
     Prescription,
     Snapshot,
+    parse,
 )
 from oomdoc.replay import batch as batch_model
 from oomdoc.replay.lanes import (
@@ -646,10 +648,10 @@ def verify_with_flags(
     record["covers"] = flags.covers
     if flags.micro_batches <= 1:
         del record["accumulation_covered"]
-    prescription.verified_by_flags = record
+    checked = prescription.verified_by_flags = parse(FlagsCheck, record)
     if replay.fits and replay.peak_allocated_bytes and prescription.peak_allocated_bytes:
         ratio = replay.peak_allocated_bytes / prescription.peak_allocated_bytes
-        record["peak_ratio"] = round(ratio, 3)
+        checked.peak_ratio = round(ratio, 3)
 
 
 def start_savers_ahead(

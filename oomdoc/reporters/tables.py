@@ -6,7 +6,6 @@ from __future__ import annotations
 from oomdoc.analysis import Analysis
 from oomdoc.formatting import format_location, percent, tensor_description
 from oomdoc.model import FixResult, Site, Snapshot
-from oomdoc.reporters.extras import prescription_extras
 from oomdoc.sizes import format_bytes
 
 BREAKDOWN_HEADERS = ["category", "bytes", "% of capacity"]
@@ -228,8 +227,7 @@ def prescription_lines(analysis: Analysis) -> list[str]:
             if prescription.accumulation_measured
             else "  the peak is the micro-batch's without gradient accumulation (not measured with it)"
         )
-    extras = prescription_extras(prescription)
-    checked = extras.verified_by_flags
+    checked = prescription.verified_by_flags
     if checked is not None and checked.args is not None:
         args = " ".join(checked.args)
         peak = checked.peak_allocated_bytes
@@ -246,7 +244,7 @@ def prescription_lines(analysis: Analysis) -> list[str]:
             lines.append("    (it ended before an optimizer step and two more micro-batches)")
     if prescription.samples_per_second:
         text = f"  throughput {prescription.samples_per_second:.1f} samples/s"
-        measured_at = extras.throughput_batch_size
+        measured_at = prescription.throughput_batch_size
         if measured_at is not None and measured_at != prescription.batch_size:
             text += f" (measured at batch {measured_at})"
         if prescription.throughput_ratio:

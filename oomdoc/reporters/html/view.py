@@ -64,6 +64,8 @@ from oomdoc.formatting import relative_path, tensor_description
 from oomdoc.model import (
     Breakdown,
     FixResult,
+    FlagsCheck,
+    Frame,
     Location,
     ModuleUsage,
     Oom,
@@ -72,13 +74,6 @@ from oomdoc.model import (
     RankEntry,
     Site,
     Snapshot,
-)
-from oomdoc.reporters.extras import (
-    FlagsReplay,
-    Frame,
-    job_extras,
-    prescription_extras,
-    site_extras,
 )
 
 # Caps that keep the file small and fast whatever the snapshot holds.
@@ -253,7 +248,6 @@ def _prescription(snapshot: Snapshot, capacity: int) -> Optional[dict]:
             if fix_snippet:
                 parts.append(f"# {name}\n{fix_snippet}")
         snippet = clip("\n\n".join(parts)) or None
-    extras = prescription_extras(prescription)
     return {
         "fixes": names,
         "batch_size": prescription.batch_size,
@@ -262,17 +256,17 @@ def _prescription(snapshot: Snapshot, capacity: int) -> Optional[dict]:
         "headroom_bytes": capacity - peak if peak is not None and capacity else None,
         "fits": prescription.fits,
         "samples_per_second": _finite(prescription.samples_per_second),
-        "throughput_batch_size": extras.throughput_batch_size,
+        "throughput_batch_size": prescription.throughput_batch_size,
         "measured": prescription.measured,
         "snippet": snippet,
         "kind": clip(prescription.kind, 20),
         "detail": clip(prescription.detail, 2000),
         "accumulation_measured": prescription.accumulation_measured,
-        "verified_by_flags": _flags_replay(extras.verified_by_flags),
+        "verified_by_flags": _flags_replay(prescription.verified_by_flags),
     }
 
 
-def _flags_replay(record: Optional[FlagsReplay]) -> Optional[dict]:
+def _flags_replay(record: Optional[FlagsCheck]) -> Optional[dict]:
     """The prescription replayed with the script's own flags (or None)."""
     if record is None or record.args is None:
         return None
@@ -501,9 +495,8 @@ def _modules(modules: list[ModuleUsage]) -> dict:
 
 
 def _stack(site: Site, cwd: Optional[str]) -> list[str]:
-    extras = site_extras(site)
     frames = []
-    for frame in (extras.stack or extras.frames)[:MAX_STACK_FRAMES]:
+    for frame in (site.stack or site.frames)[:MAX_STACK_FRAMES]:
         text = _frame_text(frame, cwd)
         if text:
             frames.append(text)
@@ -579,7 +572,7 @@ def _rank(rank: RankEntry, cwd: Optional[str]) -> dict:
 def _ranks(snapshot: Snapshot, cwd: Optional[str]) -> dict:
     items = [_rank(rank, cwd) for rank in snapshot.ranks[:MAX_RANKS]]
     items.sort(key=lambda item: (item["rank"] is None, item["rank"] or 0))
-    first = job_extras(snapshot).first_failing_rank
+    first = snapshot.first_failing_rank
     if first is None:
         first = snapshot.first_oom_rank
     return {
