@@ -317,7 +317,9 @@ def test_the_script_own_flags_check_starts_beside_the_prescription_replay():
     assert replayer.asked == [flags_key]
     checked = prescription.verified_by_flags
     assert checked is not None
-    assert checked.args == list(flags_key[2][:-2]) and (checked.note or "").startswith("--max_steps")
+    assert checked.args == list(flags_key[2][:-2]) and (checked.note or "").startswith(
+        "--max_steps"
+    )
 
     # Without the saver search: the choice starts it beside its replay with
     # accumulation, and verify_with_flags asks for that one.
