@@ -9,7 +9,8 @@
   `model.module`. The diagnosis ends with a measured prescription, no replay
   times out, no rank's peak is above the cap, no rank_imbalance is found
   (the ranks hold the same), and the prescription run by hand as a 2-rank
-  job fits on both ranks.
+  job fits on both ranks over three iterations with rank 0's evaluation at
+  iteration 2 (with the optimizer's state allocated), its peak within 5%.
 - The ImageNet example's `--multiprocessing-distributed` (torch.multiprocessing.spawn,
   NCCL): each spawned process is captured as a rank, the OOM's rank is named.
 """
@@ -107,7 +108,8 @@ def test_a_ddp_gpt_trainer_gets_a_measured_prescription_that_fits_both_ranks(tmp
     print(f"by hand {args}: {[entry['outcome'] for entry in by_hand['ranks']]} peaks {peaks}")
     assert [entry["outcome"] for entry in by_hand["ranks"]] == ["ok", "ok"]
     assert max(peaks) == pytest.approx(prescription["peak_allocated_bytes"], rel=0.05)
-    assert wall_s < 120
+    # The whole diagnosis's time is printed above, for the closing note (a
+    # target, not an assertion: tests/README's rule for speed).
 
 
 def test_a_spawned_job_is_captured_per_rank_on_two_gpus(tmp_path):
