@@ -125,8 +125,9 @@ def test_a_lightning_prescription_with_accumulation_is_measured_with_it(tmp_path
     checked = prescription["verified_by_flags"]
     assert checked["args"] == ["--batch-size", str(micro), "--accumulate-grad-batches", str(steps)]
     assert checked["accumulation_covered"] is True
-    assert checked["note"].startswith(f"--steps raised to {2 * steps}")
+    replay_steps = document["replay"]["max_steps"]
+    assert checked["note"].startswith(f"--steps raised to {replay_steps * steps}")
     assert 0.95 <= checked["peak_ratio"] <= 1.05, checked
-    assert f"--steps raised to {2 * steps}" in completed.stderr
+    assert f"--steps raised to {replay_steps * steps}" in completed.stderr
     assert "measured with the gradient accumulation running" in completed.stderr
     check_by_hand(tmp_path, "7.5MiB", script, document)
