@@ -657,3 +657,27 @@ def test_ddp_bucket_blocks_are_gradients_on_cuda():
     assert phase_from_frames(frames) == "communication"
     assert category_of(None, "communication") == "gradients"
     assert phase_from_frames(frames[1:]) == "forward"
+
+
+def test_a_job_whose_port_was_taken_is_launched_again(tmp_path):
+    """free_port() finds a port, torchrun binds it a moment later: another
+    process may take it between the two (seen on the H100, where a replay
+    failed with EADDRINUSE before any rank ran). Such a job is launched again."""
+    from oomdoc.distributed.launch import JobResult, port_was_taken
+    from oomdoc.runner import ChildRequest
+
+    log = tmp_path / "replay.log"
+    log.write_text(
+        "torch.distributed.DistNetworkError: ... EADDRINUSE, message: address already in use\n"
+    )
+    request = ChildRequest(target="train.py", args=[], device="cpu", output_path=str(log))
+    failed = JobResult(exit_code=1, captures=[], missing=[], launcher_exit_code=1, wall_s=1.0)
+    assert port_was_taken(failed, request, DistOptions(nproc_per_node=2))
+    # The user's own port is theirs to fix; a job whose ranks ran is not retried.
+    assert not port_was_taken(failed, request, DistOptions(nproc_per_node=2, master_port=29500))
+    ran = JobResult(
+        exit_code=1, captures=[{"outcome": "oom"}], missing=[], launcher_exit_code=1, wall_s=1.0
+    )
+    assert not port_was_taken(ran, request, DistOptions(nproc_per_node=2))
+    log.write_text("some other failure\n")
+    assert not port_was_taken(failed, request, DistOptions(nproc_per_node=2))

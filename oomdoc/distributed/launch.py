@@ -45,6 +45,8 @@ from oomdoc.runner import ChildRequest, ChildResult, child_config, child_env
 KILL_GRACE_S = 10.0
 # A replay's ranks end within this many seconds of the first one.
 PEER_GRACE_S = 5.0
+# Launches again when the port oomdoc chose was taken before torchrun bound it.
+PORT_RETRIES = 2
 POLL_S = 0.1
 CAPTURE_PATTERN = re.compile(r"^capture-rank(\d+)-local(\d+)\.json$")
 
@@ -320,6 +322,22 @@ def job_exit_code(captures: list[dict], missing: list, launcher_exit: int, signu
     return 1 if missing or launcher_exit else 0
 
 
+def port_was_taken(result: JobResult, request: ChildRequest, dist: DistOptions) -> bool:
+    """Whether the launcher failed before any rank ran because the free port
+    oomdoc chose was taken meanwhile (by a process of the job before: a
+    port is free between free_port() and torchrun's bind, not reserved)."""
+    if result.captures or dist.master_port is not None or not request.output_path:
+        return False
+    try:
+        with open(request.output_path, "rb") as handle:
+            handle.seek(0, os.SEEK_END)
+            handle.seek(max(0, handle.tell() - 20000))
+            tail = handle.read().decode("utf-8", "replace")
+    except OSError:
+        return False
+    return "EADDRINUSE" in tail or "address already in use" in tail
+
+
 def finished_with_peers(result: JobResult) -> None:
     """The ranks oomdoc ended after a peer reached the replay's step limit
     ended with the replay: their captures count as finished (`ok`), with
@@ -339,6 +357,10 @@ def run_distributed_child(request: ChildRequest, dist: DistOptions) -> ChildResu
     from oomdoc.distributed.merge import merge_rank_captures
 
     result = run_job(request, dist)
+    for _retry in range(PORT_RETRIES):
+        if not port_was_taken(result, request, dist):
+            break
+        result = run_job(request, dist)  # with another free port
     if result.ended_with_peers:
         finished_with_peers(result)
     capture = None
