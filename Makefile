@@ -37,7 +37,7 @@ lint: install
 	$(PYTHON) -m mypy
 
 test: lint
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q --durations=15
 
 test-gpu: install
 	$(PYTHON) -m pytest -q -m gpu tests/gpu
