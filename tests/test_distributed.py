@@ -681,3 +681,33 @@ def test_a_job_whose_port_was_taken_is_launched_again(tmp_path):
     assert not port_was_taken(ran, request, DistOptions(nproc_per_node=2))
     log.write_text("some other failure\n")
     assert not port_was_taken(failed, request, DistOptions(nproc_per_node=2))
+
+
+def test_a_rank_whose_collective_failed_after_its_peer_finished_ended_with_the_replay():
+    """gloo raises at once in a rank whose peer has gone: in a replay where
+    the peer finished its steps, that rank ended with the replay (its steps
+    are read), not with an error. Without a finished rank nothing changes."""
+    from oomdoc.distributed.launch import JobResult, finished_with_peers
+
+    def job(*outcomes):
+        captures = [
+            {"outcome": "ok"}
+            if outcome == "ok"
+            else {
+                "outcome": outcome,
+                "error": {"type": "RuntimeError", "message": "Connection closed by peer"},
+                "waiting_at": {"file": "train.py", "line": 9, "collective": "all_reduce"},
+            }
+            for outcome in outcomes
+        ]
+        return JobResult(
+            exit_code=1, captures=captures, missing=[], launcher_exit_code=1, wall_s=1.0
+        )
+
+    finished = job("ok", "error")
+    finished_with_peers(finished)
+    assert finished.exit_code == 0 and finished.captures[1]["outcome"] == "ok"
+    assert finished.captures[1]["ended_with_peers"] and finished.captures[1]["error"] is None
+    failed = job("oom", "error")
+    finished_with_peers(failed)
+    assert failed.exit_code == 1 and failed.captures[1]["outcome"] == "error"

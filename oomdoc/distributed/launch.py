@@ -339,13 +339,18 @@ def port_was_taken(result: JobResult, request: ChildRequest, dist: DistOptions) 
 
 
 def finished_with_peers(result: JobResult) -> None:
-    """The ranks oomdoc ended after a peer reached the replay's step limit
-    ended with the replay: their captures count as finished (`ok`), with
-    where they were when they were ended."""
+    """A replay in which a rank finished (its steps done): the ranks that
+    ended without finishing only because of that, stopped by oomdoc or the
+    launcher (`interrupted`) or failed in a collective whose peer had gone
+    (gloo raises at once), ended with the replay. Their captures count as
+    finished (`ok`, `ended_with_peers`), with where they were."""
+    if not any(capture.get("outcome") == "ok" for capture in result.captures):
+        return
     for capture in result.captures:
-        if capture.get("outcome") == "interrupted":
-            capture["outcome"], capture["exit_code"] = "ok", 0
-            capture["ended_with_peers"] = True
+        outcome = capture.get("outcome")
+        in_collective = bool((capture.get("waiting_at") or {}).get("collective"))
+        if outcome == "interrupted" or (outcome == "error" and in_collective):
+            capture.update(outcome="ok", exit_code=0, error=None, ended_with_peers=True)
     if all(capture.get("outcome") == "ok" for capture in result.captures) and not result.missing:
         result.exit_code = 0
 
@@ -361,7 +366,7 @@ def run_distributed_child(request: ChildRequest, dist: DistOptions) -> ChildResu
         if not port_was_taken(result, request, dist):
             break
         result = run_job(request, dist)  # with another free port
-    if result.ended_with_peers:
+    if request.max_steps is not None:  # a replay
         finished_with_peers(result)
     capture = None
     if result.captures:
