@@ -42,12 +42,14 @@ MIN_REPLAY_TIMEOUT_S = 120.0
 # Under a leak, replays run this many steps: enough to see whether memory
 # still grows per step (and by how much), far fewer than the failing run.
 LEAK_REPLAY_STEPS = 6
-# Steps a replay runs at least. With an optimizer: its state is made in the
-# first step's optimizer.step, and two more steps run with it allocated (a
-# configuration that fits only until then, or until the caching allocator's
-# blocks have settled after an evaluation, is not called fitting: a GPT
-# trainer's prescription fitted two steps and ran out of memory in the third,
-# with 4.45 GiB reserved but unallocated, on the H100).
+# Steps a replay runs at least. On CUDA with an optimizer: its state is made
+# in the first step's optimizer.step, and two more steps run with it
+# allocated, so that a configuration that fits only until the caching
+# allocator's blocks have settled (after an evaluation, say) is not called
+# fitting: a GPT trainer's prescription fitted two steps and ran out of memory
+# in the third, with 4.45 GiB reserved but unallocated, on the H100. The
+# simulated device has no caching allocator: two steps (the second with the
+# optimizer's state) show what a third would.
 REPLAY_STEPS = 2
 OPTIMIZER_REPLAY_STEPS = 3
 
@@ -174,7 +176,8 @@ class Replayer:
         self.stop_after_evaluation = (
             oom.evaluation_pass if oom is not None and oom.in_evaluation else None
         )
-        least = OPTIMIZER_REPLAY_STEPS if self.step_unit == "optimizer" else REPLAY_STEPS
+        settles = self.step_unit == "optimizer" and snapshot.device.on_cuda
+        least = OPTIMIZER_REPLAY_STEPS if settles else REPLAY_STEPS
         self.max_steps = max(self.failing_step + 1, least)
         if leak:
             self.max_steps = LEAK_REPLAY_STEPS
