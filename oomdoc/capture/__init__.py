@@ -19,6 +19,10 @@ PREIMPORT_PREFIX = "import "
 # When the parent started the child (seconds since the epoch): the child's
 # start-up is measured from it, on the same clock as the child's own times.
 STARTED_ENV = "OOMDOC_CHILD_STARTED"
+# A replay's ranks end within this many seconds of the first one, whichever
+# launcher started them (oomdoc.distributed.launch for torchrun's,
+# oomdoc.capture.spawned and oomdoc.capture.relaunch for the script's own).
+PEER_GRACE_S = 5.0
 # The one-line usage error for `--device cuda` on a machine without CUDA,
 # raised by the child (which decides the device) or by the parent.
 CUDA_UNAVAILABLE = "--device cuda: CUDA is not available on this machine (use --device cpu for the simulated device)"

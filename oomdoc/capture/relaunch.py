@@ -29,7 +29,7 @@ import time
 from dataclasses import replace
 from typing import Any, Callable
 
-from oomdoc.capture import CONFIG_ENV
+from oomdoc.capture import CONFIG_ENV, PEER_GRACE_S
 from oomdoc.capture.spawned import mark_ended_with_peers
 from oomdoc.child_config import ChildConfig, DistributedJob
 
@@ -37,9 +37,6 @@ from oomdoc.child_config import ChildConfig, DistributedJob
 # before the script (-u, -B, -O, ...) take none.
 PYTHON_VALUE_OPTIONS = ("-X", "-W", "-Q")
 RELAUNCHED_CAPTURE = "capture-spawned{rank}.json"
-# A replay's ranks end within this many seconds of the script's own process
-# (as oomdoc.distributed.launch's PEER_GRACE_S for torchrun's ranks).
-PEER_GRACE_S = 5.0
 # In the user's run, the ranks get this long after the script's own
 # process ends before they are ended (a launcher whose ranks outlive it).
 RUN_GRACE_S = 60.0

@@ -23,12 +23,11 @@ import time
 from dataclasses import replace
 from typing import Any, Callable
 
+from oomdoc.capture import PEER_GRACE_S
 from oomdoc.child_config import ChildConfig, DistributedJob
+from oomdoc.distributed.merge import ended_with_the_replay
 
 SPAWNED_CAPTURE = "capture-spawned{index}.json"
-# A replay's spawned ranks end within this many seconds of the first one
-# (as oomdoc.distributed.launch's PEER_GRACE_S for torchrun's ranks).
-PEER_GRACE_S = 5.0
 JOIN_POLL_S = 0.2
 
 
@@ -139,7 +138,7 @@ def mark_ended_with_peers(path: str) -> None:
             capture = json.load(handle)
     except (OSError, ValueError):
         return  # killed before it wrote one: the merge names it
-    capture.update(outcome="ok", exit_code=0, error=None, ended_with_peers=True)
+    ended_with_the_replay(capture)
     write_atomic(path, json.dumps(capture), overwrite=True)
 
 

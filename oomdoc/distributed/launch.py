@@ -36,15 +36,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from oomdoc.capture import CONFIG_ENV, STARTED_ENV
+from oomdoc.capture import CONFIG_ENV, PEER_GRACE_S, STARTED_ENV
 from oomdoc.child_config import ChildConfig, DistributedJob
 from oomdoc.distributed import DistOptions
-from oomdoc.distributed.merge import read_captures
+from oomdoc.distributed.merge import ended_with_the_replay, read_captures
 from oomdoc.runner import ChildRequest, ChildResult, child_config, child_env
 
 KILL_GRACE_S = 10.0
-# A replay's ranks end within this many seconds of the first one.
-PEER_GRACE_S = 5.0
 # Launches again when the port oomdoc chose was taken before torchrun bound it.
 PORT_RETRIES = 2
 POLL_S = 0.1
@@ -63,9 +61,6 @@ class JobResult:
     timed_out: bool = False
     signal_name: str | None = None  # a signal that reached oomdoc
     terminated_by_oomdoc: bool = False
-    # A replay whose first rank to end reached its step limit: the ranks
-    # oomdoc ended after it were still in the same, finished replay.
-    ended_with_peers: bool = False
     notes: list[str] = field(default_factory=list)
 
 
@@ -303,7 +298,6 @@ def run_job(request: ChildRequest, dist: DistOptions) -> JobResult:
         timed_out=timed_out,
         signal_name=signal_name,
         terminated_by_oomdoc=terminated,
-        ended_with_peers=ended_with_peers,
         notes=notes,
     )
 
@@ -350,7 +344,7 @@ def finished_with_peers(result: JobResult) -> None:
         outcome = capture.get("outcome")
         in_collective = bool((capture.get("waiting_at") or {}).get("collective"))
         if outcome == "interrupted" or (outcome == "error" and in_collective):
-            capture.update(outcome="ok", exit_code=0, error=None, ended_with_peers=True)
+            ended_with_the_replay(capture)
     if all(capture.get("outcome") == "ok" for capture in result.captures) and not result.missing:
         result.exit_code = 0
 

@@ -65,6 +65,13 @@ def read_captures(workdir: str, pattern: re.Pattern, group: int = 1) -> dict[int
     return found
 
 
+def ended_with_the_replay(capture: dict) -> None:
+    """A replay's rank that ended only because a peer had finished its steps
+    (stopped by oomdoc or the launcher, or failed in a collective whose peer
+    had gone): its steps are the replay's, so it counts as finished."""
+    capture.update(outcome="ok", exit_code=0, error=None, ended_with_peers=True)
+
+
 def rank_entry(capture: dict) -> dict:
     """A rank's summary in the job document's `ranks`."""
     rank = capture.get("rank") or {}
