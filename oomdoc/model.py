@@ -316,6 +316,12 @@ class FixResult:
     replay_s: Optional[float] = None
     detail: Optional[str] = None
     snippet: Optional[str] = None
+    # The ratio's relative noise (0.04: +-4%), from how far apart the timed
+    # steps behind it were (oomdoc.replay.timing).
+    step_time_noise: Optional[float] = when_set()
+    # Why step_time_ratio is not given: a ratio that cannot be (a fix that
+    # only adds work measured faster than the step without it), with its value.
+    step_time_flag: Optional[str] = when_set()
     # Under a leak: by how many steps the fix would postpone the OOM.
     delays_oom_by_steps: Optional[int] = when_set()
     # The batch search's result (the fix that searches the batch): the
@@ -376,8 +382,11 @@ class ReplaySummary:
     jobs: int = 1
     # Replays started ahead that no decision needed (their `runs` records).
     unused_runs: List[Dict[str, Any]] = when_set(factory=list)
-    # The second batch search, under the combined savers (`fixes`).
+    # The batch searches under the memory savers' configurations that did
+    # not fit at the user's batch (`fixes`): the one with the most savers
+    # here (as before), every one in saver_batch_searches.
     saver_batch_search: Optional[BatchSearch] = when_set()
+    saver_batch_searches: Optional[List[BatchSearch]] = when_set()
     extra: Dict[str, Any] = field(default_factory=dict)
 
 
@@ -428,6 +437,27 @@ class FlagsCheck:
 
 
 @dataclass
+class ConsideredConfiguration:
+    """One configuration the prescription's search weighed: its memory
+    savers at the micro-batch (and accumulation) it would be prescribed
+    with, what its replays measured, and why it was or was not chosen."""
+
+    fixes: List[str] = field(default_factory=list)
+    batch_size: Optional[int] = None  # the micro-batch
+    accumulation_steps: int = 1
+    peak_allocated_bytes: Optional[int] = None
+    samples_per_second: Optional[float] = None
+    samples_per_second_noise: Optional[float] = None
+    # True: measured at exactly this micro-batch and accumulation; False: an
+    # estimate (from a larger batch it ran, or not replayed at all).
+    measured: bool = False
+    # prescribed | slower | over_margin | does_not_fit | not_measured
+    verdict: str = "not_measured"
+    reason: str = ""
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
 class Prescription:
     """The configuration to use instead: measured by the replays (or, for a
     leak, the code change that stops it)."""
@@ -464,6 +494,10 @@ class Prescription:
     # `note`; the latter also `covers` and `peak_ratio`.
     accumulation_replay: Optional[Dict[str, Any]] = when_set()
     verified_by_flags: Optional[FlagsCheck] = when_set()
+    # The relative noise of samples_per_second (oomdoc.replay.timing).
+    samples_per_second_noise: Optional[float] = when_set()
+    # Every configuration the search weighed, the prescribed one first.
+    considered: Optional[List[ConsideredConfiguration]] = when_set()
     extra: Dict[str, Any] = field(default_factory=dict)
 
 

@@ -12,11 +12,9 @@ from oomdoc.fixes import fix_named
 from oomdoc.model import FixResult, Prescription, Snapshot
 from oomdoc.replay.batch import SearchResult
 from oomdoc.replay.plan import ReplayState, is_no_op
+from oomdoc.replay.candidates import Candidate, choose, considered, plan_limits
 from oomdoc.replay.prescription import (
-    Candidate,
-    choose,
     measured_choice,
-    plan_limits,
     replay_prescription,
     start_savers_ahead,
     verify_with_flags,
@@ -80,10 +78,15 @@ class ScriptedReplayer:
 
     def run(self, payload, label, args=None, extra_env=None, micro_batches_per_step=None):
         self.calls.append((payload, args, micro_batches_per_step))
-        outcome, peak = self.outcomes.pop(0)
+        outcome, peak, *step_s = self.outcomes.pop(0)
         if outcome == "interrupted":
             raise ReplaysInterrupted()
-        return Replay(label=label, outcome=outcome, peak_allocated_bytes=peak)
+        return Replay(
+            label=label,
+            outcome=outcome,
+            peak_allocated_bytes=peak,
+            step_s=step_s[0] if step_s else None,
+        )
 
 
 def prescribe_with(replayer, candidates):
@@ -97,7 +100,7 @@ def prescribe_with(replayer, candidates):
     replayer.snapshot = snapshot
     state = ReplayState(skipped=[], batch_info={"source": "--batch-size"})
     chosen, interrupted = measured_choice(replayer, snapshot, state, candidates, 64, None)
-    assert interrupted == ("interrupted" in [outcome for outcome, _peak in replayer.script])
+    assert interrupted == ("interrupted" in [outcome for outcome, *_rest in replayer.script])
     return chosen
 
 
@@ -185,7 +188,12 @@ def test_a_planned_micro_batch_is_prescribed_only_as_measured():
     chosen = prescribe_with(replayer, [planned()])
     assert (chosen.batch_size, chosen.accumulation_steps) == (16, 4)
     assert chosen.accumulation_measured is True and chosen.peak_allocated_bytes == 90 * MiB
-    assert chosen.throughput_batch_size == 10  # the throughput is batch 10's
+    assert chosen.throughput_batch_size is None  # untimed there: no throughput is made up
+    assert chosen.samples_per_second is None
+    timed = ScriptedReplayer([("fits", 90 * MiB, 2.0)])
+    chosen = prescribe_with(timed, [planned()])
+    # Measured at the batch it prescribes: 16 samples per 0.5 s micro-batch.
+    assert chosen.samples_per_second == 32.0 and chosen.throughput_batch_size is None
     over = ScriptedReplayer([("fits", 97 * MiB), ("fits", 60 * MiB)])
     chosen = prescribe_with(over, [planned()])
     assert [call[0]["batch_size"] for call in over.calls] == [16, 8]
@@ -331,3 +339,68 @@ def test_the_script_own_flags_check_starts_beside_the_prescription_replay():
     assert len(replayer.started_ahead) == 1 and len(replayer.asked) == 1
     verify_with_flags(replayer, snapshot, chosen, state)
     assert replayer.asked[1] == replayer.started_ahead[0]
+
+
+def test_a_bound_measured_slower_gives_way_to_the_fastest_measured():
+    """Issue 24's case: batch 7 ran 26.2 samples/s without accumulation, but
+    the prescription would be 4 x 4, which runs slower. Measured at 4 x 4
+    (21.9), it gives way to checkpointing at the user's batch (24.0)."""
+    plain = Candidate([], 7, 70 * MiB, 7 / 26.2, "b7")
+    checkpointing = Candidate(["checkpointing"], 16, 60 * MiB, 16 / 24.0, "c16", exact=True)
+    replayer = ScriptedReplayer([("fits", 50 * MiB, 4 * 4 / 21.9)])
+    measured = []
+    snapshot, state = prescription_inputs(replayer, original=16)
+    chosen, _ = measured_choice(
+        replayer, snapshot, state, [plain, checkpointing], 16, None, measured
+    )
+    assert chosen.fixes == ["checkpointing"] and chosen.batch_size == 16
+    assert chosen.samples_per_second == 24.0
+    assert [call[0]["batch_size"] for call in replayer.calls] == [4]
+    assert [(c.batch_size, c.accumulation_steps, c.exact) for c in measured] == [(4, 4, True)]
+    entries = considered(
+        [(), ("checkpointing",)], [plain, checkpointing, *measured], chosen, {}, 16, 95 * MiB, True
+    )
+    assert [(entry.fixes, entry.verdict, entry.measured) for entry in entries] == [
+        (["checkpointing"], "prescribed", True),
+        ([], "slower", True),
+    ]
+    assert entries[1].batch_size == 4 and entries[1].accumulation_steps == 4
+
+
+def test_a_bound_below_the_best_measured_is_not_replayed_and_says_why():
+    fast = Candidate(["autocast", "checkpointing"], 16, 60 * MiB, 16 / 41.1, "ac16", exact=True)
+    plain = Candidate([], 7, 70 * MiB, 7 / 26.2, "b7")
+    replayer = ScriptedReplayer([])
+    snapshot, state = prescription_inputs(replayer, original=16)
+    chosen, _ = measured_choice(replayer, snapshot, state, [plain, fast], 16, None)
+    assert chosen.fixes == ["autocast", "checkpointing"] and replayer.calls == []
+    entries = considered(
+        [(), ("autocast", "checkpointing")], [plain, fast], chosen, {}, 16, 95 * MiB, True
+    )
+    assert entries[1].verdict == "slower" and not entries[1].measured
+    assert "bounds it from above" in entries[1].reason
+
+
+def test_throughputs_within_the_timing_noise_prefer_fewer_changes():
+    one = Candidate(["checkpointing"], 16, 60 * MiB, 16 / 40.0, "c", exact=True, step_noise=0.03)
+    two = Candidate(["autocast", "checkpointing"], 16, 50 * MiB, 16 / 41.0, "ac", exact=True)
+    chosen = choose([two, one], 16, 100 * MiB, 0.05, reference=None)
+    assert chosen.fixes == ["checkpointing"]
+    clearly = Candidate(["autocast", "checkpointing"], 16, 50 * MiB, 16 / 48.0, "ac", exact=True)
+    assert choose([clearly, one], 16, 100 * MiB, 0.05, reference=None).fixes == [
+        "autocast",
+        "checkpointing",
+    ]
+
+
+def prescription_inputs(replayer, original):
+    snapshot = Snapshot.from_dict(
+        {
+            "device": {"capacity_bytes": 100 * MiB},
+            "script_options": ["--batch-size", "--steps"],
+            "script_option_values": {"--batch-size": [], "--steps": []},
+        }
+    )
+    replayer.snapshot = snapshot
+    replayer.request = SimpleNamespace(args=["--batch-size", str(original)])
+    return snapshot, ReplayState(skipped=[], batch_info={"source": "--batch-size"})

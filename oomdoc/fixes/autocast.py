@@ -16,6 +16,7 @@ class Autocast(Fix):
     name = "autocast"
     title = "Mixed precision with torch.autocast"
     semantics_cost, speed_cost = 1, 0
+    speeds_up = True
     addresses = ("activations",)
     combines_with = (
         "checkpointing",

@@ -76,6 +76,10 @@ class Fix:
     # cost to training semantics, then to speed, then the larger saving.
     semantics_cost: int = 0  # 0: none, 1: numerics change, 2: optimisation changes
     speed_cost: int = 0  # 0: none expected, 1: some recompute or overhead
+    # It can make a step faster, not only smaller (bf16 autocast on tensor
+    # cores): the prescription's search combines it with the other savers
+    # whatever it did alone. A fix with speed_cost 1 only adds work.
+    speeds_up: bool = False
     # Breakdown categories it shrinks: the category's diagnosis lists it.
     addresses: tuple[str, ...] = ()
     # Fixes it can be measured together with, as `a+b`.
@@ -162,6 +166,7 @@ class Combination(Fix):
         self.title = " + ".join(fix.title for fix in fixes)
         self.semantics_cost = max(fix.semantics_cost for fix in fixes)
         self.speed_cost = max(fix.speed_cost for fix in fixes)
+        self.speeds_up = any(fix.speeds_up for fix in fixes)
         self.addresses = tuple(sorted({c for fix in fixes for c in fix.addresses}))
         self.cuda_only = any(fix.cuda_only for fix in fixes)
         self.prescribable = all(fix.prescribable for fix in fixes)

@@ -31,6 +31,7 @@ from typing import Any, Callable
 
 from oomdoc.fixes.optimizer import optimizer_state_estimate
 from oomdoc.model import Snapshot, Step
+from oomdoc.replay.timing import step_timing, timed_steps
 
 FIRST, STEADY = "first", "steady"
 FORWARD_BACKWARD = ("forward", "backward")
@@ -64,6 +65,7 @@ class BatchRun:
     # pressure): the allocator could not use them, so capacity is that much smaller.
     slack_bytes: int = 0
     step_s: float | None = None
+    step_noise: float | None = None  # oomdoc.replay.timing.StepTiming.noise
     # An OOM in the first step: the largest batch estimated from it
     # (estimated_max_batch), as from the failing run.
     estimated_max: int | None = None
@@ -73,30 +75,17 @@ class BatchRun:
     replay: Any = None  # the replay that measured it (oomdoc.replay.replayer.Replay)
 
 
-def steps_timed(steps: list[Step]) -> list[Step]:
-    """The steps whose durations make a run's step time: all that have one,
-    less the first step (warm-up, lazy optimizer state) when later ones exist."""
-    timed = [step for step in steps if step.duration_s is not None]
-    if len(timed) > 1:
-        return [step for step in timed if step.index > 0] or timed
-    return timed
-
-
 def timed_on_a_shared_device(steps: list[Step]) -> bool:
     """Whether a step that makes the step time ran while other replays could
     use the device (a replay sharing it, oomdoc.capture.gate, that stopped
     before it took the device alone)."""
-    return any(step.device_shared for step in steps_timed(steps))
+    return any(step.device_shared for step in timed_steps(steps))
 
 
 def median_step_seconds(steps: list[Step]) -> float | None:
-    """The median duration of the steps_timed."""
-    durations = [step.duration_s for step in steps_timed(steps) if step.duration_s is not None]
-    if not durations:
-        return None
-    ordered = sorted(durations)
-    middle = len(ordered) // 2
-    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+    """The median duration of the timed steps (oomdoc.replay.timing)."""
+    timing = step_timing(steps)
+    return timing.step_s if timing is not None else None
 
 
 def observe(capture: Snapshot, batch_size: int) -> BatchRun:
@@ -138,7 +127,9 @@ def observe(capture: Snapshot, batch_size: int) -> BatchRun:
     if capture.peak is not None:
         run.peak_allocated_bytes = capture.peak.allocated_bytes
         run.peak_reserved_bytes = capture.peak.reserved_bytes
-    run.step_s = median_step_seconds(capture.steps) if run.fits else None
+    timing = step_timing(capture.steps) if run.fits else None
+    if timing is not None:
+        run.step_s, run.step_noise = timing.step_s, timing.noise
     return run
 
 

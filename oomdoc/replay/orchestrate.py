@@ -59,8 +59,9 @@ from oomdoc.replay.replayer import (
 )
 from oomdoc.replay.search import (
     search_batch,
-    search_under_savers,
+    search_configurations,
 )
+from oomdoc.replay.timing import StepTiming, cannot_be_faster, ratio_noise, step_timing
 from oomdoc.runner import ChildRequest, ChildSignals, WarmPool
 from oomdoc.script_flags import (
     spelled,
@@ -136,6 +137,7 @@ def replay_fixes(
                 except ReplaysInterrupted:
                     interrupted = True
             savers_ahead: list = []
+            combination = None
             if requested is None and not leak:
                 combination = combination_to_measure(snapshot, state)
                 if combination is not None:
@@ -155,11 +157,12 @@ def replay_fixes(
             replayer.discard_ahead(keep=savers_ahead)
             if requested is None and not leak and not interrupted:
                 try:
-                    search_under_savers(replayer, snapshot, options, state)
+                    search_configurations(replayer, snapshot, options, state)
                 except ReplaysInterrupted:
                     interrupted = True
-            # The prescription's, for finish, when that search ran.
-            replayer.discard_ahead(keep=savers_ahead[1:] if state.saver_search else [])
+            # The prescription's, for finish, when the combination's search ran.
+            combined = combination and tuple(combination.split("+")) in state.saver_searches
+            replayer.discard_ahead(keep=savers_ahead[1:] if combined else [])
             if interrupted or replayer.stopped:
                 snapshot.notes.append(
                     "Replays were interrupted: the fixes below are those measured before."
@@ -249,20 +252,47 @@ def result_from(replay: Replay, fix: Fix, detail: str, snippet: str) -> FixResul
 
 def reference_step_seconds(
     snapshot: Snapshot, search: Optional[batch_model.SearchResult]
-) -> tuple[float | None, str]:
+) -> tuple[Optional[StepTiming], str]:
     """What a step of the failing run would take if it fit: its own complete
     steady steps when it had any, else the largest fitting smaller batch's
     step scaled per sample."""
     oom_step = (snapshot.oom.step if snapshot.oom else None) or 0
     steady = [step for step in snapshot.steps if 0 < step.index < oom_step and step.duration_s]
-    if steady:
-        return batch_model.median_step_seconds(steady), "the failing run's completed steps"
+    timing = step_timing(steady) if steady else None
+    if timing is not None:
+        return timing, "the failing run's completed steps"
     best = search.best_run if search is not None else None
     if search is not None and best is not None and best.step_s:
-        return best.step_s * search.original_batch_size / best.batch_size, (
+        scaled = best.step_s * search.original_batch_size / best.batch_size
+        return StepTiming(scaled, best.step_noise, 1), (
             f"a step at batch size {best.batch_size} scaled to {search.original_batch_size} samples (an estimate)"
         )
     return None, "no step of the failing configuration completed"
+
+
+def time_ratio(result: FixResult, fix: Optional[Fix], reference: StepTiming, noise: float) -> None:
+    """The result's step time over the failing run's, with its noise; for a
+    fix that only adds work at the same batch, a ratio below 1 by more than
+    the noise cannot be: flagged and not given."""
+    if result.step_time_ratio is None and result.step_s:
+        result.step_time_ratio = round(result.step_s / reference.step_s, 3)
+    if result.step_time_ratio is None:
+        return
+    result.step_time_noise = noise
+    only_adds_work = (
+        fix is not None and fix.speed_cost >= 1 and not fix.speeds_up and not fix.searches_batch
+    )
+    if only_adds_work and cannot_be_faster(result.step_time_ratio, noise):
+        result.step_time_flag = (
+            f"measured {result.step_time_ratio:.2f}x (+-{noise:.0%}): {result.name} only adds "
+            "work, so a step faster than the failing run's is timing noise; not used"
+        )
+        result.step_time_ratio = None
+
+
+def batch_noise(search: Optional[batch_model.SearchResult]) -> Optional[float]:
+    best = search.best_run if search is not None else None
+    return best.step_noise if best is not None else None
 
 
 def batch_search_result(
@@ -361,7 +391,8 @@ def finish(snapshot: Snapshot, replayer: Replayer, state: ReplayState, progress:
         predicted = search.model.need(search.original_batch_size)
         if predicted is not None and predicted > lower_bound:
             need, estimated = int(predicted), True
-    reference_s, reference_text = reference_step_seconds(snapshot, search)
+    reference, reference_text = reference_step_seconds(snapshot, search)
+    reference_s = reference.step_s if reference is not None else None
     if search is not None:
         searcher = next(fix for fix in FIXES if fix.searches_batch)
         found = batch_search_result(snapshot, searcher, search, state.batch_info, reference_s)
@@ -369,11 +400,14 @@ def finish(snapshot: Snapshot, replayer: Replayer, state: ReplayState, progress:
             results.insert(0, found)
     static = static_breakdown(snapshot, replayer)
     for result in results:
+        fix = fix_named(result.name)
         if result.fits and result.peak_allocated_bytes is not None:
             result.saved_bytes = int(need - result.peak_allocated_bytes)
-            if result.step_time_ratio is None and reference_s and result.step_s:
-                result.step_time_ratio = round(result.step_s / reference_s, 3)
-        fix = fix_named(result.name)
+            replay = state.replays.get(result.name)
+            if reference is not None:
+                own = replay.step_noise if replay is not None else batch_noise(search)
+                noise = ratio_noise(own, reference.noise)
+                time_ratio(result, fix, reference, noise)
         if fix is not None:
             fix.annotate(result, static, snapshot)
     snapshot.fixes = rank_fixes(results)
@@ -397,10 +431,16 @@ def finish(snapshot: Snapshot, replayer: Replayer, state: ReplayState, progress:
         summary.unused_runs = unused
     if search is not None:
         summary.batch_search = batch_search_record(search, state.batch_info.get("source"))
-    if state.saver_search is not None and state.saver_fix is not None:
-        saver_search = batch_search_record(state.saver_search, state.batch_info.get("source"))
-        saver_search.fixes = state.saver_fix.name
-        summary.saver_batch_search = saver_search
+    saver_searches = []
+    for fixes, saver_search in state.saver_searches.items():
+        record = batch_search_record(saver_search, state.batch_info.get("source"))
+        record.fixes = "+".join(fixes)
+        saver_searches.append(record)
+    if saver_searches:
+        summary.saver_batch_searches = saver_searches
+        summary.saver_batch_search = max(
+            saver_searches, key=lambda record: len((record.fixes or "").split("+"))
+        )
     snapshot.replay = summary
     side_by_side = f", up to {replayer.jobs} side by side" if replayer.jobs > 1 else ""
     progress.header(f"{len(replayer.replays)} replays in {progress.total():.1f} s{side_by_side}")

@@ -152,9 +152,11 @@ class ReplayState:
     batch_info: dict = field(default_factory=dict)
     # What each fix's replay learned for its snippet (blocks, dtype, ...).
     contexts: dict[str, SnippetContext] = field(default_factory=dict)
-    # The largest batch under the combined memory savers.
-    saver_search: Optional[batch_model.SearchResult] = None
-    saver_fix: Optional[Fix] = None
+    # The largest batch under each configuration of memory savers that did
+    # not fit at the user's batch (oomdoc.replay.search.search_configurations),
+    # by its fixes; and the configurations not searched, with the reason.
+    saver_searches: dict[tuple[str, ...], batch_model.SearchResult] = field(default_factory=dict)
+    not_searched: dict[tuple[str, ...], str] = field(default_factory=dict)
 
 
 def failing_signature(snapshot: Snapshot) -> Optional[tuple]:
@@ -177,19 +179,32 @@ def helpful(snapshot: Snapshot, state: ReplayState, name: str) -> bool:
     )
 
 
+def worth_combining(snapshot: Snapshot, state: ReplayState, name: str) -> bool:
+    """A fix the prescription's configurations may hold: one that saved at
+    least 1% of the failing run's need, or one that can make a step faster
+    (`speeds_up`: bf16 autocast) and applied, whatever it did alone (autocast
+    that ran out of memory early in the forward may still fit, and be the
+    fastest, beside checkpointing)."""
+    fix = fix_named(name)
+    if fix is None:
+        return False
+    return helpful(snapshot, state, name) or (fix.speeds_up and name in state.applied)
+
+
 def combination_to_measure(snapshot: Snapshot, state: ReplayState) -> Optional[str]:
-    """Every memory saver that helped, together (autocast+checkpointing is
-    the pair most likely to fit at the user's own batch); else the two
-    helpful fixes with the lowest peaks. Never a fix that saved under 1%."""
+    """Every memory saver worth combining, together (autocast+checkpointing
+    is the pair most likely to fit at the user's own batch); else the two
+    helpful fixes with the lowest peaks. Never a fix that saved under 1%
+    (unless it can speed a step up)."""
     useful = [
         result
         for result in state.results
-        if "+" not in result.name and helpful(snapshot, state, result.name)
+        if "+" not in result.name and worth_combining(snapshot, state, result.name)
     ]
     savers = {result.name for result in useful if is_prescribable(result.name)}
     if len(savers) >= 2:
         return "+".join(fix.name for fix in replayable() if fix.name in savers)
-    pair = best_pair(useful)
+    pair = best_pair([result for result in useful if helpful(snapshot, state, result.name)])
     return "+".join(pair) if pair is not None else None
 
 

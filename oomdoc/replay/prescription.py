@@ -23,7 +23,7 @@ own flags.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from oomdoc.diagnosis.leak import rule as leak_rule
@@ -38,6 +38,13 @@ from oomdoc.model import (
     parse,
 )
 from oomdoc.replay import batch as batch_model
+from oomdoc.replay.candidates import (
+    Candidate,
+    considered,
+    pick,
+    plan_limits,
+    prescription_from,
+)
 from oomdoc.replay.lanes import (
     SPECULATIVE,
 )
@@ -53,6 +60,7 @@ from oomdoc.replay.replayer import (
 )
 from oomdoc.replay.search import (
     batch_size_in,
+    saver_configurations,
     saver_first_probe,
     saver_trial,
 )
@@ -60,138 +68,6 @@ from oomdoc.script_flags import (
     EVAL_BATCH_FLAGS,
 )
 from oomdoc.sizes import format_bytes
-
-
-@dataclass
-class Candidate:
-    """One measured configuration."""
-
-    fixes: list[str]
-    batch_size: int  # what the replay ran
-    peak_allocated_bytes: int
-    step_s: Optional[float]
-    label: str = ""
-    notes: list[str] = field(default_factory=list)
-    # The largest micro-batch a prescription from this candidate may plan
-    # (see plan_limits); None: the batch it ran.
-    plan_limit: Optional[int] = None
-
-    @property
-    def samples_per_second(self) -> Optional[float]:
-        if not self.step_s:
-            return None
-        return self.batch_size / self.step_s
-
-
-def plan_limits(
-    candidates: list[Candidate], points: list[tuple[tuple, int, int]], limit_bytes: int
-) -> None:
-    """Set each candidate's `plan_limit`: between its batch and the next larger
-    batch measured with the same fixes (`points`: (fixes, batch, peak, or the
-    need a batch that ran out of memory showed)) whose peak goes past
-    `limit_bytes`, the largest batch whose linearly interpolated peak stays
-    within it. Peaks grow about linearly with the batch between two measured
-    batches; the prescription's own replay checks the one planned."""
-    for candidate in candidates:
-        if candidate.peak_allocated_bytes > limit_bytes:
-            continue
-        larger = [
-            (batch, peak)
-            for fixes, batch, peak in points
-            if tuple(fixes) == tuple(candidate.fixes) and batch > candidate.batch_size
-        ]
-        if not larger:
-            continue
-        batch, peak = min(larger)
-        if peak <= limit_bytes or peak <= candidate.peak_allocated_bytes:
-            continue  # that batch is a candidate of its own, or no slope to go by
-        per_sample = (peak - candidate.peak_allocated_bytes) / (batch - candidate.batch_size)
-        planned = candidate.batch_size + int(
-            (limit_bytes - candidate.peak_allocated_bytes) // per_sample
-        )
-        candidate.plan_limit = max(candidate.batch_size, min(planned, batch - 1))
-
-
-def choose(
-    candidates: list[Candidate],
-    original_batch_size: int,
-    capacity_bytes: int,
-    margin_fraction: float,
-    reference: Optional[Candidate],
-) -> Optional[Prescription]:
-    """The candidate with the highest throughput that leaves the margin free;
-    without one, the fitting candidate with the lowest peak (said so)."""
-    picked = pick(candidates, capacity_bytes, margin_fraction)
-    if picked is None:
-        return None
-    best, fits = picked
-    return prescription_from(
-        best, fits, original_batch_size, capacity_bytes, margin_fraction, reference
-    )
-
-
-def pick(
-    candidates: list[Candidate], capacity_bytes: int, margin_fraction: float
-) -> Optional[tuple[Candidate, bool]]:
-    """(the candidate to prescribe, whether it leaves the margin free)."""
-    if not candidates:
-        return None
-    limit = capacity_bytes - int(margin_fraction * capacity_bytes)
-
-    def throughput(candidate: Candidate) -> float:
-        return candidate.samples_per_second or 0.0
-
-    within = [c for c in candidates if c.peak_allocated_bytes <= limit]
-    if within:
-        # Highest throughput; then fewer changes; then the lower peak.
-        best = max(within, key=lambda c: (throughput(c), -len(c.fixes), -c.peak_allocated_bytes))
-        return best, True
-    return min(candidates, key=lambda c: c.peak_allocated_bytes), False
-
-
-def prescription_from(
-    best: Candidate,
-    fits: bool,
-    original_batch_size: int,
-    capacity_bytes: int,
-    margin_fraction: float,
-    reference: Optional[Candidate],
-    accumulates: bool = True,
-) -> Prescription:
-    """The prescription of one candidate: its micro-batch and accumulation
-    keep the user's effective batch (`accumulates`: else the batch that
-    fits, an evaluation batch)."""
-    margin = int(margin_fraction * capacity_bytes)
-    largest = max(best.batch_size, best.plan_limit or 0)
-    micro, steps = batch_model.accumulation_plan(
-        original_batch_size, min(largest, original_batch_size), accumulates
-    )
-    ratio = None
-    if reference is not None and best.samples_per_second and reference.samples_per_second:
-        ratio = round(best.samples_per_second / reference.samples_per_second, 3)
-    detail = f"measured in the replay {best.label!r}: peak at batch {best.batch_size}" + (
-        f", {best.samples_per_second:.1f} samples/s" if best.samples_per_second else ""
-    )
-    if not fits:
-        detail += f"; no measured configuration leaves the {margin_fraction:.0%} safety margin free"
-    prescription = Prescription(
-        fixes=list(best.fixes),
-        batch_size=micro,
-        accumulation_steps=steps,
-        peak_allocated_bytes=best.peak_allocated_bytes,
-        fits=fits,
-        samples_per_second=round(best.samples_per_second, 3) if best.samples_per_second else None,
-        measured=True,
-        kind="config",
-        headroom_bytes=capacity_bytes - best.peak_allocated_bytes,
-        margin_bytes=margin,
-        throughput_ratio=ratio,
-        detail=detail + "".join(f"; {note}" for note in best.notes),
-    )
-    if best.samples_per_second and micro != best.batch_size:
-        # The throughput is the batch the candidate ran, not the micro-batch.
-        prescription.throughput_batch_size = best.batch_size
-    return prescription
 
 
 def parameter_update(
@@ -228,47 +104,60 @@ def prescription_for(
     candidates: list[Candidate] = []
     reference = None
     best_plain = search.best_run if search is not None else None
-    for run in search.trials if search is not None else []:
-        if run.fits and run.peak_allocated_bytes is not None and run.replay is not None:
-            candidate = Candidate(
-                [], run.batch_size, run.peak_allocated_bytes, run.step_s, run.replay.label
-            )
-            candidates.append(candidate)
-            if run is best_plain:
-                reference = candidate
+    for fixes, searched in [((), search), *state.saver_searches.items()]:
+        for run in searched.trials if searched is not None else []:
+            if run.fits and run.peak_allocated_bytes is not None and run.replay is not None:
+                candidate = Candidate(
+                    list(fixes),
+                    run.batch_size,
+                    run.peak_allocated_bytes,
+                    run.step_s,
+                    run.replay.label,
+                    step_noise=run.step_noise,
+                )
+                candidates.append(candidate)
+                if run is best_plain:
+                    reference = candidate
     for result in state.results:
         if not result.measured or not result.fits or result.peak_allocated_bytes is None:
             continue
         fix = fix_named(result.name)
         if fix is None or fix.searches_batch:
             continue
+        replay = state.replays.get(result.name)
         candidates.append(
             Candidate(
-                result.parts, original or 1, result.peak_allocated_bytes, result.step_s, result.name
+                result.parts,
+                original or 1,
+                result.peak_allocated_bytes,
+                result.step_s,
+                result.name,
+                step_noise=replay.step_noise if replay is not None else None,
+                exact=True,  # at the user's batch, as it is prescribed
             )
         )
-    if state.saver_search is not None and state.saver_fix is not None:
-        parts = [part.name for part in state.saver_fix.parts]
-        for run in state.saver_search.trials:
-            if run.fits and run.peak_allocated_bytes is not None and run.replay is not None:
-                candidates.append(
-                    Candidate(
-                        parts,
-                        run.batch_size,
-                        run.peak_allocated_bytes,
-                        run.step_s,
-                        run.replay.label,
-                    )
-                )
     if original is not None:
         capacity = snapshot.device.capacity_bytes
         margin = float(getattr(replayer.options, "margin_fraction", 0.05))
         plan_limits(candidates, measured_points(state), capacity - int(margin * capacity))
+    measured: list[Candidate] = []
     chosen, interrupted = measured_choice(
-        replayer, snapshot, state, candidates, original, reference
+        replayer, snapshot, state, candidates, original, reference, measured
     )
     if chosen is None:
         return None
+    if original is not None and chosen.kind == "config":
+        capacity = snapshot.device.capacity_bytes
+        margin = float(getattr(replayer.options, "margin_fraction", 0.05))
+        chosen.considered = considered(
+            [(), *saver_configurations(snapshot, state), *state.not_searched],
+            candidates + measured,
+            chosen,
+            state.not_searched,
+            original,
+            capacity - int(margin * capacity),
+            accumulates=not snapshot.oom_in_evaluation,
+        )
     source = state.batch_info.get("source") or ""
     if snapshot.oom_in_evaluation and source in EVAL_BATCH_FLAGS and chosen.batch_size:
         chosen.evaluation_batch_flag = source
@@ -285,9 +174,10 @@ def measured_points(state: ReplayState) -> list[tuple[tuple, int, int]]:
     """(fixes, batch, peak) of every batch the searches ran; for a batch that
     ran out of memory, the most it was seen to need."""
     points = []
-    searches: list[tuple[tuple, Optional[batch_model.SearchResult]]] = [((), state.search)]
-    if state.saver_search is not None and state.saver_fix is not None:
-        searches.append((tuple(part.name for part in state.saver_fix.parts), state.saver_search))
+    searches: list[tuple[tuple, Optional[batch_model.SearchResult]]] = [
+        ((), state.search),
+        *state.saver_searches.items(),
+    ]
     for fixes, search in searches:
         for run in search.trials if search is not None else []:
             peak = run.peak_allocated_bytes
@@ -299,8 +189,9 @@ def measured_points(state: ReplayState) -> list[tuple[tuple, int, int]]:
 
 
 # At most this many replays measure a prescription with gradient
-# accumulation (the next candidate is tried when one does not fit).
-PRESCRIPTION_REPLAYS = 2
+# accumulation (the next candidate is tried when one does not fit, or when
+# one measured slower than another could be).
+PRESCRIPTION_REPLAYS = 4
 
 
 def measured_choice(
@@ -310,16 +201,21 @@ def measured_choice(
     candidates: list[Candidate],
     original: Optional[int],
     reference: Optional[Candidate],
+    measured: Optional[list[Candidate]] = None,
 ) -> tuple[Optional[Prescription], bool]:
     """The prescription among the candidates, and whether Ctrl-C stopped its
-    replay. A candidate was measured at one batch without accumulation; when
+    replay (the candidates measured as prescribed are added to `measured`). A candidate was measured at one batch without accumulation; when
     its prescription accumulates, one more replay runs exactly the prescribed
     configuration, accumulation included (the later micro-batches' forward
     runs with the earlier ones' gradients alive, which can peak higher): its
-    peak is the prescription's. One that then leaves the margin no longer
-    free gives way to a smaller micro-batch or the next candidate. A
-    micro-batch larger than the candidate's (planned from its `plan_limit`)
-    is prescribed only as that replay measured it."""
+    peak and its throughput are the prescription's. The throughput at the
+    batch a candidate ran bounds the one at a smaller micro-batch from above,
+    so once measured a candidate may give way to another that can still be
+    faster: the choice is made again until the one picked was measured as it
+    is prescribed. One that leaves the margin no longer free gives way to a
+    smaller micro-batch or the next candidate. A micro-batch larger than the
+    candidate's (planned from its `plan_limit`) is prescribed only as that
+    replay measured it."""
     capacity = snapshot.device.capacity_bytes
     margin = float(getattr(replayer.options, "margin_fraction", 0.05))
     limit = capacity - int(margin * capacity)
@@ -327,6 +223,7 @@ def measured_choice(
     rejected: list[str] = []
     replays = 0
     interrupted = False
+    unmeasured_note = ""
 
     def prescription_of(candidate: Candidate, fits: bool) -> Prescription:
         return prescription_from(
@@ -347,6 +244,10 @@ def measured_choice(
         chosen = prescription_of(candidate, fits)
         if original is None:
             chosen.batch_size, chosen.accumulation_steps = None, 1
+        if candidate.exact:
+            if candidate.accumulation_record is not None:
+                with_accumulation(chosen, candidate, capacity)
+            break
         if chosen.batch_size is None or (
             chosen.accumulation_steps <= 1 and chosen.batch_size == candidate.batch_size
         ):
@@ -357,9 +258,9 @@ def measured_choice(
             candidate.plan_limit = None  # not measured: only the batch it ran
             continue
         without = f"the peak is batch {candidate.batch_size}'s without accumulation"
-        if not fits or replays >= PRESCRIPTION_REPLAYS:
+        if not fits or replays >= PRESCRIPTION_REPLAYS or interrupted:
             chosen.accumulation_measured = False
-            chosen.detail = f"{chosen.detail}; {without}"
+            chosen.detail = f"{chosen.detail}; {unmeasured_note or without}"
             break
         replays += 1
         # Should the replay with accumulation confirm it, verify_with_flags
@@ -370,12 +271,9 @@ def measured_choice(
         except ReplaysInterrupted:
             if planned:
                 candidate.plan_limit = None
-                chosen = prescription_of(candidate, fits)
-            interrupted, chosen.accumulation_measured = True, False
-            chosen.detail = (
-                f"{chosen.detail}; its replay with accumulation was interrupted: {without}"
-            )
-            break
+            interrupted = True
+            unmeasured_note = f"its replay with accumulation was interrupted: {without}"
+            continue
         if replay.outcome in ("timeout", "error") and planned:
             candidate.plan_limit = None  # measure the batch it ran instead
             continue
@@ -388,8 +286,14 @@ def measured_choice(
             break
         if replay.fits and replay.peak_allocated_bytes is not None:
             if replay.peak_allocated_bytes <= limit:
-                with_accumulation(chosen, candidate, replay, capacity)
-                break
+                # Measured as prescribed: it takes the place of the bound,
+                # and the choice is made again.
+                exact = measured_as_prescribed(candidate, chosen, replay)
+                remaining.remove(candidate)
+                remaining.append(exact)
+                if measured is not None:
+                    measured.append(exact)
+                continue
         rejected.append(
             f"{' + '.join(chosen.fixes) or 'no fix'} at batch {chosen.batch_size} x "
             f"{chosen.accumulation_steps} accumulation steps: {summarise(replay)}, over the margin"
@@ -404,7 +308,9 @@ def measured_choice(
         remaining = [
             other
             for other in remaining
-            if other.fixes != candidate.fixes or not micro <= other.batch_size < (original or 1)
+            if other.fixes != candidate.fixes
+            or other.exact
+            or not micro <= other.batch_size < (original or 1)
         ]
     if rejected:
         chosen.detail = (
@@ -412,6 +318,34 @@ def measured_choice(
             + "; ".join(rejected)
         )
     return chosen, interrupted
+
+
+def measured_as_prescribed(
+    bound: Candidate, prescription: Prescription, replay: Replay
+) -> Candidate:
+    """The candidate `bound` as its prescription's replay measured it: the
+    micro-batch with its accumulation, the peak with the accumulation
+    running, and the step time per micro-batch (an optimizer step of the
+    replay runs `accumulation_steps` of them)."""
+    assert replay.peak_allocated_bytes is not None
+    steps = max(1, prescription.accumulation_steps)
+    return Candidate(
+        list(bound.fixes),
+        int(prescription.batch_size or bound.batch_size),
+        replay.peak_allocated_bytes,
+        replay.step_s / steps if replay.step_s else None,
+        replay.label,
+        notes=list(bound.notes),
+        step_noise=replay.step_noise,
+        exact=True,
+        accumulation_steps=steps,
+        accumulation_record=prescription.accumulation_replay,
+        accumulation_label=(
+            f"batch {bound.batch_size} without accumulation in {bound.label!r}: peak "
+            f"{format_bytes(bound.peak_allocated_bytes)}"
+            + (f", {bound.samples_per_second:.1f} samples/s" if bound.samples_per_second else "")
+        ),
+    )
 
 
 def replay_prescription(
@@ -507,27 +441,23 @@ def replay_record(replay: Replay, args: list[str], raised: Optional[str]) -> dic
     return record
 
 
-def with_accumulation(
-    prescription: Prescription, candidate: Candidate, replay: Replay, capacity: int
-) -> None:
-    """The prescription's peak as its replay with the accumulation running
-    measured it. The throughput stays the candidate's: the same micro-batches
-    (a step of the replay also holds the script's data loading and epoch ends,
-    which its few steps do not average out)."""
-    assert replay.peak_allocated_bytes is not None
-    peak = replay.peak_allocated_bytes
-    prescription.peak_allocated_bytes = peak
+def with_accumulation(prescription: Prescription, candidate: Candidate, capacity: int) -> None:
+    """The prescription of a candidate measured by its replay with the
+    accumulation running (measured_as_prescribed): that replay's peak and
+    throughput, and what the batch it was planned from measured."""
+    peak = candidate.peak_allocated_bytes
     prescription.headroom_bytes = capacity - peak
+    prescription.accumulation_replay = candidate.accumulation_record
     if prescription.accumulation_steps > 1:
         prescription.accumulation_measured = True
-    record = prescription.accumulation_replay or {}
+    record = candidate.accumulation_record or {}
     throughput = (
         f", {candidate.samples_per_second:.1f} samples/s" if candidate.samples_per_second else ""
     )
     detail = (
-        f"peak measured in the replay {replay.label!r}, with the accumulation running; "
-        f"batch {candidate.batch_size} without accumulation in {candidate.label!r}: "
-        f"peak {format_bytes(candidate.peak_allocated_bytes)}{throughput}"
+        f"peak{' and throughput' if throughput else ''} measured in the replay "
+        f"{candidate.label!r}, with the accumulation running{throughput}; "
+        f"planned from {candidate.accumulation_label}"
     )
     if not record.get("accumulation_covered"):
         detail += "; the replay ended before an optimizer step and two more micro-batches: the peak may be low"

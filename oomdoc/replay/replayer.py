@@ -33,6 +33,7 @@ from oomdoc.replay.lanes import (
     room_to_share,
 )
 from oomdoc.replay.progress import Progress
+from oomdoc.replay.timing import step_timing
 from oomdoc.runner import ChildRequest, ChildResult, ChildSignals, WarmPool, run_child
 from oomdoc.sizes import format_bytes
 
@@ -70,6 +71,8 @@ class Replay:
     peak_allocated_bytes: int | None = None
     peak_reserved_bytes: int | None = None
     step_s: float | None = None
+    # How far its timed steps were apart (oomdoc.replay.timing.StepTiming.noise).
+    step_noise: float | None = None
     wall_s: float = 0.0
     capture: Optional[Snapshot] = None
     message: str = ""
@@ -484,7 +487,9 @@ def measure(result: ChildResult, label: str, log_path: str) -> Replay:
         replay.outcome = "fits"
         replay.peak_allocated_bytes = (peak.allocated_bytes if peak else None) or 0
         replay.peak_reserved_bytes = (peak.reserved_bytes if peak else None) or 0
-        replay.step_s = batch_model.median_step_seconds(capture.steps)
+        timing = step_timing(capture.steps)
+        if timing is not None:
+            replay.step_s, replay.step_noise = timing.step_s, timing.noise
     elif capture.outcome == "oom" and capture.oom is not None:
         oom = capture.oom
         replay.outcome = "oom"

@@ -11,13 +11,14 @@ from typing import Any, Optional
 
 from oomdoc.fixes import Fix, batch_fix, fix_named
 from oomdoc.model import (
+    FixResult,
     Snapshot,
 )
 from oomdoc.replay import batch as batch_model
 from oomdoc.replay.plan import (
     ReplayState,
-    helpful,
     is_prescribable,
+    worth_combining,
 )
 from oomdoc.replay.replayer import (
     Replay,
@@ -176,36 +177,100 @@ def to_batch_run(replay: Replay, batch_size: int) -> batch_model.BatchRun:
     return run
 
 
-def search_under_savers(
+def saver_configurations(snapshot: Snapshot, state: ReplayState) -> list[tuple[str, ...]]:
+    """The configurations of memory savers replayed at the user's batch
+    (each saver alone, and together), those worth combining only
+    (plan.worth_combining), fewest fixes first."""
+    found = []
+    for result in state.results:
+        parts = tuple(result.parts)
+        if parts in found or not result.measured:
+            continue
+        if all(is_prescribable(part) and worth_combining(snapshot, state, part) for part in parts):
+            found.append(parts)
+    return sorted(found, key=len)
+
+
+def fits_within(result: FixResult | None, limit_bytes: int) -> bool:
+    return (
+        result is not None
+        and result.fits
+        and result.peak_allocated_bytes is not None
+        and result.peak_allocated_bytes <= limit_bytes
+    )
+
+
+def only_adds_work(fixes: tuple[str, ...]) -> bool:
+    """Fixes that cost time and never save any (checkpointing recomputes)."""
+    found = [fix_named(name) for name in fixes]
+    return bool(found) and all(
+        fix is not None and fix.speed_cost >= 1 and not fix.speeds_up for fix in found
+    )
+
+
+def dominated(fixes: tuple[str, ...], fitting: list[tuple[str, ...]]) -> Optional[str]:
+    """Why the configuration `fixes` cannot be the fastest, when it cannot:
+    fewer of its savers already fit at the user's batch, and the rest only
+    add work."""
+    for smaller in fitting:
+        extra = tuple(name for name in fixes if name not in smaller)
+        if set(smaller) < set(fixes) and only_adds_work(extra):
+            own = " + ".join(smaller) or "no fix"
+            return (
+                f"{own} already fits at the user's batch and {' + '.join(extra)} only adds "
+                "work: it cannot be faster"
+            )
+    return None
+
+
+def search_configurations(
     replayer: Replayer, snapshot: Snapshot, options: Any, state: ReplayState
 ) -> None:
-    """When the combined savers (or the one saver that helped) do not fit at
-    the failing batch with the margin free, the largest batch under them."""
+    """For each configuration of memory savers that does not fit at the
+    user's batch with the margin free, the largest batch under it (the
+    prescription then accumulates micro-batches of it), unless it cannot be
+    the fastest (`dominated`, recorded in state.not_searched)."""
     if state.search is None or not state.batch_info.get("source"):
         return
     original = state.search.original_batch_size
     capacity = snapshot.device.capacity_bytes
     limit = capacity - int(getattr(options, "margin_fraction", 0.05) * capacity)
-    savers = [
-        result
-        for result in state.results
-        if all(
-            is_prescribable(part) and helpful(snapshot, state, part)
-            for part in result.name.split("+")
-        )
-    ]
-    if not savers:
-        return
-    best = max(savers, key=lambda result: (len(result.parts), -(result.peak_allocated_bytes or 0)))
-    if best.fits and best.peak_allocated_bytes is not None and best.peak_allocated_bytes <= limit:
-        return  # it fits at the user's own batch
-    fix = fix_named(best.name)
-    replay = state.replays.get(best.name)
-    if fix is None or replay is None or replay.capture is None:
-        return
-    at_original = to_batch_run(replay, original)
-    if at_original.inconclusive:
-        return
+    by_parts = {tuple(result.parts): result for result in state.results}
+    fitting: list[tuple[str, ...]] = []
+    for fixes in saver_configurations(snapshot, state):
+        result = by_parts.get(fixes)
+        if fits_within(result, limit):
+            fitting.append(fixes)
+            continue
+        reason = dominated(fixes, fitting)
+        if reason:
+            state.not_searched[fixes] = reason
+            continue
+        fix = fix_named("+".join(fixes))
+        replay = state.replays.get("+".join(fixes))
+        if fix is None or replay is None or replay.capture is None:
+            continue
+        at_original = to_batch_run(replay, original)
+        if at_original.inconclusive:
+            state.not_searched[fixes] = f"its replay at the user's batch failed: {replay.message}"
+            continue
+        search = search_under(replayer, snapshot, state, fix, at_original)
+        if search is not None:
+            state.saver_searches[fixes] = search
+
+
+def search_under(
+    replayer: Replayer,
+    snapshot: Snapshot,
+    state: ReplayState,
+    fix: Fix,
+    at_original: batch_model.BatchRun,
+) -> Optional[batch_model.SearchResult]:
+    """The largest batch under `fix` (a saver or a combination), starting
+    where its own replay at the user's batch puts it (else halfway from the
+    plain largest batch), until the prescription it gives is settled."""
+    assert state.search is not None
+    original = state.search.original_batch_size
 
     def trial(batch_size: int) -> batch_model.BatchRun:
         payload, label, args, env = saver_trial(replayer, snapshot, state, fix, batch_size)
@@ -223,13 +288,19 @@ def search_under_savers(
             f"{plan[0]} x {plan[1]} accumulation steps"
         )
 
+    # Where start_savers_ahead started it, for the combination.
     probe = saver_first_probe(state.search)
     if probe < 1:
-        return
-    state.saver_search = batch_model.search_max_batch(
-        original, capacity, [at_original], trial, probe=probe, max_trials=4, enough=enough
+        return None
+    return batch_model.search_max_batch(
+        original,
+        snapshot.device.capacity_bytes,
+        [at_original],
+        trial,
+        probe=probe,
+        max_trials=4,
+        enough=enough,
     )
-    state.saver_fix = fix
 
 
 def saver_first_probe(search: batch_model.SearchResult) -> int:

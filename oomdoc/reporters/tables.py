@@ -3,9 +3,11 @@ Bytes are humanised here, at the edge."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 from oomdoc.analysis import Analysis
 from oomdoc.formatting import format_location, percent, tensor_description
-from oomdoc.model import FixResult, Site, Snapshot
+from oomdoc.model import ConsideredConfiguration, FixResult, Site, Snapshot
 from oomdoc.sizes import format_bytes
 
 BREAKDOWN_HEADERS = ["category", "bytes", "% of capacity"]
@@ -75,10 +77,17 @@ def trace_rows(snapshot: Snapshot) -> list[list[str]]:
     ]
 
 
-def ratio_text(ratio: object) -> str:
-    return (
-        f"{ratio:.2f}x" if isinstance(ratio, (int, float)) and not isinstance(ratio, bool) else "-"
-    )
+def ratio_text(ratio: object, noise: Optional[float] = None) -> str:
+    """A step-time ratio, with its noise when known (1.32x +-4%)."""
+    if not isinstance(ratio, (int, float)) or isinstance(ratio, bool):
+        return "-"
+    return f"{ratio:.2f}x" + (f" +-{noise:.0%}" if noise else "")
+
+
+def step_time_text(fix: FixResult) -> str:
+    if fix.step_time_flag:
+        return "noise?"
+    return ratio_text(fix.step_time_ratio, fix.step_time_noise)
 
 
 def fix_rows(fixes: list[FixResult]) -> list[list[str]]:
@@ -122,7 +131,7 @@ def measured_fix_rows(analysis: Analysis) -> list[list[str]]:
                 format_bytes(saved) if saved is not None else "-",
                 percent(saved, need) if saved is not None and need else "-",
                 fits_text,
-                ratio_text(fix.step_time_ratio),
+                step_time_text(fix),
             ]
         )
     return rows
@@ -154,6 +163,9 @@ def replay_summary_lines(analysis: Analysis) -> list[str]:
         )
     if replay is not None and replay.reference_step_s:
         lines.append(f"Step time relative to {replay.reference}")
+    for fix in analysis.shown_fixes:
+        if fix.step_time_flag:
+            lines.append(f"step time of {fix.name}: {fix.step_time_flag}")
     for skipped in replay.skipped if replay else []:
         lines.append(f"not tried: {skipped.name}: {skipped.reason}")
     if replay is not None:
@@ -247,9 +259,57 @@ def prescription_lines(analysis: Analysis) -> list[str]:
         measured_at = prescription.throughput_batch_size
         if measured_at is not None and measured_at != prescription.batch_size:
             text += f" (measured at batch {measured_at})"
+        if prescription.samples_per_second_noise:
+            text = text.replace(
+                " samples/s", f" samples/s (+-{prescription.samples_per_second_noise:.0%})", 1
+            )
         if prescription.throughput_ratio:
             text += f", {prescription.throughput_ratio:.2f}x the failing configuration at its largest fitting batch"
         lines.append(text)
+    lines.extend(considered_lines(prescription.considered or []))
+    return lines
+
+
+VERDICT_WORDS = {
+    "prescribed": "prescribed",
+    "slower": "slower",
+    "over_margin": "over the margin",
+    "does_not_fit": "does not fit",
+    "not_measured": "not measured",
+}
+
+
+def considered_lines(entries: list[ConsideredConfiguration]) -> list[str]:
+    """The configurations the search weighed, one line each: at the
+    micro-batch each would be prescribed with, its throughput (measured, or
+    a bound from a larger batch: "<="), its peak, and the verdict with why."""
+    if len(entries) < 2:
+        return []
+    rows = []
+    for entry in entries:
+        batch = (
+            f"{entry.batch_size} x {entry.accumulation_steps}"
+            if entry.batch_size is not None
+            else "-"
+        )
+        speed = "-"
+        if entry.samples_per_second:
+            speed = ("" if entry.measured else "<= ") + f"{entry.samples_per_second:.1f}/s"
+            if entry.samples_per_second_noise:
+                speed += f" +-{entry.samples_per_second_noise:.0%}"
+        peak = (
+            format_bytes(entry.peak_allocated_bytes)
+            if entry.peak_allocated_bytes is not None
+            else "-"
+        )
+        verdict = VERDICT_WORDS.get(entry.verdict, entry.verdict)
+        reason = f": {entry.reason}" if entry.reason and entry.verdict != "prescribed" else ""
+        rows.append((" + ".join(entry.fixes) or "no fix", batch, speed, peak, verdict + reason))
+    widths = [max(len(row[column]) for row in rows) for column in range(4)]
+    lines = ["  configurations weighed (micro-batch x accumulation steps, samples/s, peak):"]
+    for row in rows:
+        cells = [cell.ljust(width) for cell, width in zip(row, widths)]
+        lines.append("    " + "  ".join(cells) + "  " + row[4])
     return lines
 
 

@@ -175,7 +175,10 @@ def fixes_html(view: dict, ids: Ids) -> str:
         if fix["saved_bytes"] is not None:
             nums.append(f'<span class="muted">saves {esc(fmt(fix["saved_bytes"]))}</span>')
         if fix["step_time_ratio"] is not None:
-            nums.append(f'<span class="muted">step time {fix["step_time_ratio"]:.2f}x</span>')
+            noise = f" +-{fix['step_time_noise']:.0%}" if fix.get("step_time_noise") else ""
+            nums.append(
+                f'<span class="muted">step time {fix["step_time_ratio"]:.2f}x{esc(noise)}</span>'
+            )
         details = ""
         if fix["detail"] or fix["snippet"]:
             body = f"<p>{esc(fix['detail'])}</p>" if fix["detail"] else ""

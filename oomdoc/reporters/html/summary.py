@@ -161,6 +161,8 @@ def prescription_html(view: dict, ids: Ids) -> str:
             facts.append(f"headroom {fmt(prescription['headroom_bytes'])}")
         if prescription.get("samples_per_second") is not None:
             throughput = f"{prescription['samples_per_second']:.1f} samples/s"
+            if prescription.get("samples_per_second_noise"):
+                throughput += f" (+-{prescription['samples_per_second_noise']:.0%})"
             measured_at = prescription.get("throughput_batch_size")
             if measured_at is not None and measured_at != prescription.get("batch_size"):
                 throughput += f" (measured at batch {measured_at})"
@@ -185,7 +187,12 @@ def prescription_html(view: dict, ids: Ids) -> str:
         return _prescription_section(
             f'<p class="lead">Use <strong>{esc(names)}</strong> {fit_badge} '
             f"{badge(how, 'neutral') if how else ''}</p>"
-            f'<ul class="facts">{"".join(f"<li>{esc(fact)}</li>" for fact in facts)}</ul>',
+            f'<ul class="facts">{"".join(f"<li>{esc(fact)}</li>" for fact in facts)}</ul>'
+            + (
+                f'<pre class="considered">{esc(chr(10).join(prescription["considered"]))}</pre>'
+                if prescription.get("considered")
+                else ""
+            ),
             prescription,
             ids,
         )

@@ -18,7 +18,8 @@ View keys (bytes are ints; absent values are None):
 - `max_batch_size`: int or None.
 - `prescription`: None, or `fixes` (names), `batch_size`, `accumulation_steps`,
   `peak_allocated_bytes`, `headroom_bytes`, `fits`, `samples_per_second`,
-  `measured`, `snippet` (the document's, else the snippets of its fixes).
+  `measured`, `snippet` (the document's, else the snippets of its fixes),
+  `samples_per_second_noise`, `considered` (lines: the configurations weighed).
 - `top_fixes`: up to 3 fix items (as in `fixes.items`), those that fit first.
 - `timeline`: `capacity_bytes`, `step_count`, `points_total` (before
   downsampling), `downsampled`, `x_min`, `x_max`, `allocated` (phase peaks:
@@ -75,6 +76,7 @@ from oomdoc.model import (
     Site,
     Snapshot,
 )
+from oomdoc.reporters.tables import considered_lines
 
 # Caps that keep the file small and fast whatever the snapshot holds.
 MAX_TIMELINE_POINTS = 1600  # per series; min and max per bucket are kept
@@ -263,6 +265,9 @@ def _prescription(snapshot: Snapshot, capacity: int) -> Optional[dict]:
         "detail": clip(prescription.detail, 2000),
         "accumulation_measured": prescription.accumulation_measured,
         "verified_by_flags": _flags_replay(prescription.verified_by_flags),
+        "samples_per_second_noise": _finite(prescription.samples_per_second_noise),
+        # The configurations the search weighed, as the terminal shows them.
+        "considered": [clip(line, 400) for line in considered_lines(prescription.considered or [])],
     }
 
 
@@ -306,6 +311,7 @@ def _fix_items(analysis: Analysis) -> dict:
                 "fits": fix.fits,
                 "status": _fix_status(fix),
                 "step_time_ratio": _finite(fix.step_time_ratio),
+                "step_time_noise": _finite(fix.step_time_noise),
                 "detail": clip(fix.detail) or clip(fix.title),
                 "snippet": clip(fix.snippet),
             }

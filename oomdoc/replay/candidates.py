@@ -1,0 +1,255 @@
+"""The choice among measured configurations (pure): each candidate is a set
+of memory savers at a batch that a replay ran, with its peak and step time;
+the prescription is the one with the highest throughput that leaves the
+safety margin free, its micro-batch and gradient accumulation keeping the
+user's effective batch. `considered` lists every configuration weighed, for
+the report: measured, or why not.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from oomdoc.model import ConsideredConfiguration, Prescription
+from oomdoc.replay import batch as batch_model
+from oomdoc.replay.timing import ratio_noise
+
+
+@dataclass
+class Candidate:
+    """One measured configuration."""
+
+    fixes: list[str]
+    batch_size: int  # what the replay ran
+    peak_allocated_bytes: int
+    step_s: Optional[float]
+    label: str = ""
+    notes: list[str] = field(default_factory=list)
+    # The largest micro-batch a prescription from this candidate may plan
+    # (see plan_limits); None: the batch it ran.
+    plan_limit: Optional[int] = None
+    step_noise: Optional[float] = None  # oomdoc.replay.timing.StepTiming.noise
+    # Measured exactly as it would be prescribed: this micro-batch with this
+    # many accumulation steps (the prescription's own replay); `step_s` is
+    # then per micro-batch. Otherwise its throughput at the micro-batch it
+    # would be prescribed is only bounded by the one at the batch it ran.
+    exact: bool = False
+    accumulation_steps: int = 1
+    # The replay with accumulation that measured an exact candidate, for the
+    # snapshot (replay_record), and its label.
+    accumulation_record: Optional[dict] = None
+    accumulation_label: str = ""
+
+    @property
+    def samples_per_second(self) -> Optional[float]:
+        if not self.step_s:
+            return None
+        return self.batch_size / self.step_s
+
+
+def plan_limits(
+    candidates: list[Candidate], points: list[tuple[tuple, int, int]], limit_bytes: int
+) -> None:
+    """Set each candidate's `plan_limit`: between its batch and the next larger
+    batch measured with the same fixes (`points`: (fixes, batch, peak, or the
+    need a batch that ran out of memory showed)) whose peak goes past
+    `limit_bytes`, the largest batch whose linearly interpolated peak stays
+    within it. Peaks grow about linearly with the batch between two measured
+    batches; the prescription's own replay checks the one planned."""
+    for candidate in candidates:
+        if candidate.peak_allocated_bytes > limit_bytes:
+            continue
+        larger = [
+            (batch, peak)
+            for fixes, batch, peak in points
+            if tuple(fixes) == tuple(candidate.fixes) and batch > candidate.batch_size
+        ]
+        if not larger:
+            continue
+        batch, peak = min(larger)
+        if peak <= limit_bytes or peak <= candidate.peak_allocated_bytes:
+            continue  # that batch is a candidate of its own, or no slope to go by
+        per_sample = (peak - candidate.peak_allocated_bytes) / (batch - candidate.batch_size)
+        planned = candidate.batch_size + int(
+            (limit_bytes - candidate.peak_allocated_bytes) // per_sample
+        )
+        candidate.plan_limit = max(candidate.batch_size, min(planned, batch - 1))
+
+
+def choose(
+    candidates: list[Candidate],
+    original_batch_size: int,
+    capacity_bytes: int,
+    margin_fraction: float,
+    reference: Optional[Candidate],
+) -> Optional[Prescription]:
+    """The candidate with the highest throughput that leaves the margin free;
+    without one, the fitting candidate with the lowest peak (said so)."""
+    picked = pick(candidates, capacity_bytes, margin_fraction)
+    if picked is None:
+        return None
+    best, fits = picked
+    return prescription_from(
+        best, fits, original_batch_size, capacity_bytes, margin_fraction, reference
+    )
+
+
+# Throughputs closer than this share (or than their measured noise, up to
+# TIE_NOISE_CAP) are not told apart: the configuration with fewer changes
+# wins, so that the same script gets the same prescription run after run.
+TIE_SHARE = 0.02
+TIE_NOISE_CAP = 0.05
+
+
+def pick(
+    candidates: list[Candidate], capacity_bytes: int, margin_fraction: float
+) -> Optional[tuple[Candidate, bool]]:
+    """(the candidate to prescribe, whether it leaves the margin free)."""
+    if not candidates:
+        return None
+    limit = capacity_bytes - int(margin_fraction * capacity_bytes)
+
+    def throughput(candidate: Candidate) -> float:
+        return candidate.samples_per_second or 0.0
+
+    within = [c for c in candidates if c.peak_allocated_bytes <= limit]
+    if within:
+        fastest = max(within, key=throughput)
+        best = throughput(fastest)
+
+        def tied(candidate: Candidate) -> bool:
+            noise = ratio_noise(candidate.step_noise, fastest.step_noise)
+            share = min(max(TIE_SHARE, noise), TIE_NOISE_CAP)
+            return best > 0 and throughput(candidate) >= best * (1 - share)
+
+        # Highest throughput, within noise; then fewer changes; then measured
+        # as prescribed; then the higher throughput and the lower peak.
+        contenders = [c for c in within if tied(c)] or [fastest]
+        chosen = max(
+            contenders,
+            key=lambda c: (-len(c.fixes), c.exact, throughput(c), -c.peak_allocated_bytes),
+        )
+        return chosen, True
+    return min(candidates, key=lambda c: c.peak_allocated_bytes), False
+
+
+def prescription_from(
+    best: Candidate,
+    fits: bool,
+    original_batch_size: int,
+    capacity_bytes: int,
+    margin_fraction: float,
+    reference: Optional[Candidate],
+    accumulates: bool = True,
+) -> Prescription:
+    """The prescription of one candidate: its micro-batch and accumulation
+    keep the user's effective batch (`accumulates`: else the batch that
+    fits, an evaluation batch)."""
+    margin = int(margin_fraction * capacity_bytes)
+    largest = max(best.batch_size, best.plan_limit or 0)
+    micro, steps = batch_model.accumulation_plan(
+        original_batch_size, min(largest, original_batch_size), accumulates
+    )
+    ratio = None
+    if reference is not None and best.samples_per_second and reference.samples_per_second:
+        ratio = round(best.samples_per_second / reference.samples_per_second, 3)
+    detail = f"measured in the replay {best.label!r}: peak at batch {best.batch_size}" + (
+        f", {best.samples_per_second:.1f} samples/s" if best.samples_per_second else ""
+    )
+    if not fits:
+        detail += f"; no measured configuration leaves the {margin_fraction:.0%} safety margin free"
+    prescription = Prescription(
+        fixes=list(best.fixes),
+        batch_size=micro,
+        accumulation_steps=steps,
+        peak_allocated_bytes=best.peak_allocated_bytes,
+        fits=fits,
+        samples_per_second=round(best.samples_per_second, 3) if best.samples_per_second else None,
+        measured=True,
+        kind="config",
+        headroom_bytes=capacity_bytes - best.peak_allocated_bytes,
+        margin_bytes=margin,
+        throughput_ratio=ratio,
+        detail=detail + "".join(f"; {note}" for note in best.notes),
+    )
+    if best.samples_per_second and micro != best.batch_size:
+        # The throughput is the batch the candidate ran, not the micro-batch.
+        prescription.throughput_batch_size = best.batch_size
+    if best.samples_per_second and best.step_noise is not None:
+        prescription.samples_per_second_noise = best.step_noise
+    return prescription
+
+
+def considered(
+    configurations: list[tuple[str, ...]],
+    candidates: list[Candidate],
+    chosen: Prescription,
+    not_searched: dict[tuple[str, ...], str],
+    original: int,
+    limit_bytes: int,
+    accumulates: bool,
+) -> list[ConsideredConfiguration]:
+    """Every configuration weighed (`configurations`: no fix, and the
+    savers'), at the micro-batch it would be prescribed with: the prescribed
+    one first, then the others by throughput, each with what its replays
+    measured or why it was not measured."""
+    prescribed = chosen.samples_per_second or 0.0
+    entries = []
+    for fixes in dict.fromkeys(configurations):
+        own = [candidate for candidate in candidates if tuple(candidate.fixes) == fixes]
+        within = [candidate for candidate in own if candidate.peak_allocated_bytes <= limit_bytes]
+        entry = ConsideredConfiguration(fixes=list(fixes))
+        if not within:
+            entry.verdict = "over_margin" if own else "does_not_fit"
+            if own:
+                lowest = min(own, key=lambda candidate: candidate.peak_allocated_bytes)
+                entry.peak_allocated_bytes = lowest.peak_allocated_bytes
+                entry.batch_size = lowest.batch_size
+                entry.measured = True
+                entry.reason = "every batch that fit left the safety margin short"
+            else:
+                entry.verdict = "not_measured" if fixes in not_searched else "does_not_fit"
+                entry.reason = not_searched.get(fixes) or (
+                    "no batch its replays tried fit (or it was not replayed at a smaller batch)"
+                )
+            entries.append(entry)
+            continue
+        best = max(
+            within, key=lambda candidate: (candidate.exact, candidate.samples_per_second or 0.0)
+        )
+        if best.exact:
+            micro, steps = best.batch_size, best.accumulation_steps
+        else:
+            largest = max(best.batch_size, best.plan_limit or 0)
+            micro, steps = batch_model.accumulation_plan(
+                original, min(largest, original), accumulates
+            )
+        entry.batch_size, entry.accumulation_steps = micro, steps
+        entry.peak_allocated_bytes = best.peak_allocated_bytes
+        throughput = best.samples_per_second
+        entry.samples_per_second = round(throughput, 3) if throughput else None
+        entry.samples_per_second_noise = best.step_noise
+        entry.measured = best.exact or (steps == 1 and micro == best.batch_size)
+        if list(fixes) == chosen.fixes and chosen.fits:
+            entry.verdict, entry.reason = "prescribed", "the fastest that leaves the margin free"
+        elif entry.measured:
+            entry.verdict = "slower"
+            entry.reason = (
+                "measured as it would be prescribed"
+                if not throughput or throughput < prescribed
+                else "as fast within the timing noise, with more changes"
+            )
+        else:
+            entry.verdict = "slower"
+            entry.reason = (
+                f"not measured at batch {micro} x {steps}: batch {best.batch_size} ran "
+                + (f"{throughput:.1f} samples/s" if throughput else "untimed")
+                + ", which bounds it from above"
+                + (f", below the prescription's {prescribed:.1f}" if prescribed else "")
+            )
+        entries.append(entry)
+    order = {"prescribed": 0, "slower": 1, "over_margin": 2, "not_measured": 3, "does_not_fit": 4}
+    return sorted(
+        entries, key=lambda entry: (order.get(entry.verdict, 5), -(entry.samples_per_second or 0))
+    )

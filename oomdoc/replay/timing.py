@@ -1,0 +1,87 @@
+"""Step times a decision can rest on: the median of a replay's timed steps
+and how far apart they were (its noise), and ratios with their noise.
+
+A replay times only a few steps (the first is left out: warm-up, lazy
+optimizer state), on a device other replays or the user's own processes may
+share, so two replays of one configuration can differ by more than two
+configurations do. Every ratio oomdoc prints carries the noise of the two
+timings behind it, and a ratio that cannot be (a fix that only adds work
+running faster than the same step without it) is flagged and not used.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+from oomdoc.model import Step
+
+# The noise assumed of a timing whose spread was not seen (one timed step).
+UNSEEN_NOISE = 0.05
+# Above this noise a timing that decides the prescription is taken again.
+RETIME_NOISE = 0.10
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    """The median of the timed steps and their relative spread."""
+
+    step_s: float
+    # Half the range of the timed steps over their median: 0.1 means the
+    # steps were within +-10% of it. None with a single timed step.
+    noise: Optional[float]
+    steps: int
+
+    @property
+    def assumed_noise(self) -> float:
+        return self.noise if self.noise is not None else UNSEEN_NOISE
+
+    def pooled(self, other: StepTiming) -> StepTiming:
+        """Both timings as one (a configuration timed twice): the median of
+        the two medians' weighted mean, noise from their spread and own."""
+        total = self.steps + other.steps
+        step_s = (self.step_s * self.steps + other.step_s * other.steps) / total
+        between = abs(self.step_s - other.step_s) / 2 / step_s if step_s else 0.0
+        own = max(self.assumed_noise, other.assumed_noise) / math.sqrt(2)
+        return StepTiming(step_s, round(max(between, own), 4), total)
+
+
+def timed_steps(steps: Iterable[Step]) -> list[Step]:
+    """The steps whose durations make a run's step time: all that have one,
+    less the first step (warm-up, lazy optimizer state) when later ones exist."""
+    timed = [step for step in steps if step.duration_s is not None]
+    if len(timed) > 1:
+        return [step for step in timed if step.index > 0] or timed
+    return timed
+
+
+def step_timing(steps: Iterable[Step]) -> Optional[StepTiming]:
+    """The timing of a run's timed steps, None when none was timed."""
+    durations = sorted(
+        float(step.duration_s) for step in timed_steps(steps) if step.duration_s is not None
+    )
+    if not durations:
+        return None
+    middle = len(durations) // 2
+    median = (
+        durations[middle] if len(durations) % 2 else (durations[middle - 1] + durations[middle]) / 2
+    )
+    noise = None
+    if len(durations) > 1 and median > 0:
+        noise = round((durations[-1] - durations[0]) / 2 / median, 4)
+    return StepTiming(median, noise, len(durations))
+
+
+def ratio_noise(*noises: Optional[float]) -> float:
+    """The relative noise of a ratio (or product) of timings: their relative
+    noises added in quadrature, each unseen one assumed UNSEEN_NOISE."""
+    return round(
+        math.sqrt(sum((UNSEEN_NOISE if noise is None else noise) ** 2 for noise in noises)), 4
+    )
+
+
+def cannot_be_faster(ratio: float, noise: float) -> bool:
+    """A step-time ratio below 1 by more than its noise, for a change that
+    only adds work: the timing, not the change, made it faster."""
+    return ratio < 1.0 - max(noise, UNSEEN_NOISE)
