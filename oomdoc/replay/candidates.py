@@ -207,7 +207,10 @@ def considered(
                 entry.peak_allocated_bytes = lowest.peak_allocated_bytes
                 entry.batch_size = lowest.batch_size
                 entry.measured = True
-                entry.reason = "every batch that fit left the safety margin short"
+                entry.reason = (
+                    "every batch it ran left the safety margin short "
+                    "(a smaller micro-batch with more accumulation steps was not measured)"
+                )
             else:
                 entry.verdict = "not_measured" if fixes in not_searched else "does_not_fit"
                 entry.reason = not_searched.get(fixes) or (

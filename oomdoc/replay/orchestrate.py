@@ -250,6 +250,9 @@ def result_from(replay: Replay, fix: Fix, detail: str, snippet: str) -> FixResul
     )
 
 
+FAILING_STEPS = "the failing run's completed steps"
+
+
 def reference_step_seconds(
     snapshot: Snapshot, search: Optional[batch_model.SearchResult]
 ) -> tuple[Optional[StepTiming], str]:
@@ -260,7 +263,7 @@ def reference_step_seconds(
     steady = [step for step in snapshot.steps if 0 < step.index < oom_step and step.duration_s]
     timing = step_timing(steady) if steady else None
     if timing is not None:
-        return timing, "the failing run's completed steps"
+        return timing, FAILING_STEPS
     best = search.best_run if search is not None else None
     if search is not None and best is not None and best.step_s:
         scaled = best.step_s * search.original_batch_size / best.batch_size
@@ -270,17 +273,25 @@ def reference_step_seconds(
     return None, "no step of the failing configuration completed"
 
 
-def time_ratio(result: FixResult, fix: Optional[Fix], reference: StepTiming, noise: float) -> None:
+def time_ratio(
+    result: FixResult, fix: Optional[Fix], reference: StepTiming, noise: float, same_batch: bool
+) -> None:
     """The result's step time over the failing run's, with its noise; for a
-    fix that only adds work at the same batch, a ratio below 1 by more than
-    the noise cannot be: flagged and not given."""
+    fix that only adds work, timed against the failing run's own steps at the
+    same batch (`same_batch`), a ratio below 1 by more than the noise cannot
+    be: flagged and not given. (Against a smaller batch scaled up, a larger
+    batch can truly run faster per sample.)"""
     if result.step_time_ratio is None and result.step_s:
         result.step_time_ratio = round(result.step_s / reference.step_s, 3)
     if result.step_time_ratio is None:
         return
     result.step_time_noise = noise
     only_adds_work = (
-        fix is not None and fix.speed_cost >= 1 and not fix.speeds_up and not fix.searches_batch
+        same_batch
+        and fix is not None
+        and fix.speed_cost >= 1
+        and not fix.speeds_up
+        and not fix.searches_batch
     )
     if only_adds_work and cannot_be_faster(result.step_time_ratio, noise):
         result.step_time_flag = (
@@ -407,7 +418,8 @@ def finish(snapshot: Snapshot, replayer: Replayer, state: ReplayState, progress:
             if reference is not None:
                 own = replay.step_noise if replay is not None else batch_noise(search)
                 noise = ratio_noise(own, reference.noise)
-                time_ratio(result, fix, reference, noise)
+                same_batch = reference_text == FAILING_STEPS
+                time_ratio(result, fix, reference, noise, same_batch)
         if fix is not None:
             fix.annotate(result, static, snapshot)
     snapshot.fixes = rank_fixes(results)
