@@ -11,8 +11,8 @@ import pytest
 from oomdoc.fixes import fix_named
 from oomdoc.model import FixResult, Prescription, Snapshot
 from oomdoc.replay.batch import SearchResult
-from oomdoc.replay.plan import ReplayState, is_no_op
 from oomdoc.replay.candidates import Candidate, choose, considered, plan_limits
+from oomdoc.replay.plan import ReplayState, is_no_op
 from oomdoc.replay.prescription import (
     measured_choice,
     replay_prescription,

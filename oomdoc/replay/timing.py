@@ -19,8 +19,6 @@ from oomdoc.model import Step
 
 # The noise assumed of a timing whose spread was not seen (one timed step).
 UNSEEN_NOISE = 0.05
-# Above this noise a timing that decides the prescription is taken again.
-RETIME_NOISE = 0.10
 
 
 @dataclass(frozen=True)
@@ -36,15 +34,6 @@ class StepTiming:
     @property
     def assumed_noise(self) -> float:
         return self.noise if self.noise is not None else UNSEEN_NOISE
-
-    def pooled(self, other: StepTiming) -> StepTiming:
-        """Both timings as one (a configuration timed twice): the median of
-        the two medians' weighted mean, noise from their spread and own."""
-        total = self.steps + other.steps
-        step_s = (self.step_s * self.steps + other.step_s * other.steps) / total
-        between = abs(self.step_s - other.step_s) / 2 / step_s if step_s else 0.0
-        own = max(self.assumed_noise, other.assumed_noise) / math.sqrt(2)
-        return StepTiming(step_s, round(max(between, own), 4), total)
 
 
 def timed_steps(steps: Iterable[Step]) -> list[Step]:

@@ -1,0 +1,85 @@
+"""The prescription's search over configurations: which savers are combined,
+which configurations cannot win (and why), and the step timings the choice
+rests on (their noise; ratios that cannot be)."""
+
+from __future__ import annotations
+
+from oomdoc.fixes import fix_named
+from oomdoc.model import FixResult, Snapshot, Step
+from oomdoc.replay.orchestrate import time_ratio
+from oomdoc.replay.plan import ReplayState, combination_to_measure
+from oomdoc.replay.replayer import Replay
+from oomdoc.replay.search import dominated, only_adds_work
+from oomdoc.replay.timing import (
+    StepTiming,
+    cannot_be_faster,
+    ratio_noise,
+    step_timing,
+)
+
+MiB = 1024**2
+
+
+def steps(*durations):
+    return [Step(index=index, duration_s=duration) for index, duration in enumerate(durations)]
+
+
+def test_a_timing_is_the_median_of_the_steps_after_the_first_and_their_spread():
+    timing = step_timing(steps(9.0, 1.0, 1.2, 0.8))
+    assert timing == StepTiming(1.0, 0.2, 3)
+    assert step_timing(steps(9.0, 2.0)) == StepTiming(2.0, None, 1)  # one timed step: unseen
+    assert step_timing(steps(9.0)) == StepTiming(9.0, None, 1)
+    assert step_timing([]) is None
+
+
+def test_a_ratio_carries_the_noise_of_both_timings():
+    assert ratio_noise(0.03, 0.04) == 0.05
+    assert ratio_noise(None, None) == round((2 * 0.05**2) ** 0.5, 4)  # unseen: 5% each
+    assert cannot_be_faster(0.82, 0.05) and not cannot_be_faster(0.97, 0.05)
+    assert not cannot_be_faster(0.85, 0.2)  # within its noise
+
+
+def test_a_saver_that_only_adds_work_on_top_of_one_that_fits_cannot_win():
+    assert only_adds_work(("checkpointing",)) and not only_adds_work(("autocast",))
+    assert not only_adds_work(("lighter_optimizer",))  # cheaper state updates: not only work
+    reason = dominated(("autocast", "checkpointing"), [("autocast",)])
+    assert reason and "autocast already fits" in reason and "checkpointing only adds" in reason
+    # Autocast can make a step faster: on top of checkpointing it is measured.
+    assert dominated(("autocast", "checkpointing"), [("checkpointing",)]) is None
+    assert dominated(("checkpointing",), []) is None
+
+
+def test_autocast_is_combined_whatever_it_did_alone():
+    """Autocast that saved nothing measurable alone (it ran out of memory
+    early in the forward, or fit with the same peak) is still combined with
+    the savers that helped: together they may fit and be the fastest."""
+    snapshot = Snapshot.from_dict(
+        {
+            "device": {"capacity_bytes": 100 * MiB},
+            "oom": {"allocated_bytes": 99 * MiB, "requested_bytes": 2 * MiB, "step": 0},
+        }
+    )
+    need = snapshot.oom.needed_bytes
+    state = ReplayState(skipped=[])
+    for name, peak in (("autocast", need - 1), ("checkpointing", 60 * MiB)):
+        state.results.append(FixResult(name=name, fits=True, peak_allocated_bytes=peak))
+        state.replays[name] = Replay(label=name, outcome="fits", peak_allocated_bytes=peak)
+        state.applied.add(name)
+    assert combination_to_measure(snapshot, state) == "autocast+checkpointing"
+    state.applied.discard("autocast")  # it did not apply (no model ran): not combined
+    assert combination_to_measure(snapshot, state) is None
+
+
+def test_a_step_time_ratio_that_cannot_be_is_flagged_not_used():
+    reference = StepTiming(1.0, 0.02, 3)
+    checkpointing = FixResult(name="checkpointing", fits=True, step_s=0.8)
+    time_ratio(checkpointing, fix_named("checkpointing"), reference, 0.03, same_batch=True)
+    assert checkpointing.step_time_ratio is None and checkpointing.step_time_noise == 0.03
+    assert "0.80x" in (checkpointing.step_time_flag or "")
+    # Against a smaller batch scaled up, a larger batch may truly be faster per sample.
+    scaled = FixResult(name="checkpointing", fits=True, step_s=0.8)
+    time_ratio(scaled, fix_named("checkpointing"), reference, 0.03, same_batch=False)
+    assert scaled.step_time_ratio == 0.8 and scaled.step_time_flag is None
+    autocast = FixResult(name="autocast", fits=True, step_s=0.6)
+    time_ratio(autocast, fix_named("autocast"), reference, 0.03, same_batch=True)
+    assert autocast.step_time_ratio == 0.6 and autocast.step_time_flag is None
