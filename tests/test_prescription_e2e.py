@@ -92,6 +92,29 @@ def test_a_hugging_face_trainer_prescription_fits_when_run_by_hand(tmp_path):
     args = check_by_hand(tmp_path, "24MiB", script, document)
     assert args == checked["args"]
     assert "Prescription (measured)" in completed.stderr
+    check_the_configurations_weighed(document)
+
+
+def check_the_configurations_weighed(document):
+    """The prescription is the fastest configuration measured as it would
+    be prescribed (within the timing noise, where fewer changes win), its
+    throughput measured at the batch it prescribes; every other configuration
+    weighed says why it was not chosen."""
+    prescription = document["prescription"]
+    assert "throughput_batch_size" not in prescription
+    entries = prescription["considered"]
+    first, others = entries[0], entries[1:]
+    assert first["verdict"] == "prescribed" and first["fixes"] == prescription["fixes"]
+    assert (first["batch_size"], first["accumulation_steps"]) == (
+        prescription["batch_size"],
+        prescription["accumulation_steps"],
+    )
+    assert first["measured"] is True
+    assert [] in [entry["fixes"] for entry in entries]  # no fix is weighed too
+    for entry in others:
+        assert entry["verdict"] != "prescribed" and entry["reason"], entry
+        if entry["measured"] and entry["verdict"] == "slower" and entry["samples_per_second"]:
+            assert entry["samples_per_second"] <= 1.05 * prescription["samples_per_second"]
 
 
 def test_a_lightning_prescription_with_accumulation_is_measured_with_it(tmp_path):
