@@ -11,7 +11,7 @@ import pytest
 from oomdoc.fixes import fix_named
 from oomdoc.model import FixResult, Prescription, Snapshot
 from oomdoc.replay.batch import SearchResult
-from oomdoc.replay.candidates import Candidate, choose, considered, plan_limits
+from oomdoc.replay.candidates import Candidate, choose, considered, plan_limits, planned_below
 from oomdoc.replay.plan import ReplayState, is_no_op
 from oomdoc.replay.prescription import (
     measured_choice,
@@ -404,3 +404,44 @@ def prescription_inputs(replayer, original):
     replayer.snapshot = snapshot
     replayer.request = SimpleNamespace(args=["--batch-size", str(original)])
     return snapshot, ReplayState(skipped=[], batch_info={"source": "--batch-size"})
+
+
+def test_a_configuration_over_the_margin_plans_a_smaller_micro_batch_to_measure():
+    """Batches 57 and 58 fit but leave the margin short (limit 182 MiB): on
+    the line through them (3 MiB a sample), 32 x 2 peaks near 112 MiB: a
+    candidate, its throughput bounded by batch 57's, to be measured."""
+    b57 = Candidate([], 57, 187 * MiB, 0.57, "b57")
+    b58 = Candidate([], 58, 190 * MiB, 0.58, "b58")
+    saver = Candidate(["checkpointing"], 64, 90 * MiB, 0.8, "c")
+    points = [((), 57, 187 * MiB), ((), 58, 190 * MiB), ((), 59, 193 * MiB)]
+    (planned,) = planned_below([b57, b58, saver], points, 64, 182 * MiB)
+    assert (planned.fixes, planned.batch_size) == ([], 32)
+    assert planned.peak_allocated_bytes == 112 * MiB and not planned.exact
+    assert planned.samples_per_second == b57.samples_per_second  # a bound from above
+    assert planned_below([b57], [((), 57, 187 * MiB)], 64, 182 * MiB) == []  # no slope
+
+
+def test_a_noisy_timing_against_a_close_rival_is_taken_again():
+    """Autocast at the user's batch measured 10.0 samples/s +-20%, checkpointing
+    9.5: too close to tell, so autocast's replay runs once more; pooled with
+    the second timing (8 samples/s), checkpointing is faster."""
+    timed_again = []
+
+    def again():
+        timed_again.append(True)
+        return Replay(label="a again", outcome="fits", peak_allocated_bytes=50 * MiB, step_s=2.0)
+
+    noisy = Candidate(["autocast"], 16, 50 * MiB, 1.6, "a", exact=True, step_noise=0.2)
+    noisy.remeasure = again
+    rival = Candidate(["checkpointing"], 16, 40 * MiB, 16 / 9.5, "c", exact=True, step_noise=0.02)
+    replayer = ScriptedReplayer([])
+    snapshot, state = prescription_inputs(replayer, original=16)
+    chosen, _ = measured_choice(replayer, snapshot, state, [noisy, rival], 16, None)
+    assert timed_again == [True] and noisy.retimed
+    assert noisy.step_s == 1.8 and noisy.step_noise == 0.1111
+    assert chosen.fixes == ["checkpointing"]
+    # A clear winner is not timed again.
+    clear = Candidate(["autocast"], 16, 50 * MiB, 0.8, "a", exact=True, step_noise=0.2)
+    clear.remeasure = again
+    measured_choice(replayer, snapshot, state, [clear, rival], 16, None)
+    assert timed_again == [True]

@@ -9,7 +9,7 @@ the report: measured, or why not.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Callable, Optional
 
 from oomdoc.model import ConsideredConfiguration, Prescription
 from oomdoc.replay import batch as batch_model
@@ -40,6 +40,14 @@ class Candidate:
     # snapshot (replay_record), and its label.
     accumulation_record: Optional[dict] = None
     accumulation_label: str = ""
+    # Runs the replay that measured an exact candidate once more (its
+    # timing taken again when it is noisy and a rival is close), and
+    # whether it was.
+    remeasure: Optional[Callable[[], Any]] = field(default=None, repr=False, compare=False)
+    retimed: bool = False
+    # A candidate planned below the batches measured (planned_below): the
+    # batch whose run its step time and peak come from.
+    planned_from: Optional[int] = None
 
     @property
     def samples_per_second(self) -> Optional[float]:
@@ -75,6 +83,60 @@ def plan_limits(
             (limit_bytes - candidate.peak_allocated_bytes) // per_sample
         )
         candidate.plan_limit = max(candidate.batch_size, min(planned, batch - 1))
+
+
+def planned_below(
+    candidates: list[Candidate],
+    points: list[tuple[tuple, int, int]],
+    original: int,
+    limit_bytes: int,
+) -> list[Candidate]:
+    """For each configuration whose every run went over `limit_bytes`, the
+    largest micro-batch of the accumulation grid below its smallest run
+    whose peak, on the line through its two smallest measured batches
+    (`points`: (fixes, batch, peak)), stays within it: a candidate to be
+    measured as prescribed (its step time is the smaller run's per sample,
+    so its throughput is a bound from above, as a larger batch's is)."""
+    planned = []
+    groups: dict[tuple, list[Candidate]] = {}
+    for candidate in candidates:
+        groups.setdefault(tuple(candidate.fixes), []).append(candidate)
+    for fixes, group in groups.items():
+        if any(candidate.peak_allocated_bytes <= limit_bytes for candidate in group):
+            continue
+        smallest = min(group, key=lambda candidate: candidate.batch_size)
+        measured = sorted(
+            {batch: peak for key, batch, peak in points if tuple(key) == fixes}.items()
+        )
+        if len(measured) < 2:
+            continue
+        (b1, p1), (b2, p2) = measured[:2]
+        slope = (p2 - p1) / (b2 - b1)
+        if slope <= 0:
+            continue
+        largest = smallest.batch_size - 1
+        while largest >= 1:
+            micro, _steps = batch_model.accumulation_plan(original, largest)
+            peak = smallest.peak_allocated_bytes - slope * (smallest.batch_size - micro)
+            if peak <= limit_bytes:
+                step_s = smallest.step_s * micro / smallest.batch_size if smallest.step_s else None
+                planned.append(
+                    Candidate(
+                        list(fixes),
+                        micro,
+                        int(peak),
+                        step_s,
+                        f"planned below {smallest.label!r}",
+                        notes=[
+                            f"batch {micro}'s peak estimated on the line through batches {b1} and {b2}"
+                        ],
+                        step_noise=smallest.step_noise,
+                        planned_from=smallest.batch_size,
+                    )
+                )
+                break
+            largest = micro - 1
+    return planned
 
 
 def choose(
@@ -246,7 +308,8 @@ def considered(
         else:
             entry.verdict = "slower"
             entry.reason = (
-                f"not measured at batch {micro} x {steps}: batch {best.batch_size} ran "
+                f"not measured at batch {micro} x {steps}: batch "
+                f"{best.planned_from or best.batch_size} ran "
                 + (f"{throughput:.1f} samples/s" if throughput else "untimed")
                 + ", which bounds it from above"
                 + (f", below the prescription's {prescribed:.1f}" if prescribed else "")

@@ -24,10 +24,10 @@ own flags.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from oomdoc.diagnosis.leak import rule as leak_rule
-from oomdoc.fixes import batch_fix, fix_named
+from oomdoc.fixes import Fix, batch_fix, fix_named
 from oomdoc.fixes.base import SnippetContext
 from oomdoc.frameworks import context_from_snapshot, framework_of
 from oomdoc.frameworks.base import FrameworkContext, accumulation_in_effect, with_enough_steps
@@ -43,6 +43,7 @@ from oomdoc.replay.candidates import (
     considered,
     pick,
     plan_limits,
+    planned_below,
     prescription_from,
 )
 from oomdoc.replay.lanes import (
@@ -64,6 +65,7 @@ from oomdoc.replay.search import (
     saver_first_probe,
     saver_trial,
 )
+from oomdoc.replay.timing import RETIME_NOISE, pooled
 from oomdoc.script_flags import (
     EVAL_BATCH_FLAGS,
 )
@@ -134,12 +136,17 @@ def prescription_for(
                 result.name,
                 step_noise=replay.step_noise if replay is not None else None,
                 exact=True,  # at the user's batch, as it is prescribed
+                remeasure=remeasure_fix(replayer, snapshot, fix),
             )
         )
     if original is not None:
         capacity = snapshot.device.capacity_bytes
         margin = float(getattr(replayer.options, "margin_fraction", 0.05))
-        plan_limits(candidates, measured_points(state), capacity - int(margin * capacity))
+        limit = capacity - int(margin * capacity)
+        points = measured_points(state)
+        plan_limits(candidates, points, limit)
+        if not snapshot.oom_in_evaluation:
+            candidates += planned_below(candidates, points, original, limit)
     measured: list[Candidate] = []
     chosen, interrupted = measured_choice(
         replayer, snapshot, state, candidates, original, reference, measured
@@ -221,7 +228,7 @@ def measured_choice(
     limit = capacity - int(margin * capacity)
     remaining = list(candidates)
     rejected: list[str] = []
-    replays = 0
+    replays = retimes = 0
     interrupted = False
     unmeasured_note = ""
 
@@ -245,6 +252,13 @@ def measured_choice(
         if original is None:
             chosen.batch_size, chosen.accumulation_steps = None, 1
         if candidate.exact:
+            if retimes < RETIMES and close_rival(candidate, remaining, limit):
+                retimes += 1
+                try:
+                    retime(candidate)
+                except ReplaysInterrupted:
+                    interrupted = True
+                continue  # chosen again with the timing pooled
             if candidate.accumulation_record is not None:
                 with_accumulation(chosen, candidate, capacity)
             break
@@ -289,6 +303,7 @@ def measured_choice(
                 # Measured as prescribed: it takes the place of the bound,
                 # and the choice is made again.
                 exact = measured_as_prescribed(candidate, chosen, replay)
+                exact.remeasure = remeasure_prescription(replayer, snapshot, state, chosen)
                 remaining.remove(candidate)
                 remaining.append(exact)
                 if measured is not None:
@@ -320,6 +335,65 @@ def measured_choice(
     return chosen, interrupted
 
 
+# At most this many candidates are timed again (oomdoc.replay.timing.RETIME_NOISE).
+RETIMES = 2
+
+
+def close_rival(candidate: Candidate, others: list[Candidate], limit_bytes: int) -> bool:
+    """Whether `candidate`'s timing is noisy (over RETIME_NOISE, never taken
+    again) and another candidate within the limit is within that noise of
+    it: which one is faster is then not yet known."""
+    noise = candidate.step_noise
+    speed = candidate.samples_per_second
+    if candidate.retimed or candidate.remeasure is None or noise is None or not speed:
+        return False
+    if noise <= RETIME_NOISE:
+        return False
+    return any(
+        other is not candidate
+        and other.peak_allocated_bytes <= limit_bytes
+        and (other.samples_per_second or 0.0) >= speed * (1 - noise)
+        for other in others
+    )
+
+
+def retime(candidate: Candidate) -> None:
+    """Run the candidate's replay once more and pool the two timings."""
+    assert candidate.remeasure is not None
+    candidate.retimed = True
+    replay = candidate.remeasure()
+    steps = max(1, candidate.accumulation_steps)
+    if not replay.fits or not replay.step_s or not candidate.step_s:
+        candidate.notes.append(f"timed again: {summarise(replay)}, no second timing")
+        return
+    first = candidate.step_s
+    candidate.step_s, candidate.step_noise = pooled(
+        first, candidate.step_noise, replay.step_s / steps, replay.step_noise
+    )
+    candidate.notes.append(
+        f"timed twice (its first timing was noisy): {first:.4g} s and "
+        f"{replay.step_s / steps:.4g} s per batch of {candidate.batch_size}"
+    )
+
+
+def remeasure_fix(replayer: Replayer, snapshot: Snapshot, fix: Fix) -> Callable[[], Replay]:
+    """The replay of `fix` at the user's batch again (for retime)."""
+    request = fix.request(snapshot)
+    return lambda: replayer.run(request.payload, f"{fix.name} (timed again)", extra_env=request.env)
+
+
+def remeasure_prescription(
+    replayer: Replayer, snapshot: Snapshot, state: ReplayState, prescription: Prescription
+) -> Callable[[], Replay]:
+    """The replay of exactly `prescription` again (for retime)."""
+    again = Prescription(
+        fixes=list(prescription.fixes),
+        batch_size=prescription.batch_size,
+        accumulation_steps=prescription.accumulation_steps,
+    )
+    return lambda: replay_prescription(replayer, snapshot, state, again, timed_again=True)
+
+
 def measured_as_prescribed(
     bound: Candidate, prescription: Prescription, replay: Replay
 ) -> Candidate:
@@ -349,7 +423,11 @@ def measured_as_prescribed(
 
 
 def replay_prescription(
-    replayer: Replayer, snapshot: Snapshot, state: ReplayState, prescription: Prescription
+    replayer: Replayer,
+    snapshot: Snapshot,
+    state: ReplayState,
+    prescription: Prescription,
+    timed_again: bool = False,
 ) -> Replay:
     """One replay of exactly the prescribed configuration: its fixes, its
     micro-batch, and the batch fix's gradient accumulation (batch_fix), long
@@ -362,6 +440,8 @@ def replay_prescription(
         int(prescription.batch_size or 1),
         prescription.accumulation_steps,
     )
+    if timed_again:
+        label += " (timed again)"
     replay = replayer.run(
         payload, label, args=args, extra_env=env, micro_batches_per_step=micro_batches
     )

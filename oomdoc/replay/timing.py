@@ -19,6 +19,9 @@ from oomdoc.model import Step
 
 # The noise assumed of a timing whose spread was not seen (one timed step).
 UNSEEN_NOISE = 0.05
+# Above this noise, a timing that decides the prescription against a close
+# rival is taken again (one more replay of the same configuration).
+RETIME_NOISE = 0.10
 
 
 @dataclass(frozen=True)
@@ -74,3 +77,17 @@ def cannot_be_faster(ratio: float, noise: float) -> bool:
     """A step-time ratio below 1 by more than its noise, for a change that
     only adds work: the timing, not the change, made it faster."""
     return ratio < 1.0 - max(noise, UNSEEN_NOISE)
+
+
+def pooled(
+    first_s: float, first_noise: Optional[float], second_s: float, second_noise: Optional[float]
+) -> tuple[float, float]:
+    """Two timings of one configuration as one: their mean, and a noise that
+    is at least how far they disagree and at most the better one's."""
+    mean = (first_s + second_s) / 2
+    between = abs(first_s - second_s) / 2 / mean if mean else 0.0
+    own = min(
+        UNSEEN_NOISE if first_noise is None else first_noise,
+        UNSEEN_NOISE if second_noise is None else second_noise,
+    )
+    return mean, round(max(between, own / math.sqrt(2)), 4)
