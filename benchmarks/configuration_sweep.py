@@ -6,7 +6,7 @@ throughputs (median optimizer step after the first), the best marked, and
 oomdoc's prescription (from its snapshot) against the best.
 
     python benchmarks/configuration_sweep.py --device-memory 16GiB \\
-        --batch-flag --per_device_train_batch_size --accumulation-flag --gradient_accumulation_steps \\
+        --batch-flag=--per_device_train_batch_size --accumulation-flag=--gradient_accumulation_steps \\
         --saver "autocast=--bf16 True" --saver "checkpointing=--gradient_checkpointing True" \\
         --batches 16,8,4 --snapshot hf.json --out sweep -- \\
         tests/scripts/fw_hf_trainer.py --use_cpu False --n_layer 24 ... --max_steps 8

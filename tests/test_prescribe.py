@@ -15,6 +15,7 @@ from oomdoc.replay.candidates import Candidate, choose, considered, plan_limits,
 from oomdoc.replay.plan import ReplayState, is_no_op
 from oomdoc.replay.prescription import (
     measured_choice,
+    measured_points,
     replay_prescription,
     start_savers_ahead,
     verify_with_flags,
@@ -445,3 +446,45 @@ def test_a_noisy_timing_against_a_close_rival_is_taken_again():
     clear.remeasure = again
     measured_choice(replayer, snapshot, state, [clear, rival], 16, None)
     assert timed_again == [True]
+
+
+def test_a_planned_micro_batch_over_the_margin_plans_the_next_smaller_one():
+    """The H100 case: autocast fit at batch 9 just over the margin, so 8 x 2
+    was planned; measured with the accumulation it went over too (97 MiB,
+    the limit is 95): 4 x 4 is planned down from it and measured; the report
+    lists autocast as measured at 4 x 4, never the superseded 8 x 2."""
+    nine = Candidate(["autocast"], 9, 96 * MiB, 9 / 90.0, "a9")
+    both = Candidate(["autocast", "checkpointing"], 16, 50 * MiB, 16 / 80.0, "ac", exact=True)
+    replayer = ScriptedReplayer(
+        [("fits", 97 * MiB, 2 * 8 / 88.0), ("fits", 85 * MiB, 4 * 4 / 85.0)]
+    )
+    snapshot, state = prescription_inputs(replayer, original=16)
+    state.saver_searches[("autocast",)] = SearchResult(
+        16, 9, True, [saver_run(9, 96 * MiB), saver_run(10, 106 * MiB, fits=False)], []
+    )
+    candidates = [nine, both, *planned_below([nine, both], measured_points(state), 16, 95 * MiB)]
+    measured = []
+    chosen, _ = measured_choice(replayer, snapshot, state, candidates, 16, None, measured)
+    assert [call[0]["batch_size"] for call in replayer.calls] == [8, 4]
+    assert chosen.fixes == ["autocast"] and (chosen.batch_size, chosen.accumulation_steps) == (4, 4)
+    assert chosen.samples_per_second == 85.0 and chosen.peak_allocated_bytes == 85 * MiB
+    entries = considered(
+        [(), ("autocast",), ("autocast", "checkpointing")],
+        candidates + measured,
+        chosen,
+        {},
+        16,
+        95 * MiB,
+        True,
+    )
+    autocast = next(entry for entry in entries if entry.fixes == ["autocast"])
+    assert autocast.verdict == "prescribed" and autocast.batch_size == 4 and autocast.measured
+
+
+def saver_run(batch_size, peak, fits=True):
+    from oomdoc.replay.batch import BatchRun
+
+    run = BatchRun(batch_size=batch_size, fits=fits, peak_allocated_bytes=peak)
+    if not fits:
+        run.lower_bounds[("first", "forward")] = peak
+    return run

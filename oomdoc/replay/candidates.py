@@ -91,52 +91,61 @@ def planned_below(
     original: int,
     limit_bytes: int,
 ) -> list[Candidate]:
-    """For each configuration whose every run went over `limit_bytes`, the
-    largest micro-batch of the accumulation grid below its smallest run
-    whose peak, on the line through its two smallest measured batches
-    (`points`: (fixes, batch, peak)), stays within it: a candidate to be
-    measured as prescribed (its step time is the smaller run's per sample,
-    so its throughput is a bound from above, as a larger batch's is)."""
+    """For each configuration whose every run went over `limit_bytes`, a
+    smaller micro-batch to measure (plan_below its smallest run)."""
     planned = []
     groups: dict[tuple, list[Candidate]] = {}
     for candidate in candidates:
         groups.setdefault(tuple(candidate.fixes), []).append(candidate)
-    for fixes, group in groups.items():
+    for group in groups.values():
         if any(candidate.peak_allocated_bytes <= limit_bytes for candidate in group):
             continue
         smallest = min(group, key=lambda candidate: candidate.batch_size)
-        measured = sorted(
-            {batch: peak for key, batch, peak in points if tuple(key) == fixes}.items()
-        )
-        if len(measured) < 2:
-            continue
-        (b1, p1), (b2, p2) = measured[:2]
-        slope = (p2 - p1) / (b2 - b1)
-        if slope <= 0:
-            continue
-        largest = smallest.batch_size - 1
-        while largest >= 1:
-            micro, _steps = batch_model.accumulation_plan(original, largest)
-            peak = smallest.peak_allocated_bytes - slope * (smallest.batch_size - micro)
-            if peak <= limit_bytes:
-                step_s = smallest.step_s * micro / smallest.batch_size if smallest.step_s else None
-                planned.append(
-                    Candidate(
-                        list(fixes),
-                        micro,
-                        int(peak),
-                        step_s,
-                        f"planned below {smallest.label!r}",
-                        notes=[
-                            f"batch {micro}'s peak estimated on the line through batches {b1} and {b2}"
-                        ],
-                        step_noise=smallest.step_noise,
-                        planned_from=smallest.batch_size,
-                    )
-                )
-                break
-            largest = micro - 1
+        below = plan_below(smallest, points, original, limit_bytes)
+        if below is not None:
+            planned.append(below)
     return planned
+
+
+def plan_below(
+    anchor: Candidate, points: list[tuple[tuple, int, int]], original: int, limit_bytes: int
+) -> Optional[Candidate]:
+    """The largest micro-batch of the accumulation grid below the batch of
+    `anchor` (a run over `limit_bytes`) whose peak, down from the anchor's
+    with the slope through the configuration's two smallest measured batches
+    (`points`: (fixes, batch, peak)), stays within it: a candidate to be
+    measured as prescribed. Its step time is the anchor's per sample, so its
+    throughput is a bound from above, as a larger batch's is. None without
+    a slope to go by."""
+    fixes = tuple(anchor.fixes)
+    measured = sorted({batch: peak for key, batch, peak in points if tuple(key) == fixes}.items())
+    if len(measured) < 2:
+        return None
+    (b1, p1), (b2, p2) = measured[:2]
+    slope = (p2 - p1) / (b2 - b1)
+    if slope <= 0:
+        return None
+    largest = anchor.batch_size - 1
+    while largest >= 1:
+        micro, _steps = batch_model.accumulation_plan(original, largest)
+        peak = anchor.peak_allocated_bytes - slope * (anchor.batch_size - micro)
+        if peak <= limit_bytes:
+            step_s = anchor.step_s * micro / anchor.batch_size if anchor.step_s else None
+            return Candidate(
+                list(fixes),
+                micro,
+                int(peak),
+                step_s,
+                f"planned below {anchor.label!r}",
+                notes=[
+                    f"batch {micro}'s peak estimated down from batch {anchor.batch_size}'s "
+                    f"with the slope between batches {b1} and {b2}"
+                ],
+                step_noise=anchor.step_noise,
+                planned_from=anchor.batch_size,
+            )
+        largest = micro - 1
+    return None
 
 
 def choose(
@@ -260,6 +269,19 @@ def considered(
     entries = []
     for fixes in dict.fromkeys(configurations):
         own = [candidate for candidate in candidates if tuple(candidate.fixes) == fixes]
+        # An estimate at a micro-batch measured as prescribed (or larger
+        # than one that was) is superseded by the measurement.
+        smallest_measured = min(
+            (candidate.batch_size for candidate in own if candidate.accumulation_record),
+            default=None,
+        )
+        own = [
+            candidate
+            for candidate in own
+            if candidate.exact
+            or smallest_measured is None
+            or candidate.batch_size < smallest_measured
+        ]
         within = [candidate for candidate in own if candidate.peak_allocated_bytes <= limit_bytes]
         entry = ConsideredConfiguration(fixes=list(fixes))
         if not within:

@@ -42,6 +42,7 @@ from oomdoc.replay.candidates import (
     Candidate,
     considered,
     pick,
+    plan_below,
     plan_limits,
     planned_below,
     prescription_from,
@@ -229,6 +230,7 @@ def measured_choice(
     remaining = list(candidates)
     rejected: list[str] = []
     replays = retimes = 0
+    points = measured_points(state)
     interrupted = False
     unmeasured_note = ""
 
@@ -313,6 +315,11 @@ def measured_choice(
             f"{' + '.join(chosen.fixes) or 'no fix'} at batch {chosen.batch_size} x "
             f"{chosen.accumulation_steps} accumulation steps: {summarise(replay)}, over the margin"
         )
+        over = None
+        if replay.fits and replay.peak_allocated_bytes is not None:
+            over = measured_as_prescribed(candidate, chosen, replay)
+            if measured is not None:
+                measured.append(over)  # for the report: measured, over the margin
         if planned:
             # Plan below the micro-batch that went over, down to the batch it ran.
             below = micro - 1
@@ -327,6 +334,15 @@ def measured_choice(
             or other.exact
             or not micro <= other.batch_size < (original or 1)
         ]
+        if over is not None and original and not snapshot.oom_in_evaluation:
+            # The next smaller micro-batch of the same fixes, down from this one.
+            if not any(
+                other.fixes == candidate.fixes and other.peak_allocated_bytes <= limit
+                for other in remaining
+            ):
+                smaller = plan_below(over, points, original, limit)
+                if smaller is not None:
+                    remaining.append(smaller)
     if rejected:
         chosen.detail = (
             f"{chosen.detail}; replayed with accumulation and not prescribed: "
