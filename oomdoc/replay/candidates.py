@@ -290,6 +290,7 @@ def considered(
                 lowest = min(own, key=lambda candidate: candidate.peak_allocated_bytes)
                 entry.peak_allocated_bytes = lowest.peak_allocated_bytes
                 entry.batch_size = lowest.batch_size
+                entry.accumulation_steps = lowest.accumulation_steps
                 entry.measured = True
                 entry.reason = (
                     "every batch it ran left the safety margin short "

@@ -212,7 +212,8 @@ def measured_choice(
     measured: Optional[list[Candidate]] = None,
 ) -> tuple[Optional[Prescription], bool]:
     """The prescription among the candidates, and whether Ctrl-C stopped its
-    replay (the candidates measured as prescribed are added to `measured`). A candidate was measured at one batch without accumulation; when
+    replay (the candidates it measured as prescribed, and those it planned
+    on the way, are added to `measured`: the report lists what was weighed). A candidate was measured at one batch without accumulation; when
     its prescription accumulates, one more replay runs exactly the prescribed
     configuration, accumulation included (the later micro-batches' forward
     runs with the earlier ones' gradients alive, which can peak higher): its
@@ -343,6 +344,8 @@ def measured_choice(
                 smaller = plan_below(over, points, original, limit)
                 if smaller is not None:
                     remaining.append(smaller)
+                    if measured is not None:
+                        measured.append(smaller)  # weighed, as the report says
     if rejected:
         chosen.detail = (
             f"{chosen.detail}; replayed with accumulation and not prescribed: "
