@@ -8,20 +8,16 @@ from types import SimpleNamespace
 
 import pytest
 
-from oomdoc.fixes import fix_named
-from oomdoc.model import FixResult, Prescription, Snapshot
+from oomdoc.model import Snapshot
 from oomdoc.replay.batch import SearchResult
 from oomdoc.replay.candidates import Candidate, choose, considered, plan_limits, planned_below
 from oomdoc.replay.plan import ReplayState, is_no_op
 from oomdoc.replay.prescription import (
     measured_choice,
     measured_points,
-    replay_prescription,
-    start_savers_ahead,
     verify_with_flags,
 )
 from oomdoc.replay.replayer import Replay, ReplaysInterrupted, replay_key
-from oomdoc.replay.search import saver_first_probe, saver_trial
 
 MiB = 1024**2
 
@@ -226,51 +222,6 @@ class LanedReplayer(ScriptedReplayer):
         return super().run(payload, label, args, extra_env, micro_batches_per_step)
 
 
-def test_the_search_under_the_savers_and_its_prescription_start_ahead_as_they_will_be_asked():
-    """While the combined savers run at the user's batch 64, with 10 the
-    largest plain batch: the search under them will first ask for batch 37,
-    whose accumulation plan is 32 x 2. Both start ahead, each exactly as its
-    decision later asks for it (the same replay key), so the decision gets
-    the replay already running instead of starting it then."""
-    snapshot = Snapshot.from_dict(
-        {
-            "device": {"capacity_bytes": 100 * MiB, "kind": "simulated"},
-            "script_options": ["--batch-size", "--steps"],
-            "script_option_values": {"--batch-size": [], "--steps": []},
-        }
-    )
-    search = SearchResult(64, 10, True, [], [])
-    state = ReplayState(skipped=[], batch_info={"source": "--batch-size"}, search=search)
-    replayer = LanedReplayer([("fits", 80 * MiB)])
-    savers = fix_named("autocast+checkpointing")
-    keys = start_savers_ahead(replayer, snapshot, replayer.options, state, savers.name)
-    assert keys == replayer.started_ahead and len(keys) == 2
-    assert saver_first_probe(search) == 37
-    payload, label, args, env = saver_trial(replayer, snapshot, state, savers, 37)
-    assert keys[0] == replay_key(payload, label, args, env)
-    prescription = Prescription(
-        fixes=["autocast", "checkpointing"], batch_size=32, accumulation_steps=2
-    )
-    replay_prescription(replayer, snapshot, state, prescription)
-    assert replayer.asked == [keys[1]]
-    assert keys[1][2] == ("--batch-size", "32", "--steps", "4") and keys[1][4] == 2
-    # Without lanes, or when the probe needs no accumulation, less starts.
-    replayer.lanes = None
-    assert start_savers_ahead(replayer, snapshot, replayer.options, state, savers.name) == []
-    replayer.lanes = object()
-    search.max_batch_size = 40  # probe 52: 64 is 2 x 32, still accumulation
-    assert len(start_savers_ahead(replayer, snapshot, replayer.options, state, savers.name)) == 2
-    # One saver alone fits with the margin free: together they fit, no search.
-    alone = FixResult(name="checkpointing", fits=True, peak_allocated_bytes=97 * MiB)
-    state.results = [alone]
-    assert len(start_savers_ahead(replayer, snapshot, replayer.options, state, savers.name)) == 2
-    alone.peak_allocated_bytes = 80 * MiB
-    assert start_savers_ahead(replayer, snapshot, replayer.options, state, savers.name) == []
-    state.results = []
-    state.batch_info = {}  # no batch flag found: no search under the savers
-    assert start_savers_ahead(replayer, snapshot, replayer.options, state, savers.name) == []
-
-
 def hugging_face_case():
     """A Trainer script at batch 64 whose HfArgumentParser declares flags for
     the batch, the accumulation, bf16 and checkpointing."""
@@ -303,35 +254,8 @@ def hugging_face_case():
 def test_the_script_own_flags_check_starts_beside_the_prescription_replay():
     """The check of a prescription with the script's own flags used to start
     only after its replay with accumulation had confirmed it: one more replay
-    deep. It starts ahead, beside that replay (and, with the search under the
-    savers, beside its probe), exactly as verify_with_flags later asks for it."""
-    snapshot, state, replayer = hugging_face_case()
-    savers = fix_named("autocast+checkpointing")
-    keys = start_savers_ahead(replayer, snapshot, replayer.options, state, savers.name)
-    assert len(keys) == 3 and keys == replayer.started_ahead
-    flags_key = keys[2]
-    assert flags_key[0].startswith("the script's own flags: ") and flags_key[1] == "null"
-    assert flags_key[2] == (
-        *("--per_device_train_batch_size", "32", "--bf16", "--gradient_checkpointing"),
-        *("--gradient_accumulation_steps", "2", "--max_steps", "4"),
-    )
-    prescription = Prescription(
-        fixes=["autocast", "checkpointing"],
-        batch_size=32,
-        accumulation_steps=2,
-        peak_allocated_bytes=80 * MiB,
-        fits=True,
-    )
-    verify_with_flags(replayer, snapshot, prescription, state)
-    assert replayer.asked == [flags_key]
-    checked = prescription.verified_by_flags
-    assert checked is not None
-    assert checked.args == list(flags_key[2][:-2]) and (checked.note or "").startswith(
-        "--max_steps"
-    )
-
-    # Without the saver search: the choice starts it beside its replay with
-    # accumulation, and verify_with_flags asks for that one.
+    deep. The choice starts it ahead, beside that replay, exactly as
+    verify_with_flags later asks for it."""
     snapshot, state, replayer = hugging_face_case()
     chosen, _interrupted = measured_choice(
         replayer, snapshot, state, [Candidate([], 16, 70 * MiB, 1.0, "b16")], 64, None

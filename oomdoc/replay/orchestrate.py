@@ -45,7 +45,6 @@ from oomdoc.replay.plan import (
 from oomdoc.replay.prescription import (
     parameter_update,
     prescription_for,
-    start_savers_ahead,
 )
 from oomdoc.replay.progress import Progress
 from oomdoc.replay.replayer import (
@@ -136,15 +135,10 @@ def replay_fixes(
                     replay_single(replayer, fix, snapshot, state)
                 except ReplaysInterrupted:
                     interrupted = True
-            savers_ahead: list = []
-            combination = None
             if requested is None and not leak:
                 combination = combination_to_measure(snapshot, state)
                 if combination is not None:
                     combinations.append(combination)
-                    savers_ahead = start_savers_ahead(
-                        replayer, snapshot, options, state, combination
-                    )
             for name in combinations:
                 fix = fix_named(name)
                 assert fix is not None
@@ -152,17 +146,13 @@ def replay_fixes(
                     replay_single(replayer, fix, snapshot, state)
                 except ReplaysInterrupted:
                     interrupted = True
-            # A speculative combination no decision wanted goes; what the
-            # search under the savers may ask for stays until it has asked.
-            replayer.discard_ahead(keep=savers_ahead)
+            # A speculative combination no decision wanted goes.
+            replayer.discard_ahead()
             if requested is None and not leak and not interrupted:
                 try:
                     search_configurations(replayer, snapshot, options, state)
                 except ReplaysInterrupted:
                     interrupted = True
-            # The prescription's, for finish, when the combination's search ran.
-            combined = combination and tuple(combination.split("+")) in state.saver_searches
-            replayer.discard_ahead(keep=savers_ahead[1:] if combined else [])
             if interrupted or replayer.stopped:
                 snapshot.notes.append(
                     "Replays were interrupted: the fixes below are those measured before."

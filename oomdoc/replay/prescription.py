@@ -52,7 +52,6 @@ from oomdoc.replay.lanes import (
 )
 from oomdoc.replay.plan import (
     ReplayState,
-    is_prescribable,
 )
 from oomdoc.replay.replayer import (
     Replay,
@@ -63,8 +62,6 @@ from oomdoc.replay.replayer import (
 from oomdoc.replay.search import (
     batch_size_in,
     saver_configurations,
-    saver_first_probe,
-    saver_trial,
 )
 from oomdoc.replay.timing import RETIME_NOISE, pooled
 from oomdoc.script_flags import (
@@ -681,64 +678,3 @@ def verify_with_flags(
     if replay.fits and replay.peak_allocated_bytes and prescription.peak_allocated_bytes:
         ratio = replay.peak_allocated_bytes / prescription.peak_allocated_bytes
         checked.peak_ratio = round(ratio, 3)
-
-
-def start_savers_ahead(
-    replayer: Replayer, snapshot: Snapshot, options: Any, state: ReplayState, combination: str
-) -> list[Optional[tuple]]:
-    """While the combined savers' replay runs: should it not fit at the
-    user's batch, the search under them asks first for its probe (known
-    from the plain search), and most likely prescribes that probe's
-    micro-batch with gradient accumulation, then checks that prescription
-    with the script's own flags. All start now in free lanes; their keys
-    (probe first), for discard_ahead to keep. Not when one saver
-    alone fit with the margin free: together they fit too, and no search
-    follows (replays run for nothing compete for the card)."""
-    fix = fix_named(combination)
-    search = state.search
-    capacity = snapshot.device.capacity_bytes
-    limit = capacity - int(getattr(options, "margin_fraction", 0.05) * capacity)
-    one_fits = any(
-        result.fits
-        and result.peak_allocated_bytes is not None
-        and result.peak_allocated_bytes <= limit
-        for result in state.results
-        if "+" not in result.name and is_prescribable(result.name)
-    )
-    if (
-        replayer.lanes is None
-        or fix is None
-        or search is None
-        or one_fits
-        or not state.batch_info.get("source")
-        or not all(is_prescribable(part.name) for part in fix.parts)
-    ):
-        return []
-    probe = saver_first_probe(search)
-    if probe < 1:
-        return []
-    payload, label, args, env = saver_trial(replayer, snapshot, state, fix, probe)
-    keys = [replayer.ahead(payload, label, args, env, priority=SPECULATIVE)]
-    micro, steps = batch_model.accumulation_plan(
-        search.original_batch_size, probe, not snapshot.oom_in_evaluation
-    )
-    if steps > 1:
-        fixes = [part.name for part in fix.parts]
-        payload, label, args, env, micro_batches, _raised = prescription_replay(
-            replayer, snapshot, state, fixes, micro, steps
-        )
-        keys.append(
-            replayer.ahead(
-                payload,
-                label,
-                args,
-                env,
-                priority=SPECULATIVE,
-                micro_batches_per_step=micro_batches,
-            )
-        )
-        likely = Prescription(fixes=fixes, batch_size=micro, accumulation_steps=steps)
-        flags_key = start_flags_ahead(replayer, snapshot, state, likely)
-        if flags_key is not None:
-            keys.append(flags_key)
-    return keys

@@ -267,8 +267,8 @@ def search_under(
     at_original: batch_model.BatchRun,
 ) -> Optional[batch_model.SearchResult]:
     """The largest batch under `fix` (a saver or a combination), starting
-    where its own replay at the user's batch puts it (else halfway from the
-    plain largest batch), until the prescription it gives is settled."""
+    where its own replay at the user's batch puts it (saver_probe), until the
+    prescription it gives is settled."""
     assert state.search is not None
     original = state.search.original_batch_size
 
@@ -288,8 +288,7 @@ def search_under(
             f"{plan[0]} x {plan[1]} accumulation steps"
         )
 
-    # Where start_savers_ahead started it, for the combination.
-    probe = saver_first_probe(state.search)
+    probe = saver_probe(state.search, at_original)
     if probe < 1:
         return None
     return batch_model.search_max_batch(
@@ -301,6 +300,20 @@ def search_under(
         max_trials=4,
         enough=enough,
     )
+
+
+def saver_probe(search: batch_model.SearchResult, at_original: batch_model.BatchRun) -> int:
+    """Where the search under a configuration of savers starts: where its
+    own replay at the user's batch puts its largest batch, when that replay
+    ran out of memory in its first step (batch.estimated_max_batch, from the
+    activations it had made: a saver that leaves the logits alone, say,
+    saves little), at least one above the plain largest batch; else
+    saver_first_probe."""
+    estimate = at_original.estimated_max
+    if estimate is None:
+        return saver_first_probe(search)
+    plain_max = search.max_batch_size or 0
+    return max(1, min(search.original_batch_size - 1, max(plain_max + 1, estimate)))
 
 
 def saver_first_probe(search: batch_model.SearchResult) -> int:
