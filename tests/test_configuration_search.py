@@ -83,3 +83,21 @@ def test_a_step_time_ratio_that_cannot_be_is_flagged_not_used():
     autocast = FixResult(name="autocast", fits=True, step_s=0.6)
     time_ratio(autocast, fix_named("autocast"), reference, 0.03, same_batch=True)
     assert autocast.step_time_ratio == 0.6 and autocast.step_time_flag is None
+
+
+def test_a_saver_whose_estimated_largest_batch_gives_no_larger_micro_batch_is_not_searched():
+    """Lightning's encoder on the H100: the logits fill the memory, so
+    checkpointing's replay at batch 256 estimates its largest batch at 20,
+    whose micro-batch (even 25% larger) is no fix's 16: checkpointing only
+    adds work there. Autocast can be faster at the same micro-batch: searched."""
+    from oomdoc.replay.batch import BatchRun
+    from oomdoc.replay.search import estimated_no_larger
+
+    run = BatchRun(batch_size=256, fits=False, estimated_max=20)
+    reason = estimated_no_larger(("checkpointing",), run, {(): 16}, 256)
+    assert reason and "estimated at 20" in reason and "no fix does (16)" in reason
+    assert estimated_no_larger(("autocast",), run, {(): 16}, 256) is None
+    run.estimated_max = 60  # micro-batches of 64 possible: searched
+    assert estimated_no_larger(("checkpointing",), run, {(): 16}, 256) is None
+    run.estimated_max = None
+    assert estimated_no_larger(("checkpointing",), run, {(): 16}, 256) is None

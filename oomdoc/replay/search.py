@@ -254,9 +254,59 @@ def search_configurations(
         if at_original.inconclusive:
             state.not_searched[fixes] = f"its replay at the user's batch failed: {replay.message}"
             continue
+        reason = estimated_no_larger(fixes, at_original, micro_batches(state), original)
+        if reason:
+            state.not_searched[fixes] = reason
+            continue
         search = search_under(replayer, snapshot, state, fix, at_original)
         if search is not None:
             state.saver_searches[fixes] = search
+
+
+# An estimated largest batch is taken this much larger before it is trusted
+# to rule a configuration out (estimated_no_larger).
+ESTIMATE_ALLOWANCE = 1.25
+
+
+def micro_batches(state: ReplayState) -> dict[tuple[str, ...], int]:
+    """The micro-batch each configuration searched so far would be
+    prescribed with (no fix: the plain batch search's)."""
+    assert state.search is not None
+    original = state.search.original_batch_size
+    known = {}
+    for fixes, search in [((), state.search), *state.saver_searches.items()]:
+        if search.max_batch_size:
+            known[fixes] = batch_model.accumulation_plan(original, search.max_batch_size)[0]
+    return known
+
+
+def estimated_no_larger(
+    fixes: tuple[str, ...],
+    at_original: batch_model.BatchRun,
+    known_micro: dict[tuple[str, ...], int],
+    original: int,
+) -> Optional[str]:
+    """Why searching `fixes` cannot find the fastest configuration, when its
+    replay at the user's batch estimates (estimated_max_batch, taken
+    ESTIMATE_ALLOWANCE larger) a largest batch whose micro-batch is no larger
+    than that of a configuration with fewer of its savers, the rest of which
+    only add work (checkpointing that leaves the logits, which fill the
+    memory, as they were)."""
+    estimate = at_original.estimated_max
+    if estimate is None:
+        return None
+    generous = min(original, max(1, int(estimate * ESTIMATE_ALLOWANCE)))
+    micro = batch_model.accumulation_plan(original, generous)[0]
+    for smaller, smaller_micro in known_micro.items():
+        extra = tuple(name for name in fixes if name not in smaller)
+        if set(smaller) < set(fixes) and only_adds_work(extra) and smaller_micro >= micro:
+            own = " + ".join(smaller) or "no fix"
+            return (
+                f"its largest batch, estimated at {estimate} from its replay at the user's batch, "
+                f"gives micro-batches of {micro} at most, as {own} does ({smaller_micro}), and "
+                f"{' + '.join(extra)} only adds work"
+            )
+    return None
 
 
 def search_under(
