@@ -15,6 +15,7 @@ from oomdoc.replay.plan import ReplayState, is_no_op
 from oomdoc.replay.prescription import (
     measured_choice,
     measured_points,
+    untimed_savers,
     verify_with_flags,
 )
 from oomdoc.replay.replayer import Replay, ReplaysInterrupted, replay_key
@@ -412,3 +413,48 @@ def saver_run(batch_size, peak, fits=True):
     if not fits:
         run.lower_bounds[("first", "forward")] = peak
     return run
+
+
+def test_a_saver_that_fit_nowhere_above_the_plain_batch_is_measured_at_its_micro_batch():
+    """Lightning's encoder on the H100: no batch above no fix's largest (24)
+    fit under autocast or checkpointing. Autocast may still be faster at
+    no fix's micro-batch (16 x 16): it is measured there before anything is
+    prescribed, and wins; checkpointing there only adds work: not measured,
+    with the reason."""
+    plain = SearchResult(256, 24, True, [saver_run(24, 90 * MiB)], [])
+    plain.trials[0].step_s = 24 / 71.0
+    plain.trials[0].replay = Replay(label="b24", outcome="fits")
+    replayer = ScriptedReplayer([("fits", 80 * MiB, 16 * 16 / 130.0)])
+    snapshot, state = prescription_inputs(replayer, original=256)
+    state.search = plain
+    state.saver_searches[("autocast",)] = SearchResult(
+        256, None, False, [saver_run(57, 99 * MiB, False)], []
+    )
+    state.saver_searches[("checkpointing",)] = SearchResult(
+        256, None, False, [saver_run(80, 99 * MiB, False)], []
+    )
+    untimed = untimed_savers(state, 256, True)
+    assert [(c.fixes, c.batch_size, c.untimed) for c in untimed] == [(["autocast"], 16, True)]
+    assert "only adds work" in state.not_searched[("checkpointing",)]
+    bound = Candidate([], 24, 90 * MiB, 24 / 71.0, "b24")
+    chosen, _ = measured_choice(replayer, snapshot, state, [bound, *untimed], 256, None)
+    assert [call[0]["batch_size"] for call in replayer.calls] == [16]
+    assert chosen.fixes == ["autocast"] and (chosen.batch_size, chosen.accumulation_steps) == (
+        16,
+        16,
+    )
+    assert chosen.samples_per_second == 130.0 and chosen.accumulation_measured is True
+    # Never prescribed unmeasured: when its replay fails, the rest decide.
+    failing = ScriptedReplayer([("error", None), ("fits", 70 * MiB, 16 * 16 / 60.0)])
+    snapshot, state = prescription_inputs(failing, original=256)
+    chosen, _ = measured_choice(
+        failing, snapshot, state, [bound, *untimed_again(untimed)], 256, None
+    )
+    assert chosen.fixes == []
+
+
+def untimed_again(candidates):
+    return [
+        Candidate(c.fixes, c.batch_size, c.peak_allocated_bytes, None, c.label, untimed=True)
+        for c in candidates
+    ]

@@ -450,6 +450,7 @@ def search_max_batch(
     probe: int | None = None,
     max_trials: int = 10,
     enough: Callable[[int, int], str | None] | None = None,
+    floor: int = 0,
 ) -> SearchResult:
     """Find the largest batch size that fits, exactly when the trials allow.
 
@@ -460,16 +461,19 @@ def search_max_batch(
     within the allocator's fragmentation of a fit, halfway there; when the
     model stalls, the bracket is bisected. `enough(fit, oom)`: why a batch
     that fits and a larger one that does not already answer what the search
-    is for (None: they do not), which ends it there.
+    is for (None: they do not), which ends it there. `floor`: a batch
+    assumed to fit without a run (a memory saver's search above the plain
+    largest batch): the search stays above it, and never reports it as found.
     """
     runs = list(runs)
     known = [run for run in runs if not run.inconclusive]
-    lo = max([run.batch_size for run in known if run.fits], default=0)
+    measured_lo = max([run.batch_size for run in known if run.fits], default=0)
+    lo = max(measured_lo, floor)
     hi = min([run.batch_size for run in known if not run.fits] + [original_batch_size])
     failing = next(
         (run for run in runs if run.batch_size == original_batch_size and not run.fits), None
     )
-    result = SearchResult(original_batch_size, lo or None, False, [], [], trial=trial)
+    result = SearchResult(original_batch_size, measured_lo or None, False, [], [], trial=trial)
     guided = 0
     optimistic = False
     # A batch halfway into the fragmentation ran out of memory: the allocator
@@ -559,8 +563,9 @@ def search_max_batch(
                     f"{original_batch_size}: the batch size does not decide this OOM"
                 )
                 break
-    result.max_batch_size = lo or None
-    result.exact = lo > 0 and hi - lo == 1
+    found = max([run.batch_size for run in result.trials if run.fits] + [measured_lo])
+    result.max_batch_size = found or None
+    result.exact = found > 0 and hi - found == 1
     result.model = fit_model(runs)
     if not result.exact and not result.stopped and hi - lo > 1:
         result.stopped = f"stopped after {len(result.trials)} replays"

@@ -8,6 +8,7 @@ the report: measured, or why not.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -48,6 +49,10 @@ class Candidate:
     # A candidate planned below the batches measured (planned_below): the
     # batch whose run its step time and peak come from.
     planned_from: Optional[int] = None
+    # Never ran fitting (a saver assumed to fit where no fix fits): its
+    # throughput is unknown, so it may be the fastest; it is prescribed only
+    # once measured.
+    untimed: bool = False
 
     @property
     def samples_per_second(self) -> Optional[float]:
@@ -182,6 +187,8 @@ def pick(
     limit = capacity_bytes - int(margin_fraction * capacity_bytes)
 
     def throughput(candidate: Candidate) -> float:
+        if candidate.untimed:
+            return math.inf  # unknown: it may be the fastest, so it is measured first
         return candidate.samples_per_second or 0.0
 
     within = [c for c in candidates if c.peak_allocated_bytes <= limit]
@@ -190,6 +197,8 @@ def pick(
         best = throughput(fastest)
 
         def tied(candidate: Candidate) -> bool:
+            if math.isinf(best):
+                return candidate.untimed
             noise = ratio_noise(candidate.step_noise, fastest.step_noise)
             share = min(max(TIE_SHARE, noise), TIE_NOISE_CAP)
             return best > 0 and throughput(candidate) >= best * (1 - share)
@@ -318,8 +327,17 @@ def considered(
         throughput = best.samples_per_second
         entry.samples_per_second = round(throughput, 3) if throughput else None
         entry.samples_per_second_noise = best.step_noise
-        entry.measured = best.exact or (steps == 1 and micro == best.batch_size)
-        if list(fixes) == chosen.fixes and chosen.fits:
+        entry.measured = best.exact or (
+            steps == 1 and micro == best.batch_size and not best.untimed
+        )
+        if best.untimed:
+            entry.verdict = "not_measured"
+            entry.peak_allocated_bytes = None
+            entry.reason = (
+                "no batch above no fix's largest fit under it, and its replay at that "
+                "micro-batch did not run (the replays for the prescription ran out)"
+            )
+        elif list(fixes) == chosen.fixes and chosen.fits:
             entry.verdict, entry.reason = "prescribed", "the fastest that leaves the margin free"
         elif entry.measured:
             entry.verdict = "slower"

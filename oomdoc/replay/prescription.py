@@ -61,6 +61,8 @@ from oomdoc.replay.replayer import (
 )
 from oomdoc.replay.search import (
     batch_size_in,
+    micro_batches,
+    only_adds_work,
     saver_configurations,
 )
 from oomdoc.replay.timing import RETIME_NOISE, pooled
@@ -145,6 +147,7 @@ def prescription_for(
         plan_limits(candidates, points, limit)
         if not snapshot.oom_in_evaluation:
             candidates += planned_below(candidates, points, original, limit)
+        candidates += untimed_savers(state, original, not snapshot.oom_in_evaluation)
     measured: list[Candidate] = []
     chosen, interrupted = measured_choice(
         replayer, snapshot, state, candidates, original, reference, measured
@@ -173,6 +176,49 @@ def prescription_for(
         except ReplaysInterrupted:
             pass  # Ctrl-C during the check: the prescription stands without it
     return chosen
+
+
+def untimed_savers(state: ReplayState, original: int, accumulates: bool) -> list[Candidate]:
+    """A candidate for each configuration of savers whose search found no
+    batch that fits above the plain largest batch, at the micro-batch that
+    batch gives: assumed to fit there (a saver takes memory away), its
+    throughput unknown, so measured before it can be prescribed; unless it
+    cannot be faster than a configuration with fewer of its savers at a
+    micro-batch as large (the rest only adding work), said in not_searched."""
+    search = state.search
+    plain = search.best_run if search is not None else None
+    if search is None or plain is None or plain.peak_allocated_bytes is None:
+        return []
+    micro, _steps = batch_model.accumulation_plan(original, plain.batch_size, accumulates)
+    known = micro_batches(state)
+    untimed = []
+    for fixes, searched in state.saver_searches.items():
+        if any(run.fits for run in searched.trials):
+            continue
+        for smaller, smaller_micro in known.items():
+            extra = tuple(name for name in fixes if name not in smaller)
+            if set(smaller) < set(fixes) and only_adds_work(extra) and smaller_micro >= micro:
+                state.not_searched[fixes] = (
+                    f"no batch above {plain.batch_size} fit under it, and at micro-batches of "
+                    f"{micro} {' + '.join(extra)} only adds work to {' + '.join(smaller) or 'no fix'}"
+                )
+                break
+        else:
+            untimed.append(
+                Candidate(
+                    list(fixes),
+                    micro,
+                    plain.peak_allocated_bytes,
+                    None,
+                    f"{' + '.join(fixes)} at no fix's batch {plain.batch_size}",
+                    notes=[
+                        f"no batch above {plain.batch_size} fit under it: measured at the "
+                        "micro-batch no fix's largest batch gives"
+                    ],
+                    untimed=True,
+                )
+            )
+    return untimed
 
 
 def measured_points(state: ReplayState) -> list[tuple[tuple, int, int]]:
@@ -262,8 +308,13 @@ def measured_choice(
             if candidate.accumulation_record is not None:
                 with_accumulation(chosen, candidate, capacity)
             break
+        if candidate.untimed and (replays >= PRESCRIPTION_REPLAYS or interrupted or not fits):
+            remaining.remove(candidate)  # never prescribed unmeasured
+            continue
         if chosen.batch_size is None or (
-            chosen.accumulation_steps <= 1 and chosen.batch_size == candidate.batch_size
+            chosen.accumulation_steps <= 1
+            and chosen.batch_size == candidate.batch_size
+            and not candidate.untimed
         ):
             break  # measured as it is prescribed
         micro = chosen.batch_size
@@ -290,6 +341,13 @@ def measured_choice(
             continue
         if replay.outcome in ("timeout", "error") and planned:
             candidate.plan_limit = None  # measure the batch it ran instead
+            continue
+        if replay.outcome in ("timeout", "error") and candidate.untimed:
+            remaining.remove(candidate)  # never prescribed unmeasured
+            rejected.append(
+                f"{' + '.join(chosen.fixes)} at batch {chosen.batch_size} x "
+                f"{chosen.accumulation_steps} accumulation steps: {summarise(replay)}"
+            )
             continue
         if replay.outcome in ("timeout", "error"):
             chosen.accumulation_measured = False

@@ -341,6 +341,8 @@ def search_under(
     probe = saver_probe(state.search, at_original)
     if probe < 1:
         return None
+    # A saver fits at least where no fix fits (it only takes memory away):
+    # the search stays above the plain largest batch.
     return batch_model.search_max_batch(
         original,
         snapshot.device.capacity_bytes,
@@ -349,6 +351,7 @@ def search_under(
         probe=probe,
         max_trials=4,
         enough=enough,
+        floor=state.search.max_batch_size or 0,
     )
 
 
