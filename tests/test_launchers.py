@@ -185,3 +185,31 @@ def test_process_ranks_end_together_when_one_finished(tmp_path):
     assert by_rank[0]["waiting_at"]["function"] == "train"
     assert not by_rank[1]["ended_with_peers"]
     assert all(entry["outcome"] == "ok" and len(entry["steps"]) == 2 for entry in by_rank.values())
+
+
+def test_a_tensor_moves_to_shared_memory_under_the_simulated_device():
+    """torch.multiprocessing hands CPU tensors to its processes through shared
+    memory (Lightning's ddp_spawn passes the model so): under the simulated
+    device's dispatch mode torch's own check of that move failed; now it
+    moves, keeps its values, and the device counts the same bytes."""
+    import io
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch
+
+    from oomdoc.capture import shared_memory
+    from oomdoc.capture.backends import SimulatedBackend
+
+    backend = SimulatedBackend(1 << 30)
+    backend.install(None)
+    undo = shared_memory.install()
+    try:
+        weights = torch.arange(4096, dtype=torch.float32)
+        counted = backend.allocated_bytes()
+        weights.share_memory_()
+        ForkingPickler(io.BytesIO()).dump(torch.ones(256))  # as a process's argument
+        assert weights.is_shared() and weights[-1].item() == 4095.0
+        assert backend.allocated_bytes() >= counted >= weights.nbytes
+    finally:
+        undo()
+        backend.uninstall()
