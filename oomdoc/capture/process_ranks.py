@@ -104,6 +104,14 @@ def own_function(target: Any) -> bool:
     return target is not None and not module.startswith(("torch.", "oomdoc."))
 
 
+def pool_function(target: Any) -> bool:
+    """A process of the standard library's own (a `multiprocessing.Pool` or
+    `ProcessPoolExecutor` worker, a `Manager`'s server): the script's work
+    in it is a task it is sent, never a rank; named, never wrapped."""
+    module = getattr(target, "__module__", "") or ""
+    return module.startswith(("multiprocessing.", "concurrent."))
+
+
 def function_name(target: Any) -> str:
     return getattr(target, "__qualname__", None) or repr(target)
 
@@ -155,7 +163,8 @@ class ProcessRanks:
             if not own_function(target):
                 return original(self, *args, **kwargs)
             name = function_name(target)
-            self._target = ProcessTarget(target, ranks.rank_config, ranks.runner)
+            if not pool_function(target):
+                self._target = ProcessTarget(target, ranks.rank_config, ranks.runner)
             result = original(self, *args, **kwargs)
             ranks.started_one(StartedProcess(self, self.pid, name))
             return result
