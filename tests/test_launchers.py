@@ -141,16 +141,21 @@ def test_accelerate_notebook_launcher_ranks_are_captured_in_replays_too(tmp_path
     assert 0 < document["max_batch_size"] < 2048
 
 
-@pytest.mark.parametrize("start_method", ["spawn", "fork"])
-def test_processes_that_join_the_process_group_are_captured_as_ranks(tmp_path, start_method):
-    """The script starts two DDP ranks and a data-preparation process with
-    multiprocessing.Process: the ranks are capped and captured, the data
-    process (no process group) is named, not capped."""
+@pytest.mark.parametrize("start_method, function", [("spawn", "TrainerProcess"), ("fork", "train")])
+def test_processes_that_join_the_process_group_are_captured_as_ranks(
+    tmp_path, start_method, function
+):
+    """The script starts two DDP ranks (a Process subclass's `run`, or a
+    function) and a data-preparation process with multiprocessing.Process:
+    the ranks are capped and captured, the data process (no process group)
+    is named, not capped. (The spawn start method with a function: the test
+    below.)"""
+    subclass = ["--as-subclass"] if function == "TrainerProcess" else []
     completed, document = run_capped(
         tmp_path / "processes.json",
         "8MiB",
         MP_PROCESS_DDP,
-        ["--batch-size", "4096", "--start-method", start_method, "--port", free_port()],
+        ["--batch-size", "4096", "--start-method", start_method, "--port", free_port()] + subclass,
         ["--no-replay"],
         cwd=tmp_path,
     )
@@ -158,7 +163,7 @@ def test_processes_that_join_the_process_group_are_captured_as_ranks(tmp_path, s
     assert_every_rank_capped(document, 8 * MiB)
     assert document["launch"] == {"launcher": "multiprocessing.Process"}
     assert document["spawned_ranks"] == [
-        {"function": "train", "nprocs": 2, "launcher": "multiprocessing.Process"}
+        {"function": function, "nprocs": 2, "launcher": "multiprocessing.Process"}
     ]
     assert document["uncaptured_processes"] == [
         {"function": "prepare_data", "count": 1, "launcher": "multiprocessing.Process"}
@@ -174,7 +179,7 @@ def test_process_ranks_end_together_when_one_finished(tmp_path):
         tmp_path / "together.json",
         "64MiB",
         MP_PROCESS_DDP,
-        ["--steps", "2", "--rank0-final-stall", "600", "--start-method", "fork"]
+        ["--steps", "2", "--rank0-final-stall", "600", "--start-method", "spawn"]
         + ["--port", free_port()],
         ["--no-replay", "--max-steps", "2"],
         cwd=tmp_path,

@@ -18,8 +18,10 @@ is not in its capture (on the simulated device it does not count against
 the cap either): scripts join first, as DDP's tutorial does.
 
 In the script's process (the capture child) `Process.start` wraps the
-target of a process whose function is the script's (`ProcessTarget`,
-pickled by reference like the function); in the started process the
+target of a process whose function is the script's, or the `run` of the
+script's Process subclass (`ProcessTarget`, pickled by reference like the
+function; the standard library's Pool workers are never wrapped); in the
+started process the
 function runs under oomdoc.capture.child's `run_process`, which starts the
 rank's capture when the group is joined (first writing a `partial` capture
 with its pid: that marks the process as a rank) and writes
@@ -71,6 +73,17 @@ class ProcessTarget:
         return run_process(self.config, self.target, args, kwargs)
 
 
+class RunOf:
+    """The `run` of a Process subclass, as a function of no arguments
+    (pickled with its process, by reference to its class)."""
+
+    def __init__(self, process: Any):
+        self.process = process
+
+    def __call__(self) -> Any:
+        return type(self.process).run(self.process)
+
+
 def when_joining_the_group(joined: Callable[[int, int], None]) -> Callable[[], None]:
     """Call `joined(rank, world_size)` once, when this process joins the
     default process group. Returns the undo."""
@@ -98,8 +111,8 @@ def when_joining_the_group(joined: Callable[[int, int], None]) -> Callable[[], N
 
 
 def own_function(target: Any) -> bool:
-    """Whether a process's function is the script's (not torch's own, as
-    DataLoader workers and spawn's ranks, nor oomdoc's)."""
+    """Whether a process's function (or Process subclass) is the script's
+    (not torch's own, as DataLoader workers and spawn's ranks, nor oomdoc's)."""
     module = getattr(target, "__module__", "") or ""
     return target is not None and not module.startswith(("torch.", "oomdoc."))
 
@@ -160,11 +173,18 @@ class ProcessRanks:
 
         def start(self, *args, **kwargs):
             target = getattr(self, "_target", None)
-            if not own_function(target):
+            overridden = type(self).run is not process.BaseProcess.run
+            if overridden and own_function(type(self)) and not pool_function(type(self)):
+                # A subclass's own `run` (`class Trainer(Process)`): the
+                # instance's `run` runs it under capture.
+                name = function_name(type(self))
+                self.run = ProcessTarget(RunOf(self), ranks.rank_config, ranks.runner)
+            elif not overridden and own_function(target):
+                name = function_name(target)
+                if not pool_function(target):
+                    self._target = ProcessTarget(target, ranks.rank_config, ranks.runner)
+            else:
                 return original(self, *args, **kwargs)
-            name = function_name(target)
-            if not pool_function(target):
-                self._target = ProcessTarget(target, ranks.rank_config, ranks.runner)
             result = original(self, *args, **kwargs)
             ranks.started_one(StartedProcess(self, self.pid, name))
             return result

@@ -41,6 +41,17 @@ def train(rank, world_size, port, batch_size, steps, rank0_final_stall=0.0):
     dist.destroy_process_group()
 
 
+class TrainerProcess(mp.Process):
+    """The same rank as a Process subclass (--as-subclass)."""
+
+    def __init__(self, *train_args, **train_kwargs):
+        super().__init__()
+        self.train_args, self.train_kwargs = train_args, train_kwargs
+
+    def run(self):
+        train(*self.train_args, **self.train_kwargs)
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--batch-size", type=int, default=64)
@@ -49,20 +60,21 @@ if __name__ == "__main__":
     parser.add_argument("--port", type=int, default=29500)
     parser.add_argument("--start-method", choices=["spawn", "fork"], default="spawn")
     parser.add_argument("--rank0-final-stall", type=float, default=0.0, help="seconds")
+    parser.add_argument("--as-subclass", action="store_true", help="ranks as TrainerProcess")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    context = mp.get_context(args.start_method)
-    queue = context.Queue()
-    data = context.Process(target=prepare_data, args=(queue, 16, args.steps))
+    mp.set_start_method(args.start_method)
+    queue = mp.Queue()
+    data = mp.Process(target=prepare_data, args=(queue, 16, args.steps))
     data.start()
-    ranks = [
-        context.Process(
-            target=train,
-            args=(rank, args.world_size, args.port, args.batch_size, args.steps),
-            kwargs={"rank0_final_stall": args.rank0_final_stall},
-        )
-        for rank in range(args.world_size)
-    ]
+    ranks = []
+    for rank in range(args.world_size):
+        train_args = (rank, args.world_size, args.port, args.batch_size, args.steps)
+        train_kwargs = {"rank0_final_stall": args.rank0_final_stall}
+        if args.as_subclass:
+            ranks.append(TrainerProcess(*train_args, **train_kwargs))
+        else:
+            ranks.append(mp.Process(target=train, args=train_args, kwargs=train_kwargs))
     for process in ranks:
         process.start()
     for _ in range(args.steps):
