@@ -107,9 +107,10 @@ def uncaptured_work(snapshot: Snapshot) -> str:
     functions = ", ".join(f"`{entry.function}`" for entry in processes[:3])
     return (
         f"Not captured: the script's work ran in {count} process(es) it started with "
-        f"multiprocessing.Process ({functions}), which oomdoc does not see; start them with "
-        f"torch.multiprocessing.spawn (captured as ranks), or launch one process per device "
-        f"with `oomdoc run --nproc-per-node {count} SCRIPT`"
+        f"multiprocessing.Process ({functions}), which joined no process group, so oomdoc "
+        f"did not capture them; call torch.distributed.init_process_group in them or start "
+        f"them with torch.multiprocessing.spawn (captured as ranks), or launch one process per "
+        f"device with `oomdoc run --nproc-per-node {count} SCRIPT`"
     )
 
 

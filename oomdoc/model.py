@@ -118,9 +118,10 @@ class Breakdown:
 
 @dataclass
 class StartedProcesses:
-    """Processes the script started itself: `torch.multiprocessing.spawn`'s
-    (`nprocs`, captured as ranks) or `multiprocessing.Process` children
-    (`count`, not captured)."""
+    """Processes the script started itself: captured as ranks (`nprocs`:
+    `torch.multiprocessing.spawn`'s, new Python processes, `multiprocessing.Process`
+    children that joined the process group) or not (`count`: `multiprocessing.Process`
+    children that joined none)."""
 
     function: str = "?"
     nprocs: int = 0

@@ -36,7 +36,9 @@ from oomdoc.capture import (
     STARTED_ENV,
     choose_device,
     ddp_buckets,
+    process_ranks,
     relaunch,
+    shared_memory,
     spawned,
 )
 from oomdoc.capture.backends import Backend, CudaBackend, OutOfMemoryError, SimulatedBackend
@@ -257,18 +259,23 @@ def run(
 
         tracker.dataloader_batch_sizes = []
         watch_dataloaders(tracker.dataloader_batch_sizes)
-    undo_hooks = [ddp_buckets.install(tracker)]
+    undo_hooks = [ddp_buckets.install(tracker), shared_memory.install()]
     # Processes the script starts: torch.multiprocessing.spawn's are
-    # captured as ranks, others are named (oomdoc.capture.spawned).
-    relaunches = None
+    # captured as ranks (oomdoc.capture.spawned) ...
+    relaunches = processes = None
     if config.distributed is None:
         tracker.spawned_ranks, tracker.uncaptured_processes = [], []
         # ... and new Python processes a launcher starts as ranks (LOCAL_RANK
-        # set: Lightning's ddp, accelerate launch) are captured as ranks too.
+        # set: Lightning's ddp, accelerate launch) are captured as ranks too,
+        # as are multiprocessing.Process's that join the process group
+        # (oomdoc.capture.process_ranks); the others are named.
         relaunches = relaunch.Relaunches(config, tracker.spawned_ranks)
+        processes = process_ranks.ProcessRanks(
+            config, tracker.spawned_ranks, tracker.uncaptured_processes, _RUN_PROCESS
+        )
         undo_hooks += [
             spawned.install(config, tracker.spawned_ranks, _RUN_RANK),
-            spawned.watch_processes(tracker.uncaptured_processes),
+            processes.install(),
             relaunches.install(),
         ]
 
@@ -337,6 +344,8 @@ def run(
     if relaunches is not None:
         # Their captures are read with this one: they end first (bounded).
         relaunches.wait(replay=config.max_steps is not None)
+    if processes is not None:
+        processes.wait()
     parallel.finish()  # blocks when its signal watcher writes the capture
     write_capture(config, backend, tracker, outcome, exit_code, error, timings)
     if gate is not None and gate.shared:
@@ -364,37 +373,109 @@ def run_rank(config: ChildConfig, index: int, nprocs: int, fn: Callable, args: t
         config, result_path=config.result_path.format(index=index), artifact_dir=artifact_dir
     )
     os.makedirs(artifact_dir, exist_ok=True)
-    timings = {"run_started": time.time(), "imported": time.time()}
-    rank = {
-        "rank": index,
-        "local_rank": index,
-        "world_size": nprocs,
-        "local_world_size": nprocs,
+    rank = RankCapture(config, _rank_fields(index, nprocs, "torch.multiprocessing.spawn"))
+    return _run_as_rank(lambda: fn(index, *args), lambda: rank)
+
+
+# run_process by name, for the processes the script starts with multiprocessing.Process.
+_RUN_PROCESS = "oomdoc.capture.child:run_process"
+
+
+def run_process(config: ChildConfig, target: Callable, args: tuple, kwargs: dict) -> Any:
+    """Run the function of a process the script started with
+    `multiprocessing.Process`: captured as a rank from when it joins the
+    default process group, else as without oomdoc (oomdoc.capture.process_ranks)."""
+    ranks: list[RankCapture] = []
+
+    def joined(rank: int, world_size: int) -> None:
+        fields = _rank_fields(rank, world_size, process_ranks.LAUNCHER)
+        ranks.append(RankCapture(config, fields, mark_started=True))
+        # Stopped by oomdoc as its peers end: the capture is still written.
+        signal.signal(signal.SIGTERM, _on_sigterm)
+
+    undo = process_ranks.when_joining_the_group(joined)
+    try:
+        return _run_as_rank(lambda: target(*args, **kwargs), lambda: ranks[0] if ranks else None)
+    finally:
+        undo()
+
+
+def _rank_fields(rank: int, world_size: int, launcher: str) -> dict:
+    """A started rank's place in the job (one host: its local rank is its rank)."""
+    return {
+        "rank": rank,
+        "local_rank": rank,
+        "world_size": world_size,
+        "local_world_size": world_size,
         "node_rank": None,
         "host": socket.gethostname(),
         "pid": os.getpid(),
-        "launcher": "torch.multiprocessing.spawn",
+        "launcher": launcher,
     }
-    parallel = ParallelCapture(config, rank=rank)
-    backend = make_backend(config)
-    tracker = tracker_for(config, backend)
-    tracker.install()
-    backend.install(tracker)
-    parallel.install(
-        tracker, backend, lambda o, c: _watcher_write(config, backend, tracker, o, c, timings)
-    )
-    if config.fix:
-        apply_fix(config.fix, tracker)
-    undo_buckets = ddp_buckets.install(tracker)
-    outcome, exit_code, error, failure = "ok", 0, None, None
-    timings["script_started"] = time.time()
+
+
+class RankCapture:
+    """The capture of a rank the script started: installed when made, written by `end`."""
+
+    def __init__(self, config: ChildConfig, rank: dict, mark_started: bool = False):
+        """`mark_started`: first write a `partial` capture with this process's
+        pid, which marks it as a rank (oomdoc.capture.process_ranks)."""
+        self.timings = {"run_started": time.time(), "imported": time.time()}
+        self.parallel = ParallelCapture(config, rank=rank)  # (fills the rank into the paths)
+        self.config = config
+        if mark_started:
+            write_atomic(
+                config.result_path, dumps({"partial": True, "pid": os.getpid()}), overwrite=True
+            )
+        self.backend = backend = make_backend(config)
+        self.tracker = tracker = tracker_for(config, backend)
+        tracker.install()
+        backend.install(tracker)
+        self.parallel.install(
+            tracker,
+            backend,
+            lambda o, c: _watcher_write(config, backend, tracker, o, c, self.timings),
+        )
+        if config.fix:
+            apply_fix(config.fix, tracker)
+        self.undo_hooks = [ddp_buckets.install(tracker), shared_memory.install()]
+        self.timings["script_started"] = time.time()
+
+    def end(
+        self, outcome: str, exit_code: int, error: dict | None, failure: BaseException | None
+    ) -> None:
+        if failure is not None:
+            self.parallel.note_failure(failure)
+        self.timings["script_ended"] = time.time()
+        self.parallel.finish()
+        write_capture(
+            self.config, self.backend, self.tracker, outcome, exit_code, error, self.timings
+        )
+        for undo in reversed(self.undo_hooks):
+            undo()
+        self.tracker.uninstall()
+        self.backend.uninstall()
+
+
+def _run_as_rank(call: Callable[[], Any], rank_of: Callable[[], RankCapture | None]) -> Any:
+    """`call()`, the function of a rank the script started, and then its
+    capture (`rank_of()`, None while it has none) written with how it
+    ended; its exception goes on as without oomdoc."""
+    outcome, exit_code, error = "ok", 0, None
+    failure: BaseException | None = None
     try:
         try:
-            return fn(index, *args)
+            return call()
         finally:
-            _script_ended(backend)
+            rank = rank_of()
+            if rank is not None:
+                _script_ended(rank.backend)
     except StopRun:
         return None  # a replay's stop: this rank ends cleanly
+    except (KeyboardInterrupt, Terminated) as exc:
+        outcome, failure = "interrupted", exc
+        exit_code = 130 if isinstance(exc, KeyboardInterrupt) else 143
+        raise
     except OutOfMemoryError as exc:
         outcome, exit_code, failure = "oom", 1, exc
         error = {"type": type(exc).__name__, "message": str(exc)}
@@ -404,14 +485,9 @@ def run_rank(config: ChildConfig, index: int, nprocs: int, fn: Callable, args: t
         error = {"type": type(exc).__name__, "message": str(exc)[:2000]}
         raise
     finally:
-        if failure is not None:
-            parallel.note_failure(failure)
-        timings["script_ended"] = time.time()
-        parallel.finish()
-        write_capture(config, backend, tracker, outcome, exit_code, error, timings)
-        undo_buckets()
-        tracker.uninstall()
-        backend.uninstall()
+        rank = rank_of()
+        if rank is not None:
+            rank.end(outcome, exit_code, error, failure)
 
 
 def run_script(path: str) -> None:

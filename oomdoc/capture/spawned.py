@@ -8,8 +8,8 @@ fields), runs the function, writes `capture-spawned{index}.json` beside the
 child's own capture, and lets the function's exception go on as it would
 without oomdoc, so the script's own error handling and exit status are
 unchanged. The parent merges those captures as the ranks of one job
-(oomdoc.runner). Processes started otherwise (`multiprocessing.Process`)
-are not captured: the child names them (`uncaptured_processes`).
+(oomdoc.runner). Processes started with `multiprocessing.Process` are
+oomdoc.capture.process_ranks's.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def install(config: ChildConfig, started: list, runner: str) -> Callable[[], Non
     signature = inspect.signature(original)
 
     def start_processes(fn, args=(), nprocs=1, *rest, **kwargs):
-        started.append({"function": getattr(fn, "__qualname__", repr(fn)), "nprocs": int(nprocs)})
+        started.append({"function": function_started(fn, args), "nprocs": int(nprocs)})
         captured = CapturedRank(fn, spawned, int(nprocs), runner)
         bound = signature.bind(captured, args, nprocs, *rest, **kwargs)
         join = bound.arguments.get("join", True)
@@ -100,6 +100,17 @@ def install(config: ChildConfig, started: list, runner: str) -> Callable[[], Non
             module.start_processes = original  # type: ignore[attr-defined]  # (as above)
 
     return undo
+
+
+def function_started(fn: Callable, args: Any) -> str:
+    """The name of the function the processes run: the script's, where
+    torch's elastic agent (accelerate's notebook_launcher) starts them
+    through its own wrapper, whose first argument it is."""
+    name = getattr(fn, "__qualname__", None) or repr(fn)
+    elastic = getattr(fn, "__module__", "") == "torch.distributed.elastic.multiprocessing.api"
+    if elastic and name == "_wrap" and isinstance(args, tuple) and args and callable(args[0]):
+        return getattr(args[0], "__qualname__", None) or name
+    return name
 
 
 def join_together(context: Any, result_path: str) -> None:
@@ -140,35 +151,3 @@ def mark_ended_with_peers(path: str) -> None:
         return  # killed before it wrote one: the merge names it
     ended_with_the_replay(capture)
     write_atomic(path, json.dumps(capture), overwrite=True)
-
-
-def watch_processes(started: list) -> Callable[[], None]:
-    """Note the processes the script starts with `multiprocessing` itself
-    (not torch's own: DataLoader workers, the ranks `spawn` starts, which
-    are captured): their work is not captured, and the report says so.
-    Returns the undo."""
-    import multiprocessing.process as process
-
-    original = process.BaseProcess.start
-
-    def start(self, *args, **kwargs):
-        target = getattr(self, "_target", None)
-        module = getattr(target, "__module__", "") or ""
-        if target is not None and not module.startswith(("torch.", "oomdoc.")):
-            name = getattr(target, "__qualname__", None) or repr(target)
-            for entry in started:
-                if entry["function"] == name:
-                    entry["count"] += 1
-                    break
-            else:
-                started.append(
-                    {"function": name, "count": 1, "launcher": "multiprocessing.Process"}
-                )
-        return original(self, *args, **kwargs)
-
-    process.BaseProcess.start = start  # type: ignore[method-assign]
-
-    def undo() -> None:
-        process.BaseProcess.start = original  # type: ignore[method-assign]
-
-    return undo

@@ -39,7 +39,7 @@ from typing import Any
 from oomdoc.capture import CONFIG_ENV, PEER_GRACE_S, STARTED_ENV
 from oomdoc.child_config import ChildConfig, DistributedJob
 from oomdoc.distributed import DistOptions
-from oomdoc.distributed.merge import ended_with_the_replay, read_captures
+from oomdoc.distributed.merge import ended_only_with_peers, ended_with_the_replay, read_captures
 from oomdoc.runner import ChildRequest, ChildResult, child_config, child_env
 
 KILL_GRACE_S = 10.0
@@ -341,9 +341,7 @@ def finished_with_peers(result: JobResult) -> None:
     if not any(capture.get("outcome") == "ok" for capture in result.captures):
         return
     for capture in result.captures:
-        outcome = capture.get("outcome")
-        in_collective = bool((capture.get("waiting_at") or {}).get("collective"))
-        if outcome == "interrupted" or (outcome == "error" and in_collective):
+        if ended_only_with_peers(capture):
             ended_with_the_replay(capture)
     if all(capture.get("outcome") == "ok" for capture in result.captures) and not result.missing:
         result.exit_code = 0

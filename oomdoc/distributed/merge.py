@@ -72,6 +72,16 @@ def ended_with_the_replay(capture: dict) -> None:
     capture.update(outcome="ok", exit_code=0, error=None, ended_with_peers=True)
 
 
+def ended_only_with_peers(capture: dict) -> bool:
+    """In a replay where a rank finished: whether this rank ended without
+    finishing only because of that, stopped by oomdoc or the launcher
+    (`interrupted`) or failed in a collective whose peer had gone (gloo
+    raises at once)."""
+    outcome = capture.get("outcome")
+    in_collective = bool((capture.get("waiting_at") or {}).get("collective"))
+    return outcome == "interrupted" or (outcome == "error" and in_collective)
+
+
 def rank_entry(capture: dict) -> dict:
     """A rank's summary in the job document's `ranks`."""
     rank = capture.get("rank") or {}
