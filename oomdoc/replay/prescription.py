@@ -256,7 +256,9 @@ def measured_choice(
 ) -> tuple[Optional[Prescription], bool]:
     """The prescription among the candidates, and whether Ctrl-C stopped its
     replay (the candidates it measured as prescribed, and those it planned
-    on the way, are added to `measured`: the report lists what was weighed). A candidate was measured at one batch without accumulation; when
+    on the way, are added to `measured`: the report lists what was weighed).
+
+    A candidate was measured at one batch without accumulation; when
     its prescription accumulates, one more replay runs exactly the prescribed
     configuration, accumulation included (the later micro-batches' forward
     runs with the earlier ones' gradients alive, which can peak higher): its
@@ -308,7 +310,14 @@ def measured_choice(
             if candidate.accumulation_record is not None:
                 with_accumulation(chosen, candidate, capacity)
             break
-        if candidate.untimed and (replays >= PRESCRIPTION_REPLAYS or interrupted or not fits):
+        out_of_replays = replays >= PRESCRIPTION_REPLAYS or interrupted
+        if out_of_replays and any(
+            other.exact and other.peak_allocated_bytes <= limit for other in remaining
+        ):
+            # No replay left to measure a bound: the measured ones decide.
+            remaining = [other for other in remaining if other.exact]
+            continue
+        if candidate.untimed and (out_of_replays or not fits):
             remaining.remove(candidate)  # never prescribed unmeasured
             continue
         if chosen.batch_size is None or (
