@@ -306,7 +306,7 @@ class FixResult:
     rank: Optional[int] = None
     measured: bool = True
     title: Optional[str] = None
-    outcome: Optional[str] = None  # fits | oom | timeout | error (measured)
+    outcome: Optional[str] = None  # fits | oom | timeout | error | grows (measured)
     fits: bool = False
     peak_allocated_bytes: Optional[int] = None
     peak_reserved_bytes: Optional[int] = None
@@ -316,7 +316,7 @@ class FixResult:
     replay_s: Optional[float] = None
     detail: Optional[str] = None
     snippet: Optional[str] = None
-    # Under a leak: by how many steps the fix would postpone the OOM.
+    # Its replay still leaks (grows): by how many steps the fix would postpone the OOM.
     delays_oom_by_steps: Optional[int] = when_set()
     # The batch search's result (the fix that searches the batch): the
     # largest batch that fits, the micro-batch and accumulation steps that

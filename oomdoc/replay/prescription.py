@@ -392,7 +392,8 @@ def measured_choice(
                 break
         rejected.append(
             f"{' + '.join(chosen.fixes) or 'no fix'} at batch {chosen.batch_size} x "
-            f"{chosen.accumulation_steps} accumulation steps: {summarise(replay)}, over the margin"
+            f"{chosen.accumulation_steps} accumulation steps: {summarise(replay)}"
+            + ("" if replay.outcome == "grows" else ", over the margin")
         )
         if planned:
             # Plan below the micro-batch that went over, down to the batch it ran.
