@@ -307,7 +307,7 @@ class FixResult:
     rank: Optional[int] = None
     measured: bool = True
     title: Optional[str] = None
-    outcome: Optional[str] = None  # fits | oom | timeout | error (measured)
+    outcome: Optional[str] = None  # fits | oom | timeout | error | grows (measured)
     fits: bool = False
     peak_allocated_bytes: Optional[int] = None
     peak_reserved_bytes: Optional[int] = None
@@ -323,7 +323,7 @@ class FixResult:
     # Why step_time_ratio is not given: a ratio that cannot be (a fix that
     # only adds work measured faster than the step without it), with its value.
     step_time_flag: Optional[str] = when_set()
-    # Under a leak: by how many steps the fix would postpone the OOM.
+    # Its replay still leaks (grows): by how many steps the fix would postpone the OOM.
     delays_oom_by_steps: Optional[int] = when_set()
     # The batch search's result (the fix that searches the batch): the
     # largest batch that fits, the micro-batch and accumulation steps that

@@ -10,27 +10,21 @@ import pytest
 from conftest import SCRIPTS, load_json, run_capped, run_oomdoc
 
 
-def test_a_leak_is_prescribed_its_remedy_and_no_fix_fits(tmp_path):
+def run_leak(tmp_path, capacity: str, mode: str, *options: str):
+    """The leaking loop of suggest_leak_total_loss.py (80 steps) under oomdoc
+    run on the simulated device: (the CLI's result, its snapshot)."""
     snapshot_path = tmp_path / "leak.json"
     completed = run_oomdoc(
-        [
-            "run",
-            "--device",
-            "cpu",
-            "--device-memory",
-            "8MiB",
-            "-o",
-            snapshot_path,
-            SCRIPTS / "suggest_leak_total_loss.py",
-            "--steps",
-            "80",
-            "--mode",
-            "sum-retain",
-        ],
+        ["run", "--device", "cpu", "--device-memory", capacity, *options, "-o", snapshot_path]
+        + [SCRIPTS / "suggest_leak_total_loss.py", "--steps", "80", "--mode", mode],
         timeout=600,
     )
     assert completed.returncode == 1, completed.stderr
-    document = load_json(snapshot_path)
+    return completed, load_json(snapshot_path)
+
+
+def test_a_leak_is_prescribed_its_remedy_and_no_fix_fits(tmp_path):
+    completed, document = run_leak(tmp_path, "8MiB", "sum-retain")
     assert document["outcome"] == "oom"
     prescription = document["prescription"]
     assert prescription["kind"] == "leak" and prescription["measured"] is False
@@ -43,6 +37,27 @@ def test_a_leak_is_prescribed_its_remedy_and_no_fix_fits(tmp_path):
     grows = [fix for fix in document["fixes"] if fix.get("outcome") == "grows"]
     assert grows and all("delays_oom_by_steps" in fix for fix in grows)
     assert "Prescription: fix the leak first" in completed.stderr
+
+
+def test_under_a_leak_a_fix_that_halves_its_growth_still_grows(tmp_path):
+    """`history.append(hidden.detach())` keeps 64 KiB a step; autocast halves
+    that, and over a replay's six steps 32 KiB a step is under the leak
+    diagnosis's run-wide floor: it is still the leak, judged against the
+    failing run's own growth per step (oomdoc.replay.leaks), so it does not
+    fit. (Only autocast: checkpointing keeps all 64 KiB, which grew by the
+    run-wide floor too.)"""
+    completed, document = run_leak(tmp_path, "5MiB", "outputs", "--fixes", "autocast")
+    assert document["prescription"]["kind"] == "leak"
+    fixes = {fix["name"]: fix for fix in document["fixes"]}
+    assert "autocast" in fixes, document["replay"]["skipped"]
+    assert not any(fix["fits"] for fix in fixes.values())
+    autocast = fixes["autocast"]
+    assert autocast["outcome"] == "grows", autocast
+    assert "still grows by 32.00 KiB per step" in autocast["detail"]
+    assert "the leak: 64.00 KiB per step in the failing run" in autocast["detail"]
+    # Half the growth: it runs out of memory later than the failing run did.
+    assert autocast["delays_oom_by_steps"] > 0
+    assert "autocast: still leaks" in completed.stderr
 
 
 def printed_command(prescription, script) -> list[str]:

@@ -31,6 +31,7 @@ from typing import Any, Callable
 
 from oomdoc.fixes.optimizer import optimizer_state_estimate
 from oomdoc.model import Snapshot, Step
+from oomdoc.replay.leaks import StillLeaks
 from oomdoc.replay.timing import step_timing, timed_steps
 
 FIRST, STEADY = "first", "steady"
@@ -72,6 +73,9 @@ class BatchRun:
     inconclusive: bool = False  # timed out or failed otherwise: says nothing about memory
     wall_s: float = 0.0
     note: str = ""
+    # Ran its steps without an OOM but still leaks (oomdoc.replay.leaks): no
+    # fit, and a smaller batch would only delay the OOM.
+    still_leaks: StillLeaks | None = None
     replay: Any = None  # the replay that measured it (oomdoc.replay.replayer.Replay)
 
 
@@ -88,12 +92,17 @@ def median_step_seconds(steps: list[Step]) -> float | None:
     return timing.step_s if timing is not None else None
 
 
-def observe(capture: Snapshot, batch_size: int) -> BatchRun:
-    """Read a run (the failing one, or a replay's capture) into a BatchRun."""
+def observe(capture: Snapshot, batch_size: int, still_leaks: StillLeaks | None = None) -> BatchRun:
+    """Read a run (the failing one, or a replay's capture) into a BatchRun.
+    `still_leaks`: the replay ran its steps but still leaks (its Replay's
+    `leaks`): it does not fit."""
     outcome = capture.outcome
     oom = capture.oom if outcome == "oom" else None
     run = BatchRun(
-        batch_size=int(batch_size), fits=outcome == "ok", inconclusive=outcome not in ("ok", "oom")
+        batch_size=int(batch_size),
+        fits=outcome == "ok" and still_leaks is None,
+        inconclusive=outcome not in ("ok", "oom"),
+        still_leaks=still_leaks,
     )
     # Steps per backward (no optimizer) are iterations as optimizer steps are.
     by_optimizer = capture.step_unit in ("optimizer", "backward")
@@ -480,6 +489,13 @@ def search_max_batch(
     # does lose about that much here.
     halfway_failed = False
     while hi - lo > 1 and len(result.trials) < max_trials:
+        leaking = next((run for run in runs if run.still_leaks is not None), None)
+        if leaking is not None:
+            result.stopped = (
+                f"the replay at batch size {leaking.batch_size} still leaks: "
+                "a smaller batch would only delay the OOM"
+            )
+            break
         answered = enough(lo, hi) if enough is not None and lo > 0 else None
         if answered:
             result.stopped = answered

@@ -18,7 +18,6 @@ import sys
 from typing import Any, Optional, TextIO
 
 from oomdoc.diagnosis.leak import rule as leak_rule
-from oomdoc.diagnosis.steps import steady_growth
 from oomdoc.fixes import FIXES, Fix, fix_named
 from oomdoc.fixes.base import SnippetContext
 from oomdoc.fixes.optimizer import optimizer_state_estimate
@@ -65,7 +64,6 @@ from oomdoc.runner import ChildRequest, ChildSignals, WarmPool
 from oomdoc.script_flags import (
     spelled,
 )
-from oomdoc.sizes import format_bytes
 
 # The entry points callers import from here (oomdoc.cli, oomdoc.session,
 # oomdoc.distributed.session, the benchmarks).
@@ -175,7 +173,7 @@ def replay_single(replayer: Replayer, fix: Fix, snapshot: Snapshot, state: Repla
     changed nothing."""
     request = fix.request(snapshot)
     replay = replayer.run(request.payload, fix.name, extra_env=request.env)
-    ran = replay.outcome in ("fits", "oom")
+    ran = replay.ran
     reason = fix.not_applied(replay.applied) if ran else None
     if reason:
         state.skipped.append(Skipped(fix.name, reason))
@@ -185,40 +183,15 @@ def replay_single(replayer: Replayer, fix: Fix, snapshot: Snapshot, state: Repla
     result = result_from(
         replay, fix, detail, snippet_in_framework(snapshot, fix.name, request.context)
     )
-    if replayer.leak and replay.fits and replay.capture is not None:
-        still_leaking(result, replay.capture, snapshot)
     state.results.append(result)
     state.replays[fix.name] = replay
     if ran:
         state.applied.add(fix.name)
 
 
-def still_leaking(result: FixResult, capture: Snapshot, failing: Snapshot) -> None:
-    """Under a leak, a replay that ran its few steps without an OOM fits only
-    if memory stopped growing; otherwise it says by how many steps it would
-    delay the OOM."""
-    growth = steady_growth(capture)
-    if growth is None:
-        return
-    _first, last, per_step, count = growth
-    result.fits = False
-    result.outcome = "grows"
-    capacity = failing.device.capacity_bytes
-    last_step = capture.steps[-1] if capture.steps else None
-    oom_step = (failing.oom.step if failing.oom else None) or 0
-    text = f"memory still grows by {format_bytes(per_step)} per step (the leak)"
-    if per_step > 0 and last_step is not None and capacity:
-        reaches = last_step.index + max(0, capacity - last_step.peak_allocated_bytes) // per_step
-        delay = int(reaches - oom_step)
-        text += (
-            f": it would run out of memory near step {reaches}, "
-            f"{delay:+d} steps from the failing run's step {oom_step}"
-        )
-        result.delays_oom_by_steps = delay
-    result.detail = f"{text}; {result.detail}" if result.detail else text
-
-
 def result_from(replay: Replay, fix: Fix, detail: str, snippet: str) -> FixResult:
+    """A fix's result as its replay measured it (one that still leaks, its
+    outcome `grows`, says how and by how many steps it delays the OOM)."""
     if replay.outcome != "fits" and replay.message:
         detail = f"{replay.message}; {detail}" if detail else replay.message
     if replay.outcome in ("timeout", "error") and replay.log_path:
@@ -237,6 +210,7 @@ def result_from(replay: Replay, fix: Fix, detail: str, snippet: str) -> FixResul
         detail=detail,
         snippet=snippet,
         measured=True,
+        delays_oom_by_steps=replay.leaks.delays_oom_by_steps if replay.leaks else None,
     )
 
 
@@ -415,6 +389,14 @@ def finish(snapshot: Snapshot, replayer: Replayer, state: ReplayState, progress:
     snapshot.fixes = rank_fixes(results)
     snapshot.max_batch_size = search.max_batch_size if search is not None and search.exact else None
     snapshot.prescription = prescription_for(snapshot, replayer, state)
+    leaking = [(replay.label, replay.leaks) for replay in replayer.replays if replay.leaks]
+    if leaking and not replayer.leak:
+        # The failing run ended too early to show its leak; a replay did.
+        label, leaks = leaking[0]
+        snapshot.notes.append(
+            f"The replay {label!r} leaks ({leaks.text}): "
+            "no configuration fits until the leak is fixed; each only delays the OOM."
+        )
     summary = ReplaySummary(
         replays=len(replayer.replays),
         total_s=round(progress.total(), 2),

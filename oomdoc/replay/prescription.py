@@ -378,7 +378,8 @@ def measured_choice(
                 continue
         rejected.append(
             f"{' + '.join(chosen.fixes) or 'no fix'} at batch {chosen.batch_size} x "
-            f"{chosen.accumulation_steps} accumulation steps: {summarise(replay)}, over the margin"
+            f"{chosen.accumulation_steps} accumulation steps: {summarise(replay)}"
+            + ("" if replay.outcome == "grows" else ", over the margin")
         )
         over = None
         if replay.fits and replay.peak_allocated_bytes is not None:

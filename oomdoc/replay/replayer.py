@@ -32,6 +32,7 @@ from oomdoc.replay.lanes import (
     host_available_bytes,
     room_to_share,
 )
+from oomdoc.replay.leaks import StillLeaks, leak_growth_per_step, still_leaks
 from oomdoc.replay.progress import Progress
 from oomdoc.replay.timing import step_timing
 from oomdoc.runner import ChildRequest, ChildResult, ChildSignals, WarmPool, run_child
@@ -41,7 +42,8 @@ MIN_REPLAY_TIMEOUT_S = 120.0
 
 
 # Under a leak, replays run this many steps: enough to see whether memory
-# still grows per step (and by how much), far fewer than the failing run.
+# still grows per step (and by how much: oomdoc.replay.leaks needs
+# MIN_DELTAS + 2), far fewer than the failing run.
 LEAK_REPLAY_STEPS = 6
 # Steps a replay runs at least. On CUDA with an optimizer: its state is made
 # in the first step's optimizer.step, and two more steps run with it
@@ -69,7 +71,9 @@ class Replay:
     """One replay's outcome, measured."""
 
     label: str
-    outcome: str  # fits | oom | timeout | error
+    # fits | oom | timeout | error | grows (ran its steps without an OOM, but
+    # still leaks: oomdoc.replay.leaks; `leaks` says how)
+    outcome: str
     peak_allocated_bytes: int | None = None
     peak_reserved_bytes: int | None = None
     step_s: float | None = None
@@ -93,6 +97,8 @@ class Replay:
     # Run a second time, with the device to itself throughout, because its
     # step time came from a step timed while other replays shared the device.
     timed_again_alone: bool = False
+    # Ran its steps without an OOM but still leaks (outcome `grows`): how.
+    leaks: Optional[StillLeaks] = None
 
     def timing(self) -> dict:
         """Where the replay's time went, for the snapshot's replay summary."""
@@ -111,6 +117,11 @@ class Replay:
     @property
     def fits(self) -> bool:
         return self.outcome == "fits"
+
+    @property
+    def ran(self) -> bool:
+        """It ran its steps or ran out of memory: it measured the fix."""
+        return self.outcome in ("fits", "oom", "grows")
 
     @property
     def interrupted(self) -> bool:
@@ -189,6 +200,9 @@ class Replayer:
         if options.max_steps:
             self.max_steps = min(self.max_steps, max(options.max_steps, 1))
         self.leak = leak
+        # The failing run's growth per step under a leak, which a replay
+        # that still grows is judged against (oomdoc.replay.leaks).
+        self.leak_per_step = leak_growth_per_step(snapshot) if leak else None
         self.timeout_s = options.replay_timeout_s or default_timeout(snapshot)
         self.replays: list[Replay] = []
         self.jobs = max(1, jobs)
@@ -362,7 +376,8 @@ class Replayer:
             result = self.launch(child)
         else:
             result = run_child(child, pool=self.pool, signals=self.signals, cancel=job.cancel)
-        return result, measure(result, label, child.output_path or "")
+        replay = measure(result, label, child.output_path or "", self.snapshot, self.leak_per_step)
+        return result, replay
 
     def discard_ahead(self, keep: Iterable[Optional[tuple]] = ()) -> None:
         """The decisions will ask for none of the replays started ahead that
@@ -460,7 +475,16 @@ def default_timeout(snapshot: Snapshot) -> float:
     return max(MIN_REPLAY_TIMEOUT_S, 4 * (spent + 15))
 
 
-def measure(result: ChildResult, label: str, log_path: str) -> Replay:
+def measure(
+    result: ChildResult,
+    label: str,
+    log_path: str,
+    failing: Optional[Snapshot] = None,
+    leak_per_step: Optional[int] = None,
+) -> Replay:
+    """The replay's outcome from its child's result. One that ran its steps
+    without an OOM fits unless it still leaks (oomdoc.replay.leaks, judged
+    against the `failing` run and its leak's growth per step): it grows."""
     capture = Snapshot.from_dict(result.capture) if result.capture is not None else None
     replay = Replay(
         label=label,
@@ -492,6 +516,9 @@ def measure(result: ChildResult, label: str, log_path: str) -> Replay:
         timing = step_timing(capture.steps)
         if timing is not None:
             replay.step_s, replay.step_noise = timing.step_s, timing.noise
+        replay.leaks = still_leaks(capture, failing, leak_per_step) if failing else None
+        if replay.leaks is not None:
+            replay.outcome, replay.message = "grows", replay.leaks.text
     elif capture.outcome == "oom" and capture.oom is not None:
         oom = capture.oom
         replay.outcome = "oom"
@@ -511,6 +538,8 @@ def summarise(replay: Replay) -> str:
         return f"fits, peak {format_bytes(replay.peak_allocated_bytes)}"
     if replay.outcome == "oom":
         return f"out of memory (needs more than {format_bytes(replay.peak_allocated_bytes)})"
+    if replay.outcome == "grows":
+        return f"still leaks, peak {format_bytes(replay.peak_allocated_bytes)} so far"
     if replay.outcome == "timeout":
         return "timed out"
     return f"failed: {replay.message[:120]}"

@@ -132,7 +132,7 @@ def search_batch(
             f"{batch.name} (DataLoader batch / {divisor})",
         )
         record = probe_replay.applied.get(batch.name) or {}
-        if probe_replay.outcome in ("fits", "oom") and not record.get("patched"):
+        if probe_replay.ran and not record.get("patched"):
             return None, info, no_batch_size()
         if not record.get("original_batch_size") or not record.get("batch_size"):
             return None, info, f"the first smaller-batch replay failed: {probe_replay.message}"
@@ -171,7 +171,7 @@ def to_batch_run(replay: Replay, batch_size: int) -> batch_model.BatchRun:
             batch_size=batch_size, fits=False, inconclusive=True, note=replay.message
         )
     else:
-        run = batch_model.observe(replay.capture, batch_size)
+        run = batch_model.observe(replay.capture, batch_size, still_leaks=replay.leaks)
     run.wall_s = replay.wall_s
     run.replay = replay
     return run

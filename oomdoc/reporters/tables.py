@@ -120,7 +120,9 @@ def measured_fix_rows(analysis: Analysis) -> list[list[str]]:
         fits_text = (
             "yes"
             if fix.fits
-            else {"timeout": "timed out", "error": "failed"}.get(fix.outcome or "", "no")
+            else {"timeout": "timed out", "error": "failed", "grows": "leaks"}.get(
+                fix.outcome or "", "no"
+            )
         )
         saved = fix.saved_bytes
         rows.append(
@@ -324,6 +326,8 @@ def not_enough_alone(fixes: list[FixResult]) -> list[str]:
             if fix.peak_allocated_bytes
             else "did not finish"
         )
+        if fix.outcome == "grows":
+            need = f"still leaks, peak {format_bytes(fix.peak_allocated_bytes)} so far"
         lines.append(f"{fix.name}: {need} ({fix.detail or fix.outcome or ''})")
     return lines
 

@@ -290,6 +290,8 @@ def _fix_status(fix: FixResult) -> str:
         return "timed out"
     if fix.outcome == "error":
         return "failed"
+    if fix.outcome == "grows":
+        return "still leaks"
     return "out of memory" if fix.measured else "does not fit"
 
 
