@@ -29,6 +29,8 @@ def test_a_timing_is_the_median_of_the_steps_after_the_first_and_their_spread():
     assert timing == StepTiming(1.0, 0.2, 3)
     assert step_timing(steps(9.0, 2.0)) == StepTiming(2.0, None, 1)  # one timed step: unseen
     assert step_timing(steps(9.0)) == StepTiming(9.0, None, 1)
+    # One slow step (an epoch's end) does not make the timing noisy.
+    assert step_timing(steps(9.0, 1.0, 1.02, 3.0)) == StepTiming(1.02, 0.0196, 3)
     assert step_timing([]) is None
 
 
@@ -101,3 +103,49 @@ def test_a_saver_whose_estimated_largest_batch_gives_no_larger_micro_batch_is_no
     assert estimated_no_larger(("checkpointing",), run, {(): 16}, 256) is None
     run.estimated_max = None
     assert estimated_no_larger(("checkpointing",), run, {(): 16}, 256) is None
+
+
+def test_a_search_above_an_assumed_floor_bisects_while_nothing_fits():
+    """Lightning's encoder on the H100: under autocast nothing above no fix's
+    largest batch (24) fits. The lower bounds of the OOMs alone put every
+    prediction just under the last OOM (57, 56, 55, 54 were tried); above
+    the floor the search bisects instead, and stops once any largest batch
+    left gives the same prescription."""
+    from oomdoc.replay.batch import BatchRun, accumulation_plan, search_max_batch
+
+    asked = []
+
+    def trial(batch_size):
+        asked.append(batch_size)
+        run = BatchRun(batch_size=batch_size, fits=False)
+        run.lower_bounds[("first", "forward")] = 300 * MiB * batch_size
+        return run
+
+    def enough(fit, oom):
+        settled = accumulation_plan(256, fit) == accumulation_plan(256, oom - 1)
+        return "settled" if settled else None
+
+    at_original = BatchRun(batch_size=256, fits=False)
+    at_original.lower_bounds[("first", "forward")] = 16 * 1024 * MiB
+    result = search_max_batch(
+        256, 16 * 1024 * MiB, [at_original], trial, probe=57, max_trials=4, enough=enough, floor=24
+    )
+    assert asked == [57, 40, 32] and result.stopped == "settled"
+    assert result.max_batch_size is None  # the floor was assumed, never found
+
+
+def test_a_leak_only_the_replays_showed_is_the_prescription():
+    """The failing run ran out of memory before a leak could show; a replay
+    ran long enough to show one (a retained graph): no configuration is
+    prescribed, the leak's remedy is."""
+    from types import SimpleNamespace
+
+    from oomdoc.replay.leaks import StillLeaks
+    from oomdoc.replay.prescription import prescription_for
+
+    snapshot = Snapshot.from_dict({"device": {"capacity_bytes": 100 * MiB}})
+    leaking = Replay(label="autocast", outcome="grows", capture=Snapshot())
+    leaking.leaks = StillLeaks(text="memory still grows")
+    replayer = SimpleNamespace(leak=False, replays=[leaking])
+    prescription = prescription_for(snapshot, replayer, ReplayState(skipped=[]))
+    assert prescription is not None and prescription.kind == "leak" and not prescription.fits

@@ -534,8 +534,11 @@ def search_max_batch(
                 candidate = max(
                     1, min(prediction, hi // 2) if prediction is not None else hi // divisor
                 )
-        elif prediction is None or guided >= BISECT_AFTER:
-            candidate = (lo + hi) // 2  # the model did not converge: bisect
+        elif prediction is None or guided >= BISECT_AFTER or lo == floor > measured_lo:
+            # The model did not converge, or it knows only what ran out of
+            # memory above an assumed floor (whose lower bounds put every
+            # prediction just under the last OOM): bisect.
+            candidate = (lo + hi) // 2
         elif (
             1 < prediction - lo <= ENDGAME_SAMPLES
             and slack == 0

@@ -89,8 +89,13 @@ def prescription_for(
 ) -> Optional[Prescription]:
     """The leak's remedy under a leak; else the measured configuration with
     the highest throughput that leaves the margin free."""
-    if replayer.leak:
+    leaking = next((replay for replay in replayer.replays if replay.leaks is not None), None)
+    if replayer.leak or leaking is not None:
+        # A leak the failing run showed, or one only the replays ran long
+        # enough to show (its rule on that replay's capture).
         leak = leak_rule(snapshot)
+        if leak is None and leaking is not None and leaking.capture is not None:
+            leak = leak_rule(leaking.capture)
         return Prescription(
             fixes=[],
             batch_size=None,

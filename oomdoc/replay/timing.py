@@ -29,8 +29,9 @@ class StepTiming:
     """The median of the timed steps and their relative spread."""
 
     step_s: float
-    # Half the range of the timed steps over their median: 0.1 means the
-    # steps were within +-10% of it. None with a single timed step.
+    # The timed steps' median absolute deviation over their median: 0.1
+    # means they typically lay within +-10% of it; one slow step (an epoch's
+    # end, a checkpoint) does not make it large. None with one timed step.
     noise: Optional[float]
     steps: int
 
@@ -61,7 +62,14 @@ def step_timing(steps: Iterable[Step]) -> Optional[StepTiming]:
     )
     noise = None
     if len(durations) > 1 and median > 0:
-        noise = round((durations[-1] - durations[0]) / 2 / median, 4)
+        deviations = sorted(abs(duration - median) for duration in durations)
+        middle = len(deviations) // 2
+        spread = (
+            deviations[middle]
+            if len(deviations) % 2
+            else (deviations[middle - 1] + deviations[middle]) / 2
+        )
+        noise = round(spread / median, 4)
     return StepTiming(median, noise, len(durations))
 
 
