@@ -19,11 +19,12 @@ went (the children's own timings, `replay.runs` in the snapshot):
                not done ahead, building the model, the data)
   start-up     first line + first step
 
-Two variants, interleaved: `script imports` (warm children also import the
-script's top-level imports, read from its file: oomdoc.warm.script_preimports)
-and `run's packages` (without them: only the failing run's
-`imported_packages` and its framework's lazy modules, as before). Prints a
-markdown table per variant and their medians.
+Two variants, interleaved: `now`, and `before`: warm children that import
+only the failing run's `imported_packages` and its framework's lazy modules,
+not the script's own top-level imports (oomdoc.warm.script_preimports), and
+no spare child ahead of the lanes (oomdoc.warm.SPARES_AHEAD). Prints a
+markdown table per run and the medians of each variant, with the replays'
+total time (`replay.total_s`).
 """
 
 from __future__ import annotations
@@ -39,16 +40,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# The parent, with warm children that import only what the failing run
-# recorded (the behaviour before the script's imports were read).
-WITHOUT_SCRIPT_IMPORTS = (
+# The parent as it was before: warm children that import only what the
+# failing run recorded, and one spare per lane (none ahead).
+BEFORE = (
     "import sys\n"
+    "from oomdoc import warm\n"
     "from oomdoc.replay import replayer\n"
     "replayer.script_preimports = lambda script: []\n"
+    "warm.SPARES_AHEAD = 0\n"
     "from oomdoc.cli import main\n"
     "main(sys.argv[1:])\n"
 )
-VARIANTS = {"script imports": None, "run's packages": WITHOUT_SCRIPT_IMPORTS}
+VARIANTS = {"now": None, "before": BEFORE}
 
 
 def run_oomdoc(variant: str, script: str, memory: str, args: list[str], out: Path) -> dict:
@@ -104,8 +107,8 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def median_of(rows: list[dict], key: str, skip_first: bool) -> float | None:
-    values = [row[key] for row in rows[1 if skip_first else 0 :] if row[key] is not None]
+def median_of(rows: list[dict], key: str) -> float | None:
+    values = [row[key] for row in rows if row[key] is not None]
     return statistics.median(values) if values else None
 
 
@@ -125,19 +128,22 @@ def main() -> None:
                     variant, options.script, options.device_memory, options.args, out
                 )
                 rows = startup_rows(snapshot)
-                results[variant].append({"rows": rows})
+                total = (snapshot.get("replay") or {}).get("total_s")
+                results[variant].append({"rows": rows, "total": total})
                 print(f"\n### {variant}, round {round_index + 1}\n\n{markdown(rows)}", flush=True)
     print("\n### medians over the replays (first replay / the others)\n")
-    print("| variant | ready wait | first line | first step | start-up |")
-    print("| --- | ---: | ---: | ---: | ---: |")
+    print("| variant | ready wait | first line | first step | start-up | replays in all |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for variant, rounds in results.items():
         firsts = [run["rows"][0] for run in rounds if run["rows"]]
         others = [row for run in rounds for row in run["rows"][1:]]
         cells = []
         for key in ("ready wait", "first line", "first step", "start-up"):
-            first = median_of(firsts, key, False)
-            rest = median_of(others, key, False)
+            first = median_of(firsts, key)
+            rest = median_of(others, key)
             cells.append(f"{seconds(first)} / {seconds(rest)}")
+        totals = [run["total"] for run in rounds if run["total"] is not None]
+        cells.append(seconds(statistics.median(totals)) if totals else "")
         print(f"| {variant} | " + " | ".join(cells) + " |")
 
 

@@ -307,11 +307,21 @@ class WarmChild:
             pass
 
 
+# Warm children kept beyond one per lane once replays run: a child's start-up
+# (Python, torch, the script's framework: 5 s and more) outlasts a short
+# replay, so a child started only when the one before it is taken is not
+# ready for the next replay (benchmarks/replay_startup.py: the Trainer
+# replays' median start-up 2.4 s with none ahead, under 1 s with one).
+SPARES_AHEAD = 1
+
+
 class WarmPool:
     """Keeps `size` warm children ready for the next runs with this device and
     environment: while replays run, the next ones' start-up happens. One per
-    replay that may run at once (oomdoc run --replay-jobs). Thread-safe: the
-    replays of one run take children from several threads."""
+    replay that may run at once (oomdoc run --replay-jobs), and SPARES_AHEAD
+    more once replays take them (not while the failing run runs: they would
+    slow it, and a run that does not end in an OOM needs none). Thread-safe:
+    the replays of one run take children from several threads."""
 
     def __init__(
         self,
@@ -322,6 +332,8 @@ class WarmPool:
     ):
         self.device, self.extra_env = device, dict(extra_env)
         self.size = max(1, size)
+        # Spares beyond one per lane, once replays take them (`take`).
+        self.ahead = 0
         # Replay logs live here too (a warm child's output moves to its log).
         self.log_dir = tempfile.mkdtemp(prefix="oomdoc-replays-")
         self.spares: list[WarmChild] = []
@@ -331,13 +343,14 @@ class WarmPool:
         self._closed = False
 
     def _fill(self) -> None:
-        """Under the lock: replace dead spares, start new ones up to `size`."""
+        """Under the lock: replace dead spares, start new ones up to `size`
+        (and those ahead)."""
         if self._closed:
             return
         for spare in [spare for spare in self.spares if spare.process.poll() is not None]:
             spare.discard()
             self.spares.remove(spare)
-        while len(self.spares) < self.size:
+        while len(self.spares) < self.size + self.ahead:
             self.spares.append(
                 WarmChild(self.device, self.extra_env, self.log_dir, self.preimports)
             )
@@ -357,7 +370,7 @@ class WarmPool:
                     spare.preimport(new)
             if size is not None:
                 self.size = max(1, size)
-                while len(self.spares) > self.size:
+                while len(self.spares) > self.size + self.ahead:
                     self.spares.pop().discard()
             self._fill()
 
@@ -373,6 +386,7 @@ class WarmPool:
             if spare is None:
                 return None
             self.spares.remove(spare)
+            self.ahead = SPARES_AHEAD
             self._fill()
             return spare
 

@@ -116,3 +116,28 @@ def test_a_warm_child_takes_names_as_from_imports_do(tmp_path, monkeypatch):
     finally:
         for name in [name for name in sys.modules if name.startswith("lazypkg_for_warm")]:
             del sys.modules[name]
+
+
+def test_once_replays_take_children_one_more_waits(tmp_path):
+    """Not while the failing run runs (it would slow it); once replays do, a
+    child's start-up outlasts a short replay."""
+    from oomdoc.runner import ChildRequest
+    from oomdoc.warm import SPARES_AHEAD, WarmPool
+
+    pool = WarmPool("cpu", {"OOMDOC_REPLAY": "1"}, size=1)
+    try:
+        pool.fill()
+        assert len(pool.spares) == 1
+        request = ChildRequest(
+            target="train.py",
+            args=[],
+            device="cpu",
+            extra_env={"OOMDOC_REPLAY": "1"},
+            output_path=str(tmp_path / "replay.log"),
+        )
+        taken = pool.take(request)
+        assert taken is not None and taken not in pool.spares
+        assert len(pool.spares) == 1 + SPARES_AHEAD
+        taken.discard()
+    finally:
+        pool.close()
