@@ -88,6 +88,9 @@ class ChildConfig:
     # oomdoc check: DataLoaders load in the script's process (num_workers=0),
     # so that two runs of the same code count the same batches.
     serial_dataloaders: bool = False
+    # When the parent asked for this run (seconds since the epoch): a warm
+    # child still importing then starts it later (its `ready_wait_s`).
+    asked_at: float | None = None
     device_lock: DeviceLock | None = None
     distributed: DistributedJob | None = None
 

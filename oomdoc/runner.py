@@ -9,9 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
-import site
 import subprocess
 import sys
 import tempfile
@@ -22,12 +20,19 @@ from pathlib import Path
 from typing import Any
 
 import oomdoc
-from oomdoc.capture import CONFIG_ENV, CONFIG_FD_ENV, PREIMPORT_PREFIX, STARTED_ENV
+from oomdoc.capture import CONFIG_ENV
 from oomdoc.child_config import ChildConfig, DeviceLock
 from oomdoc.distributed.merge import merge_rank_captures, read_captures
 from oomdoc.errors import UsageError
 from oomdoc.model import Breakdown, Device, ErrorInfo, Options, Snapshot
 from oomdoc.snapshot import SCHEMA_VERSION, default_snapshot_path, utc_now
+from oomdoc.warm import (  # noqa: F401 (WarmChild, bytecode_cache_env: oomdoc.runner's names too)
+    WarmChild,
+    WarmPool,
+    bytecode_cache_env,
+    child_env,
+    start_child,
+)
 
 SPAWNED_PATTERN = re.compile(r"^capture-spawned(\d+)\.json$")
 
@@ -87,234 +92,6 @@ class ChildResult:
     lock_wait_s: float = 0.0
     # The caller no longer wanted its answer and stopped it (`cancel`).
     cancelled: bool = False
-
-
-def child_env(device: str, extra_env: dict[str, str]) -> dict[str, str]:
-    env = dict(os.environ)
-    if device == "cpu":
-        # On the simulated device the script must not find a GPU to use.
-        env["CUDA_VISIBLE_DEVICES"] = ""
-    env.update(extra_env)
-    # Where oomdoc itself was imported from must stay importable in the
-    # child even though sys.path[0] becomes the script's directory.
-    package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    if package_root not in site.getsitepackages():
-        env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (package_root, env.get("PYTHONPATH", "")) if p
-        )
-    cache = bytecode_cache_env(env)
-    if cache:
-        env.pop("PYTHONDONTWRITEBYTECODE", None)
-        env.update(cache)
-    return env
-
-
-def bytecode_cache_env(
-    env: dict[str, str], origin: str | None = None, cache_root: str | None = None
-) -> dict[str, str]:
-    """What a child needs so that it does not recompile torch from source.
-
-    A child that may not write bytecode (PYTHONDONTWRITEBYTECODE, or a
-    read-only site-packages) and finds no .pyc files compiles every module it
-    imports, about 1,800 for torch: seconds per child, paid again by every
-    replay (measured on the H100 machine: 5.7 s of each child's start). Such
-    children share bytecode in oomdoc's own cache instead (PYTHONPYCACHEPREFIX),
-    so nothing is written beside torch's or the script's sources (and the
-    child's PYTHONDONTWRITEBYTECODE is dropped). Empty when torch's bytecode
-    is there to read or the user chose a prefix.
-    """
-    if env.get("PYTHONPYCACHEPREFIX"):
-        return {}
-    import importlib.util
-
-    if origin is None:  # torch's __init__.py, found without importing torch
-        try:
-            origin = getattr(importlib.util.find_spec("torch"), "origin", None)
-        except (ImportError, ValueError):
-            return {}
-    if not origin or not origin.endswith(".py"):
-        return {}
-    compiled = importlib.util.cache_from_source(origin)
-    if os.path.exists(compiled):
-        return {}
-    cache_dir = os.path.dirname(compiled)
-    writable = os.access(
-        cache_dir if os.path.isdir(cache_dir) else os.path.dirname(origin), os.W_OK
-    )
-    if writable and not env.get("PYTHONDONTWRITEBYTECODE"):
-        return {}  # the first child writes torch's bytecode where Python looks for it
-    root = cache_root or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "oomdoc", "pycache"
-    )
-    try:
-        os.makedirs(root, exist_ok=True)
-    except OSError:
-        return {}
-    return {"PYTHONPYCACHEPREFIX": root}
-
-
-def start_child(env: dict[str, str], **popen) -> subprocess.Popen:
-    """Start a capture child, stamped with when it started (its start-up is
-    timed from this, see STARTED_ENV)."""
-    env[STARTED_ENV] = repr(time.time())
-    return subprocess.Popen([sys.executable, "-m", "oomdoc.capture.child"], env=env, **popen)
-
-
-def _env_key(device: str, extra_env: dict[str, str]) -> tuple:
-    return device, tuple(sorted(extra_env.items()))
-
-
-class WarmChild:
-    """A capture child started before its work is known.
-
-    It starts Python and imports torch and oomdoc (seconds that a fresh child
-    pays before it does anything), then blocks on a pipe until the parent
-    sends its configuration. While it waits the parent may send it modules to
-    import too (`preimport`: the framework the failing run used). It touches
-    no device while it waits, so the child that is running keeps the device,
-    and its measurements, to itself. Only children whose output goes to a log
-    are warm: their environment and output are fixed when they start.
-    """
-
-    def __init__(
-        self,
-        device: str,
-        extra_env: dict[str, str],
-        log_dir: str,
-        preimports: list[str] | None = None,
-    ):
-        self.key = _env_key(device, extra_env)
-        descriptor, self.log_path = tempfile.mkstemp(prefix="warm-", suffix=".log", dir=log_dir)
-        read_fd, self._write_fd = os.pipe()
-        env = child_env(device, extra_env)
-        env[CONFIG_FD_ENV] = str(read_fd)
-        try:
-            self.process = start_child(
-                env,
-                stdout=descriptor,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                pass_fds=(read_fd,),
-            )
-        finally:
-            os.close(read_fd)
-            os.close(descriptor)
-        if preimports:
-            self.preimport(preimports)
-
-    def _send(self, line: str) -> bool:
-        """One line to the child (it reads them in order); False when it is gone."""
-        try:
-            os.write(self._write_fd, (line + "\n").encode("utf-8"))
-            return True
-        except OSError:  # it died: take() sees that and starts another
-            return False
-
-    def preimport(self, modules: list[str]) -> None:
-        """Have the child import `modules` while it waits (errors ignored there)."""
-        self._send(PREIMPORT_PREFIX + json.dumps(list(modules)))
-
-    def usable_for(self, request: ChildRequest) -> bool:
-        return (
-            request.output_path is not None
-            and self.key == _env_key(request.device, request.extra_env)
-            and self.process.poll() is None
-        )
-
-    def hand(self, config_path: str, output_path: str) -> subprocess.Popen:
-        """Give the child its work; its output so far moves to `output_path`."""
-        os.replace(self.log_path, output_path)
-        self._send(config_path)
-        os.close(self._write_fd)
-        return self.process
-
-    def discard(self) -> None:
-        """End an unused child at once: it holds no work and nothing to save,
-        and waiting for it to finish importing torch would only delay the end
-        of the run."""
-        try:
-            os.close(self._write_fd)
-        except OSError:
-            pass
-        if self.process.poll() is None:
-            self.process.kill()
-        self.process.wait()
-        try:
-            os.unlink(self.log_path)
-        except OSError:
-            pass
-
-
-class WarmPool:
-    """Keeps `size` warm children ready for the next runs with this device and
-    environment: while replays run, the next ones' start-up happens. One per
-    replay that may run at once (oomdoc run --replay-jobs). Thread-safe: the
-    replays of one run take children from several threads."""
-
-    def __init__(self, device: str, extra_env: dict[str, str], size: int = 1):
-        self.device, self.extra_env = device, dict(extra_env)
-        self.size = max(1, size)
-        # Replay logs live here too (a warm child's output moves to its log).
-        self.log_dir = tempfile.mkdtemp(prefix="oomdoc-replays-")
-        self.spares: list[WarmChild] = []
-        # Modules every warm child imports while it waits (`preimport`).
-        self.preimports: list[str] = []
-        self._lock = threading.Lock()
-        self._closed = False
-
-    def _fill(self) -> None:
-        """Under the lock: replace dead spares, start new ones up to `size`."""
-        if self._closed:
-            return
-        for spare in [spare for spare in self.spares if spare.process.poll() is not None]:
-            spare.discard()
-            self.spares.remove(spare)
-        while len(self.spares) < self.size:
-            self.spares.append(
-                WarmChild(self.device, self.extra_env, self.log_dir, self.preimports)
-            )
-
-    def fill(self) -> None:
-        with self._lock:
-            self._fill()
-
-    def configure(self, size: int | None = None, preimports: list[str] | None = None) -> None:
-        """Change how many children wait, and what they import while they wait
-        (sent to those already waiting too)."""
-        with self._lock:
-            new = [name for name in preimports or [] if name not in self.preimports]
-            if new:
-                self.preimports.extend(new)
-                for spare in self.spares:
-                    spare.preimport(new)
-            if size is not None:
-                self.size = max(1, size)
-                while len(self.spares) > self.size:
-                    self.spares.pop().discard()
-            self._fill()
-
-    def take(self, request: ChildRequest) -> WarmChild | None:
-        """A spare that suits `request` (and a new spare starts), else None."""
-        with self._lock:
-            if self._closed:
-                return None
-            live = [spare for spare in self.spares if spare.process.poll() is None]
-            if len(live) < len(self.spares):
-                self._fill()  # some died (e.g. Ctrl-C reached them): start others
-            spare = next((spare for spare in live if spare.usable_for(request)), None)
-            if spare is None:
-                return None
-            self.spares.remove(spare)
-            self._fill()
-            return spare
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            spares, self.spares = self.spares, []
-        for spare in spares:
-            spare.discard()
-        shutil.rmtree(self.log_dir, ignore_errors=True)
 
 
 def interrupt_reached_the_group() -> bool:
@@ -502,6 +279,7 @@ def run_child(
         config = child_config(request, result_path, request.artifact_dir or workdir)
         config.serial_dataloaders = request.serial_dataloaders
         config.device_lock = lock
+        config.asked_at = time.time()
         with open(config_path, "w", encoding="utf-8") as handle:
             handle.write(config.to_json())
 

@@ -430,17 +430,17 @@ def test_bytecode_is_left_alone_when_it_is_there_or_can_be_written(tmp_path):
 
 
 def test_child_env_drops_dont_write_bytecode_only_with_a_cache(tmp_path, monkeypatch):
-    from oomdoc import runner
+    from oomdoc import warm
 
     monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
     monkeypatch.delenv("PYTHONPYCACHEPREFIX", raising=False)
     monkeypatch.setattr(
-        runner, "bytecode_cache_env", lambda env: {"PYTHONPYCACHEPREFIX": str(tmp_path)}
+        warm, "bytecode_cache_env", lambda env: {"PYTHONPYCACHEPREFIX": str(tmp_path)}
     )
-    env = runner.child_env("cpu", {})
+    env = warm.child_env("cpu", {})
     assert "PYTHONDONTWRITEBYTECODE" not in env and env["PYTHONPYCACHEPREFIX"] == str(tmp_path)
-    monkeypatch.setattr(runner, "bytecode_cache_env", lambda env: {})
-    assert runner.child_env("cpu", {})["PYTHONDONTWRITEBYTECODE"] == "1"
+    monkeypatch.setattr(warm, "bytecode_cache_env", lambda env: {})
+    assert warm.child_env("cpu", {})["PYTHONDONTWRITEBYTECODE"] == "1"
 
 
 def test_the_parent_never_imports_torch():

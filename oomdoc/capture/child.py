@@ -221,6 +221,8 @@ def run(
     """Run the script under capture; `imported_at` is when the imports above
     were done (a warm child waited after them, and imported `preimported`)."""
     timings = {"run_started": time.time(), "imported": imported_at or time.time()}
+    if config.asked_at is not None:
+        timings["asked"] = config.asked_at
     if preimported:
         timings["preimport_s"] = preimported.get("seconds", 0.0)
     parallel = ParallelCapture(config)  # distributed: rank paths, the rank's GPU
@@ -288,6 +290,7 @@ def run(
     failure: BaseException | None = None
     outcome, exit_code, error, system_exit = "ok", 0, None, None
     loaded_before = frozenset(sys.modules)
+    _note_first_step(tracker, timings)
     timings["script_started"] = time.time()
     target_file = None
     try:
@@ -530,12 +533,26 @@ def _watcher_write(
     write_capture(config, backend, tracker, outcome, exit_code, None, timings)
 
 
+def _note_first_step(tracker: Tracker, timings: dict[str, float]) -> None:
+    """Note when the script's first step begins (its start-up ends there)."""
+    previous = tracker.on_first_step
+
+    def first_step_begins() -> None:
+        timings["first_step"] = time.time()
+        if previous is not None:
+            previous()
+
+    tracker.on_first_step = first_step_begins
+
+
 def timing_summary(timings: dict) -> dict:
     """Where the child's time went, in seconds: start-up (interpreter and
     imports), waiting for work (a warm child, which meanwhile imported the
     script's framework: preimport_s), setting up the capture, the script
     (without its wait for the device lock: lock_wait_s), and writing the
-    capture."""
+    capture. A replay's start-up as its parent saw it: ready_wait_s (from
+    asking to this child starting the run: a warm child still importing
+    makes it wait), setup_s, then first_step_s (the script's own start-up)."""
     started = _process_started()
     lock_wait = timings.get("lock_wait_s", 0.0)
     summary = {
@@ -548,6 +565,10 @@ def timing_summary(timings: dict) -> dict:
     for key in ("preimport_s", "lock_wait_s"):
         if key in timings:
             summary[key] = timings[key]
+    if "asked" in timings:  # from the parent's ask to this child starting the run
+        summary["ready_wait_s"] = timings["run_started"] - timings["asked"]
+    if "first_step" in timings:  # the script's imports, model building, data
+        summary["first_step_s"] = timings["first_step"] - timings["script_started"]
     return {key: round(max(value, 0.0), 3) for key, value in summary.items()}
 
 

@@ -15,11 +15,10 @@ Torch-free at import time (the warm child imports torch itself).
 from __future__ import annotations
 
 import importlib
-import os
-import site
 import sys
-import sysconfig
 import time
+
+from oomdoc.warm import ATTRIBUTE_SEPARATOR, install_dirs, is_installed
 
 # A package counts as heavy when the run loaded at least this many of its
 # modules (transformers: hundreds; a small helper package: a few).
@@ -49,32 +48,6 @@ ALWAYS_LOADED = frozenset(
 )
 
 
-def _install_dirs() -> tuple[str, ...]:
-    """Where installed (not the script's own) packages live."""
-    dirs = set()
-    try:
-        dirs.update(site.getsitepackages())
-        dirs.add(site.getusersitepackages())
-    except AttributeError:  # a virtualenv's old site module
-        pass
-    for key in ("purelib", "platlib"):
-        path = sysconfig.get_paths().get(key)
-        if path:
-            dirs.add(path)
-    return tuple(os.path.realpath(path) + os.sep for path in dirs if path)
-
-
-def _installed(module, dirs: tuple[str, ...]) -> bool:
-    path = getattr(module, "__file__", None)
-    if not path:
-        paths = list(getattr(module, "__path__", None) or [])  # a namespace package
-        path = paths[0] if paths else None
-    if not path:
-        return False
-    real = os.path.realpath(path)
-    return real.startswith(dirs) or f"{os.sep}site-packages{os.sep}" in real
-
-
 def imported_packages(loaded_before: set[str] | frozenset[str]) -> list[str]:
     """The heavy installed top-level packages loaded since `loaded_before`
     (sys.modules when the script started), in the order they were first
@@ -88,7 +61,7 @@ def imported_packages(loaded_before: set[str] | frozenset[str]) -> list[str]:
 
 def _imported_packages(loaded_before: set[str] | frozenset[str]) -> list[str]:
     stdlib: frozenset[str] = getattr(sys, "stdlib_module_names", frozenset())
-    dirs = _install_dirs()
+    dirs = install_dirs()
     counts: dict[str, int] = {}
     for name in list(sys.modules):
         if name in loaded_before:
@@ -106,9 +79,30 @@ def _imported_packages(loaded_before: set[str] | frozenset[str]) -> list[str]:
         ):
             continue
         module = sys.modules.get(top)
-        if module is not None and _installed(module, dirs):
+        if module is not None and is_installed(_location(module), dirs):
             packages.append(top)
     return packages[:MAX_PACKAGES]
+
+
+def _location(module) -> str | None:
+    """A module's file, or a namespace package's first folder."""
+    path = getattr(module, "__file__", None)
+    if not path:
+        paths = list(getattr(module, "__path__", None) or [])
+        path = paths[0] if paths else None
+    return path
+
+
+def _import(name: str) -> None:
+    """`import module`, or for `module:name`, `from module import name`
+    (an attribute, which a lazy package loads on access, else a submodule)."""
+    module_name, _, attribute = name.partition(ATTRIBUTE_SEPARATOR)
+    module = importlib.import_module(module_name)
+    if attribute:
+        try:
+            getattr(module, attribute)
+        except AttributeError:
+            importlib.import_module(f"{module_name}.{attribute}")
 
 
 class _WouldStartCuda(ImportError):
@@ -134,7 +128,7 @@ def preimport(names: list[str], record: dict) -> None:
             if name in sys.modules:
                 continue
             try:
-                importlib.import_module(name)
+                _import(name)
             except (Exception, SystemExit):
                 continue
             imported.append(name)

@@ -37,6 +37,7 @@ from oomdoc.replay.progress import Progress
 from oomdoc.replay.timing import step_timing
 from oomdoc.runner import ChildRequest, ChildResult, ChildSignals, WarmPool, run_child
 from oomdoc.sizes import format_bytes
+from oomdoc.warm import script_preimports
 
 MIN_REPLAY_TIMEOUT_S = 120.0
 
@@ -421,7 +422,11 @@ class Replayer:
 def warm_pool(request: ChildRequest) -> WarmPool:
     """Warm children for the replays of `request`, the first one starting now
     (replay_fixes adds one per lane, and what they import ahead)."""
-    pool = WarmPool(request.device, REPLAY_ENV)
+    # The script's own imports, read from its file: the first child imports
+    # them while the failing run still runs (the run's `imported_packages`
+    # come when the replays begin).
+    preimports = [] if request.is_module else script_preimports(request.target)
+    pool = WarmPool(request.device, REPLAY_ENV, preimports=preimports)
     pool.fill()
     return pool
 

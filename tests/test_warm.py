@@ -1,0 +1,143 @@
+"""What a warm replay child imports ahead from the script's own import
+statements (oomdoc.warm.script_preimports), read without running it."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+
+from oomdoc.warm import script_preimports
+
+SCRIPT = '''
+"""A training script."""
+from __future__ import annotations
+
+import os, json
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+from torch.utils.data import *
+from . import sibling
+from .helpers import thing
+import localmod
+from localpkg.sub import name
+try:
+    import yaml
+except ImportError:
+    yaml = None
+import numpy as np
+
+
+def main():
+    import scipy
+
+
+class Model:
+    import tokenizers
+
+
+if __name__ == "__main__":
+    import PIL
+'''
+
+
+def test_the_scripts_top_level_imports_of_installed_packages_are_read(tmp_path):
+    (tmp_path / "localmod.py").write_text("raise SystemExit('never imported')\n")
+    (tmp_path / "localpkg").mkdir()
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    assert script_preimports(str(script)) == [
+        "torch",
+        "transformers",
+        "transformers:GPT2Config",
+        "transformers:GPT2LMHeadModel",
+        "torch.utils.data",
+        "yaml",
+        "numpy",
+    ]
+
+
+def test_nothing_after_the_first_other_statement_is_read(tmp_path):
+    """A statement before an import may change what importing does."""
+    script = tmp_path / "train.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import torch
+            import os
+            os.environ["HF_HOME"] = "/elsewhere"
+            import transformers
+            """
+        )
+    )
+    assert script_preimports(str(script)) == ["torch"]
+
+
+def test_a_module_that_shadows_an_installed_package_is_never_imported(tmp_path, monkeypatch):
+    """The script's folder and the current folder come first on the child's path."""
+    (tmp_path / "yaml.py").write_text("")
+    elsewhere = tmp_path / "cwd"
+    (elsewhere / "numpy").mkdir(parents=True)
+    monkeypatch.chdir(elsewhere)
+    script = tmp_path / "train.py"
+    script.write_text("import yaml\nimport numpy\nimport torch\n")
+    assert script_preimports(str(script)) == ["torch"]
+
+
+def test_an_unreadable_script_gives_nothing(tmp_path):
+    broken = tmp_path / "broken.py"
+    broken.write_text("import torch\ndef (:\n")
+    assert script_preimports(str(broken)) == []
+    assert script_preimports(str(tmp_path / "missing.py")) == []
+
+
+def test_a_warm_child_takes_names_as_from_imports_do(tmp_path, monkeypatch):
+    """`module:name`: an attribute a lazy package loads on access, else a
+    submodule; a name that fails is left for the script."""
+    from oomdoc.capture.imports import preimport
+
+    package = tmp_path / "lazypkg_for_warm"
+    package.mkdir()
+    (package / "__init__.py").write_text(
+        "import importlib\n"
+        "def __getattr__(name):\n"
+        "    if name == 'Model':\n"
+        "        return importlib.import_module('lazypkg_for_warm.modeling').Model\n"
+        "    raise AttributeError(name)\n"
+    )
+    (package / "modeling.py").write_text("class Model: pass\n")
+    (package / "sub.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    record: dict = {}
+    names = ["lazypkg_for_warm:Model", "lazypkg_for_warm:sub", "lazypkg_for_warm:Missing"]
+    try:
+        preimport(names, record)
+        assert "lazypkg_for_warm.modeling" in sys.modules and "lazypkg_for_warm.sub" in sys.modules
+        assert record["modules"] == names[:2]
+    finally:
+        for name in [name for name in sys.modules if name.startswith("lazypkg_for_warm")]:
+            del sys.modules[name]
+
+
+def test_once_replays_take_children_one_more_waits(tmp_path):
+    """Not while the failing run runs (it would slow it); once replays do, a
+    child's start-up outlasts a short replay."""
+    from oomdoc.runner import ChildRequest
+    from oomdoc.warm import SPARES_AHEAD, WarmPool
+
+    pool = WarmPool("cpu", {"OOMDOC_REPLAY": "1"}, size=1)
+    try:
+        pool.fill()
+        assert len(pool.spares) == 1
+        request = ChildRequest(
+            target="train.py",
+            args=[],
+            device="cpu",
+            extra_env={"OOMDOC_REPLAY": "1"},
+            output_path=str(tmp_path / "replay.log"),
+        )
+        taken = pool.take(request)
+        assert taken is not None and taken not in pool.spares
+        assert len(pool.spares) == 1 + SPARES_AHEAD
+        taken.discard()
+    finally:
+        pool.close()
