@@ -17,7 +17,11 @@ tests (test_distributed, test_corpus_e2e)."""
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
+import textwrap
 
 import pytest
 from conftest import SCRIPTS, run_capped
@@ -83,6 +87,52 @@ def test_lightning_ddp_ranks_are_captured_and_the_largest_batch_holds_on_both(tm
 
     assert [r["outcome"] for r in by_hand(maximum)["ranks"]] == ["ok", "ok"]
     assert by_hand(maximum + 1)["outcome"] == "oom"
+
+
+LAUNCHER_KILLS_ITS_OWN_PROCESS = """
+    import os, signal, subprocess, sys, threading, time
+    from oomdoc.capture.relaunch import Relaunches
+    from oomdoc.child_config import ChildConfig
+
+    terms = []
+    signal.signal(signal.SIGTERM, lambda *_: terms.append(1))
+    relaunches = Relaunches(ChildConfig(target="train.py", result_path="c.json"), [])
+    undo = relaunches.install()
+    relaunches.processes.append(subprocess.Popen([sys.executable, "-c", "pass"]))
+
+    def observer_kills():  # as Lightning's _ChildProcessObserver once a rank failed
+        thread = threading.Thread(target=os.kill, args=(os.getpid(), signal.SIGKILL))
+        thread.start()
+        thread.join()
+        time.sleep(0.2)  # the main thread runs the SIGTERM handler
+
+    observer_kills()
+    print("while the script runs:", "SIGTERM" if terms else "nothing")
+    relaunches.script_ended = True
+    observer_kills()
+    print("once it ended:", len(terms), "SIGTERM")
+    undo()
+    relaunches.wait(replay=True)
+"""
+
+
+def test_a_launcher_killing_its_own_process_leaves_it_its_capture():
+    """Lightning's ddp observer SIGKILLs the script's process once a rank
+    failed: the child, still writing rank 0's capture, lost it (the job's
+    ranks were [1] under load). Its kill is a SIGTERM during the script and
+    nothing after it."""
+    completed = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(LAUNCHER_KILLS_ITS_OWN_PROCESS)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert completed.returncode == 0, (completed.returncode, completed.stderr[-2000:])
+    assert completed.stdout.splitlines() == [
+        "while the script runs: SIGTERM",
+        "once it ended: 1 SIGTERM",
+    ]
 
 
 def test_ranks_started_by_a_launcher_inside_the_script_are_captured(tmp_path):

@@ -328,6 +328,8 @@ def run(
     # Again: a signal handled at the start of the `finally` above (a
     # SIGTERM raised as Terminated there) skipped the rest of it.
     _script_ended(backend)
+    if relaunches is not None:
+        relaunches.script_ended = True  # its launcher's threads no longer end this process
     if failure is not None:
         # Where a rank was stopped, noted before anything slow: the signal
         # watcher writes the capture if this thread is not done in time.

@@ -13,6 +13,13 @@ the same device cap, fix and replay limits, that script and arguments, and
 a capture written beside the child's (`capture-spawned{rank}.json`, merged
 as the job's ranks by oomdoc.runner). Every other process is left alone.
 
+A launcher may end its own process when a rank fails (Lightning's
+`_ChildProcessObserver` SIGKILLs it from a thread): that would end the
+child before it writes its capture, the job losing its rank 0 (a race with
+the observer's 5 s poll). Once ranks were relaunched, the script's threads'
+kill of this process is a SIGTERM while the script runs (the process ends,
+its capture written) and nothing once it ended (it only writes captures).
+
 The child waits for the ranks it started before it writes its own capture
 (the parent reads them next): as long as they run in the user's run (the
 launcher ends them on a failure), `PEER_GRACE_S` in a replay (then they get
@@ -25,6 +32,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import replace
 from typing import Any, Callable
@@ -76,6 +84,7 @@ class Relaunches:
         self.processes: list[subprocess.Popen] = []
         self.capture_paths: list[str] = []  # each process's capture, by position
         self.started = started
+        self.script_ended = False  # set by the child once the script returned
 
     def rank_config(self, script: str, is_module: bool, args: list[str]) -> ChildConfig:
         """A rank's configuration: the child's, for that script, writing beside it."""
@@ -127,9 +136,20 @@ class Relaunches:
                 relaunches.started.append({"function": name, "nprocs": 1, "launcher": "subprocess"})
 
         subprocess.Popen.__init__ = __init__  # type: ignore[method-assign,assignment]  # (an overloaded __init__ in the stubs)
+        original_kill = os.kill
+
+        def kill(pid: int, number: int) -> None:
+            own = pid == os.getpid() and threading.current_thread() is not threading.main_thread()
+            if not own or not relaunches.processes:
+                original_kill(pid, number)
+            elif not relaunches.script_ended:
+                original_kill(pid, signal.SIGTERM)
+
+        os.kill = kill
 
         def undo() -> None:
             subprocess.Popen.__init__ = original  # type: ignore[method-assign]
+            os.kill = original_kill
 
         return undo
 
