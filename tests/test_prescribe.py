@@ -21,6 +21,10 @@ from oomdoc.replay.prescription import (
 from oomdoc.replay.replayer import Replay, ReplaysInterrupted, replay_key
 
 MiB = 1024**2
+# A replay's capture that ran an optimizer step and two more micro-batches.
+COVERING = Snapshot.from_dict(
+    {"step_unit": "optimizer", "steps": [{"index": 0}, {"index": 1, "forward_calls": 2}]}
+)
 
 
 def test_the_fastest_configuration_within_the_margin_wins():
@@ -84,6 +88,7 @@ class ScriptedReplayer:
             outcome=outcome,
             peak_allocated_bytes=peak,
             step_s=step_s[0] if step_s else None,
+            capture=COVERING if outcome == "fits" else None,
         )
 
 
@@ -458,3 +463,19 @@ def untimed_again(candidates):
         Candidate(c.fixes, c.batch_size, c.peak_allocated_bytes, None, c.label, untimed=True)
         for c in candidates
     ]
+
+
+def test_a_planned_micro_batch_whose_replay_ended_too_soon_is_not_prescribed():
+    """The word-LM case: 8 x 8 planned below batch 9 (over the margin); its
+    replay ended before an optimizer step and two more micro-batches, so its
+    low peak says nothing (by hand it peaked over batch 9's): not prescribed."""
+    nine = Candidate([], 9, 96 * MiB, 9 / 100.0, "b9")
+    planned = Candidate([], 8, 90 * MiB, 8 / 100.0, "p8", planned_from=9)
+    replayer = ScriptedReplayer([("fits", 85 * MiB, 1.0)])
+    replayer.script = []  # (not an interruption)
+    short = Replay(label="p", outcome="fits", peak_allocated_bytes=85 * MiB, step_s=1.0)
+    replayer.run = lambda *args, **kwargs: short  # no capture: it covered nothing
+    snapshot, state = prescription_inputs(replayer, original=64)
+    chosen, _ = measured_choice(replayer, snapshot, state, [nine, planned], 64, None)
+    assert not chosen.fits and chosen.peak_allocated_bytes == 96 * MiB  # the closest measured
+    assert "its peak is not known" in chosen.detail

@@ -370,6 +370,19 @@ def measured_choice(
                 f"failed ({replay.message}): {without}"
             )
             break
+        covered = (chosen.accumulation_replay or {}).get("accumulation_covered")
+        guessed = candidate.planned_from is not None or candidate.untimed
+        if replay.fits and guessed and chosen.accumulation_steps > 1 and not covered:
+            # A micro-batch no batch search ran: only a replay that ran an
+            # optimizer step and two more micro-batches shows its peak (the
+            # later forwards run with the gradients alive).
+            remaining.remove(candidate)
+            rejected.append(
+                f"{' + '.join(chosen.fixes) or 'no fix'} at batch {chosen.batch_size} x "
+                f"{chosen.accumulation_steps} accumulation steps: its replay ended before an "
+                "optimizer step and two more micro-batches, so its peak is not known"
+            )
+            continue
         if replay.fits and replay.peak_allocated_bytes is not None:
             if replay.peak_allocated_bytes <= limit:
                 # Measured as prescribed: it takes the place of the bound,
