@@ -130,6 +130,7 @@ def observe(capture, batch_size: int):
 
 def median_step_seconds(steps: list[dict]):
     from oomdoc.model import Step
-    from oomdoc.replay import batch
+    from oomdoc.replay.timing import step_timing
 
-    return batch.median_step_seconds([parse(Step, step) for step in steps])
+    timing = step_timing([parse(Step, step) for step in steps])
+    return timing.step_s if timing is not None else None

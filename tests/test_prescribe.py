@@ -93,15 +93,7 @@ class ScriptedReplayer:
 
 
 def prescribe_with(replayer, candidates):
-    snapshot = Snapshot.from_dict(
-        {
-            "device": {"capacity_bytes": 100 * MiB},
-            "script_options": ["--batch-size", "--steps"],
-            "script_option_values": {"--batch-size": [], "--steps": []},
-        }
-    )
-    replayer.snapshot = snapshot
-    state = ReplayState(skipped=[], batch_info={"source": "--batch-size"})
+    snapshot, state = prescription_inputs(replayer, original=64)
     chosen, interrupted = measured_choice(replayer, snapshot, state, candidates, 64, None)
     assert interrupted == ("interrupted" in [outcome for outcome, *_rest in replayer.script])
     return chosen

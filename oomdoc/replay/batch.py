@@ -86,12 +86,6 @@ def timed_on_a_shared_device(steps: list[Step]) -> bool:
     return any(step.device_shared for step in timed_steps(steps))
 
 
-def median_step_seconds(steps: list[Step]) -> float | None:
-    """The median duration of the timed steps (oomdoc.replay.timing)."""
-    timing = step_timing(steps)
-    return timing.step_s if timing is not None else None
-
-
 def observe(capture: Snapshot, batch_size: int, still_leaks: StillLeaks | None = None) -> BatchRun:
     """Read a run (the failing one, or a replay's capture) into a BatchRun.
     `still_leaks`: the replay ran its steps but still leaks (its Replay's

@@ -15,7 +15,7 @@ import json
 import os
 import shutil
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Optional
 
 from oomdoc.model import (
     Snapshot,
@@ -380,14 +380,10 @@ class Replayer:
         replay = measure(result, label, child.output_path or "", self.snapshot, self.leak_per_step)
         return result, replay
 
-    def discard_ahead(self, keep: Iterable[Optional[tuple]] = ()) -> None:
+    def discard_ahead(self) -> None:
         """The decisions will ask for none of the replays started ahead that
-        are left but those of `keep` (keys): the others not started never
-        start, those running are stopped."""
-        kept = set(keep)
+        are left: those not started never start, those running are stopped."""
         for key, job in list(self._ahead.items()):
-            if key in kept:
-                continue
             del self._ahead[key]
             job.cancel.set()
             if job in self._unsubmitted:
