@@ -79,6 +79,10 @@ class ChildConfig:
     # A replay of an OOM in evaluation pass N: it stops after that pass (at
     # the next training call) instead of after `max_steps`.
     stop_after_evaluation: int | None = None
+    # A replay: DataLoaders yield their longest batches first, and the
+    # training epoch ends once the steps are done, so that the script's own
+    # evaluation runs (oomdoc.capture.whole_run). Never the failing run.
+    whole_run: bool = False
     # A replay: the fix to apply before the script starts (oomdoc.fixes'
     # payload: its `name`, the fixes applied `also`, and the fix's settings).
     fix: dict[str, Any] | None = None

@@ -170,10 +170,13 @@ def run(
         help="Also write the report as one self-contained HTML page (never overwritten).",
     ),
     margin: str = typer.Option(
-        "5%",
+        "auto",
         "--margin",
         metavar="PERCENT",
-        help="Safety margin the prescribed configuration leaves free, as a share of the capacity.",
+        help=(
+            "Safety margin the prescribed configuration leaves free, as a share of the capacity; "
+            "auto: measured (the allocator's overhead and its growth over the steps, at least 2%)."
+        ),
     ),
     # A distributed job through torch.distributed.run (oomdoc.distributed).
     nproc_per_node: Optional[int] = typer.Option(
@@ -247,13 +250,16 @@ def run(
     return run_session(options)
 
 
-def margin_option(text: str) -> float:
-    """`--margin 5%` (or 0.05): a share of the capacity below 50%."""
+def margin_option(text: str) -> float | None:
+    """`--margin 5%` (or 0.05): a share of the capacity below 50%; `auto`:
+    None, measured from the failing run."""
     stripped = text.strip()
+    if stripped.lower() == "auto":
+        return None
     try:
         value = float(stripped[:-1]) / 100 if stripped.endswith("%") else float(stripped)
     except ValueError:
-        raise UsageError(f"--margin: {text!r} is not a percentage (e.g. 5%)") from None
+        raise UsageError(f"--margin: {text!r} is not a percentage (e.g. 5%) or auto") from None
     if not 0 <= value < 0.5:
         raise UsageError(f"--margin: {text!r} must be at least 0% and below 50%")
     return value

@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
+from oomdoc.model_data import Certificate, DataLoaderRecord, FirstBatch  # noqa: F401
 from oomdoc.records import parse, to_dict, when_set  # noqa: F401  (oomdoc.model's API)
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "other")
@@ -499,6 +500,8 @@ class Prescription:
     samples_per_second_noise: Optional[float] = when_set()
     # Every configuration the search weighed, the prescribed one first.
     considered: Optional[List[ConsideredConfiguration]] = when_set()
+    # What its replay measured it to hold for (oomdoc.replay.certificate).
+    certificate: Optional[Certificate] = when_set()
     extra: Dict[str, Any] = field(default_factory=dict)
 
 
@@ -664,6 +667,8 @@ class Snapshot:
     fix_applied: Optional[Dict[str, Any]] = when_set()
     # Data-parallel wrappers the script called (`data_parallel`, `ddp`).
     parallel: Optional[Parallel] = when_set()
+    # A replay: its DataLoaders, longest batches first (oomdoc.capture.whole_run).
+    data_loaders: List[DataLoaderRecord] = when_set(factory=list)
     prescription: Optional[Prescription] = None
     # A distributed job: one entry per rank; the top-level fields are the
     # primary rank's (the first to run out of memory).

@@ -56,6 +56,9 @@ class ChildRequest:
     # A replay of an OOM in evaluation pass N: it stops after that pass
     # (at the next training call) instead of after `max_steps`.
     stop_after_evaluation: int | None = None
+    # A replay: longest batches first, the script's evaluation reached
+    # (oomdoc.capture.whole_run).
+    whole_run: bool = False
     fix: dict | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
     # Replays send the script's output to a log instead of the terminal.
@@ -251,6 +254,7 @@ def child_config(request: ChildRequest, result_path: str, artifact_dir: str) -> 
         micro_batches_per_step=request.micro_batches_per_step,
         expected_unit=request.expected_unit,
         stop_after_evaluation=request.stop_after_evaluation,
+        whole_run=request.whole_run,
         fix=request.fix,
         artifact_dir=artifact_dir,
     )
@@ -417,8 +421,9 @@ class RunOptions:
     # Replays that may run side by side (None: as the machine allows).
     replay_jobs: int | None = None
     batch_arg: str | None = None
-    # The share of the capacity the prescription leaves free.
-    margin_fraction: float = 0.05
+    # The share of the capacity the prescription leaves free; None (`--margin
+    # auto`): measured from the failing run (oomdoc.replay.certificate).
+    margin_fraction: float | None = None
     # Also write the report as HTML here.
     html_path: str | None = None
     # A torchrun job: the launcher's options (oomdoc.distributed.launch).

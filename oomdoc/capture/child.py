@@ -48,6 +48,8 @@ from oomdoc.capture.gate import DeviceGate
 from oomdoc.capture.imports import imported_packages, preimport
 from oomdoc.capture.parallel import ParallelCapture
 from oomdoc.capture.tracker import StopRun, Tracker
+from oomdoc.capture.whole_run import WholeRun
+from oomdoc.capture.whole_run import install as install_whole_run
 from oomdoc.child_config import ChildConfig
 from oomdoc.fixes import fix_named
 from oomdoc.snapshot import dumps, write_atomic
@@ -262,6 +264,10 @@ def run(
         tracker.dataloader_batch_sizes = []
         watch_dataloaders(tracker.dataloader_batch_sizes)
     undo_hooks = [ddp_buckets.install(tracker), shared_memory.install()]
+    whole_run = None
+    if config.whole_run:  # after the fix's DataLoader edits: it orders what they made
+        whole_run, undo_whole_run = install_whole_run(tracker)
+        undo_hooks.append(undo_whole_run)
     # Processes the script starts: torch.multiprocessing.spawn's are
     # captured as ranks (oomdoc.capture.spawned) ...
     relaunches = processes = None
@@ -352,7 +358,7 @@ def run(
     if processes is not None:
         processes.wait()
     parallel.finish()  # blocks when its signal watcher writes the capture
-    write_capture(config, backend, tracker, outcome, exit_code, error, timings)
+    write_capture(config, backend, tracker, outcome, exit_code, error, timings, whole_run=whole_run)
     if gate is not None and gate.shared:
         gate.release()  # its last step is closed: nor for its exit
     detector.uninstall()
@@ -582,6 +588,7 @@ def write_capture(
     exit_code: int,
     error: dict | None,
     timings: dict[str, float] | None = None,
+    whole_run: WholeRun | None = None,
 ) -> None:
     tracker.finish()
     oom = tracker.oom if outcome == "oom" else None
@@ -692,6 +699,9 @@ def write_capture(
         capture.update(tracker.parallel_capture.fields())  # oomdoc.distributed
     if timings:
         capture["timings"] = timing_summary(timings)
+    if whole_run is not None:
+        # How a replay ordered and cut its DataLoaders (oomdoc.capture.whole_run).
+        capture["data_loaders"] = whole_run.fields()
     if config.fix:
         # What the replayed fix actually changed (see Fix.apply in oomdoc.fixes).
         capture["fix_applied"] = getattr(tracker, "fix_applied", None)

@@ -260,6 +260,27 @@ class Tracker(Attribution, LeakChecks):
             limit *= self.micro_batches_per_step
         return limit
 
+    def steps_done(self) -> bool:
+        """Whether a replay has run all its steps (the last one closed or
+        ending): its training DataLoader ends the epoch then
+        (oomdoc.capture.whole_run). A replay of an evaluation OOM counts
+        its steps too: its training epoch ends sooner and the evaluation
+        comes."""
+        limit = self.max_steps
+        if limit is None:
+            return False
+        if self.expected_unit is not None and UNITS.index(self.unit) < UNITS.index(
+            self.expected_unit
+        ):
+            return False
+        if self.unit == "module":
+            limit *= self.micro_batches_per_step
+        current = self._current
+        ongoing = self._pending_close or (
+            self.unit == "module" and bool(current["forward_calls"] or current["evaluation_calls"])
+        )
+        return self.step_index + int(ongoing) >= limit
+
     def share_device(
         self, alone: Callable[[], None], done: Callable[[], None], autotunes: Callable[[], bool]
     ) -> None:

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from oomdoc.model import ConsideredConfiguration, Prescription
+from oomdoc.model import ConsideredConfiguration, Prescription, Snapshot
 from oomdoc.replay import batch as batch_model
 from oomdoc.replay.timing import ratio_noise
 
@@ -53,6 +53,8 @@ class Candidate:
     # throughput is unknown, so it may be the fastest; it is prescribed only
     # once measured.
     untimed: bool = False
+    # The capture of the replay that measured it (the certificate reads it).
+    capture: Optional[Snapshot] = field(default=None, repr=False, compare=False)
 
     @property
     def samples_per_second(self) -> Optional[float]:

@@ -14,6 +14,7 @@ to describe what the replay did.
 
 from __future__ import annotations
 
+import copy
 import sys
 from typing import Any, Optional, TextIO
 
@@ -32,6 +33,7 @@ from oomdoc.model import (
     Snapshot,
 )
 from oomdoc.replay import batch as batch_model
+from oomdoc.replay.certificate import measured_margin_fraction
 from oomdoc.replay.plan import (
     LEAK_NO_BATCH_SEARCH,
     ReplayState,
@@ -83,6 +85,10 @@ def replay_fixes(
     when not given). `launch`: how each replay's child runs when not by
     oomdoc.runner.run_child (a distributed job's launcher)."""
     stderr = stderr or sys.stderr
+    if getattr(options, "margin_fraction", None) is None:
+        # `--margin auto`: what the failing run's allocator measured.
+        options = copy.copy(options)
+        options.margin_fraction = measured_margin_fraction(snapshot)
     own_pool = pool is None
     pool = pool or warm_pool(request)
     requested = parse_fix_names(options.fixes)

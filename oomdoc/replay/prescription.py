@@ -47,6 +47,7 @@ from oomdoc.replay.candidates import (
     planned_below,
     prescription_from,
 )
+from oomdoc.replay.certificate import certify_choice
 from oomdoc.replay.lanes import (
     SPECULATIVE,
 )
@@ -121,6 +122,7 @@ def prescription_for(
                     run.step_s,
                     run.replay.label,
                     step_noise=run.step_noise,
+                    capture=run.replay.capture,
                 )
                 candidates.append(candidate)
                 if run is best_plain:
@@ -142,6 +144,7 @@ def prescription_for(
                 step_noise=replay.step_noise if replay is not None else None,
                 exact=True,  # at the user's batch, as it is prescribed
                 remeasure=remeasure_fix(replayer, snapshot, fix),
+                capture=replay.capture if replay is not None else None,
             )
         )
     if original is not None:
@@ -170,6 +173,10 @@ def prescription_for(
             original,
             capacity - int(margin * capacity),
             accumulates=not snapshot.oom_in_evaluation,
+        )
+    if chosen.fits and chosen.kind == "config":
+        chosen.certificate = certify_choice(
+            chosen, candidates + measured, snapshot, snapshot.device.capacity_bytes
         )
     source = state.batch_info.get("source") or ""
     if snapshot.oom_in_evaluation and source in EVAL_BATCH_FLAGS and chosen.batch_size:
@@ -516,6 +523,7 @@ def measured_as_prescribed(
         exact=True,
         accumulation_steps=steps,
         accumulation_record=prescription.accumulation_replay,
+        capture=replay.capture,
         accumulation_label=(
             f"batch {bound.batch_size} without accumulation in {bound.label!r}: peak "
             f"{format_bytes(bound.peak_allocated_bytes)}"

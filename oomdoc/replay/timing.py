@@ -42,8 +42,13 @@ class StepTiming:
 
 def timed_steps(steps: Iterable[Step]) -> list[Step]:
     """The steps whose durations make a run's step time: all that have one,
-    less the first step (warm-up, lazy optimizer state) when later ones exist."""
+    less the first step (warm-up, lazy optimizer state) when later ones exist,
+    and less a step that also ran an evaluation loop (a replay reaches the
+    script's evaluation after its steps) when others did not."""
     timed = [step for step in steps if step.duration_s is not None]
+    training = [step for step in timed if not (step.evaluation_calls and step.forward_calls)]
+    if training and len(training) < len(timed):
+        timed = training
     if len(timed) > 1:
         return [step for step in timed if step.index > 0] or timed
     return timed

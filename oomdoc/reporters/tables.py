@@ -7,7 +7,7 @@ from typing import Optional
 
 from oomdoc.analysis import Analysis
 from oomdoc.formatting import format_location, percent, tensor_description
-from oomdoc.model import ConsideredConfiguration, FixResult, Site, Snapshot
+from oomdoc.model import Certificate, ConsideredConfiguration, FixResult, Site, Snapshot
 from oomdoc.sizes import format_bytes
 
 BREAKDOWN_HEADERS = ["category", "bytes", "% of capacity"]
@@ -268,7 +268,55 @@ def prescription_lines(analysis: Analysis) -> list[str]:
         if prescription.throughput_ratio:
             text += f", {prescription.throughput_ratio:.2f}x the failing configuration at its largest fitting batch"
         lines.append(text)
+    lines.extend(certificate_lines(prescription.certificate))
     lines.extend(considered_lines(prescription.considered or []))
+    return lines
+
+
+def certificate_lines(certificate: Optional[Certificate]) -> list[str]:
+    """What the prescription's replay measured it to hold for over the
+    whole run, and each gap (oomdoc.replay.certificate)."""
+    if certificate is None:
+        return []
+    covered = []
+    if certificate.shapes == "longest_first" and certificate.longest_input_elements is not None:
+        read = (
+            f"all {certificate.samples} samples read"
+            if certificate.samples_read == certificate.samples
+            else f"{certificate.samples_read} of {certificate.samples} samples read"
+        )
+        covered.append(
+            f"longest input {certificate.longest_input_elements} elements "
+            f"(sample {certificate.longest_input_sample}; median "
+            f"{certificate.median_input_elements}; {read}), longest batch first"
+        )
+    elif certificate.shapes == "fixed":
+        covered.append(f"every input {certificate.longest_input_elements} elements")
+    if certificate.evaluation_peak_bytes is not None:
+        batch = (
+            f" at batch {certificate.evaluation_batch_size}"
+            if certificate.evaluation_batch_size
+            else ""
+        )
+        covered.append(
+            f"evaluation{batch} (peak {format_bytes(certificate.evaluation_peak_bytes)})"
+        )
+    if certificate.optimizer_steps:
+        covered.append(f"{certificate.optimizer_steps} optimizer steps")
+    covered.append(f"{certificate.ranks} rank" + ("s" if certificate.ranks != 1 else ""))
+    head = (
+        "certified for the whole run"
+        if certificate.certified
+        else "not certified for the whole run"
+    )
+    lines = [f"  {head}: " + ", ".join(covered)]
+    lines.append(
+        f"    margin {format_bytes(certificate.margin_bytes)}, measured: allocator overhead "
+        f"{format_bytes(certificate.allocator_overhead_bytes)}, drift "
+        f"{format_bytes(certificate.drift_bytes_per_step)}/step, spread between replays "
+        f"{format_bytes(certificate.spread_bytes)} (at least 2% of the capacity)"
+    )
+    lines.extend(f"    not covered: {gap}" for gap in certificate.gaps)
     return lines
 
 

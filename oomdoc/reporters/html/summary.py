@@ -189,6 +189,11 @@ def prescription_html(view: dict, ids: Ids) -> str:
             f"{badge(how, 'neutral') if how else ''}</p>"
             f'<ul class="facts">{"".join(f"<li>{esc(fact)}</li>" for fact in facts)}</ul>'
             + (
+                f'<pre class="certificate">{esc(chr(10).join(prescription["certificate"]))}</pre>'
+                if prescription.get("certificate")
+                else ""
+            )
+            + (
                 f'<pre class="considered">{esc(chr(10).join(prescription["considered"]))}</pre>'
                 if prescription.get("considered")
                 else ""

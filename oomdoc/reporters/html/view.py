@@ -19,7 +19,8 @@ View keys (bytes are ints; absent values are None):
 - `prescription`: None, or `fixes` (names), `batch_size`, `accumulation_steps`,
   `peak_allocated_bytes`, `headroom_bytes`, `fits`, `samples_per_second`,
   `measured`, `snippet` (the document's, else the snippets of its fixes),
-  `samples_per_second_noise`, `considered` (lines: the configurations weighed).
+  `samples_per_second_noise`, `considered` (lines: the configurations weighed),
+  `certificate` (lines: what it holds for over the whole run, and the gaps).
 - `top_fixes`: up to 3 fix items (as in `fixes.items`), those that fit first.
 - `timeline`: `capacity_bytes`, `step_count`, `points_total` (before
   downsampling), `downsampled`, `x_min`, `x_max`, `allocated` (phase peaks:
@@ -76,7 +77,7 @@ from oomdoc.model import (
     Site,
     Snapshot,
 )
-from oomdoc.reporters.tables import considered_lines
+from oomdoc.reporters.tables import certificate_lines, considered_lines
 
 # Caps that keep the file small and fast whatever the snapshot holds.
 MAX_TIMELINE_POINTS = 1600  # per series; min and max per bucket are kept
@@ -268,6 +269,10 @@ def _prescription(snapshot: Snapshot, capacity: int) -> Optional[dict]:
         "samples_per_second_noise": _finite(prescription.samples_per_second_noise),
         # The configurations the search weighed, as the terminal shows them.
         "considered": [clip(line, 400) for line in considered_lines(prescription.considered or [])],
+        # What it was measured to hold for over the whole run, as the terminal shows it.
+        "certificate": [
+            clip(line.strip(), 400) for line in certificate_lines(prescription.certificate)
+        ],
     }
 
 

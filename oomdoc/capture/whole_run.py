@@ -1,0 +1,341 @@
+"""The whole run in a replay: every DataLoader's longest batches first, and
+the script's own evaluation reached.
+
+A replay runs a few steps, but the batch it finds must hold for the whole
+run. Two things use more memory later in a run than in its first steps: a
+batch of the longest inputs (a collate that pads to the longest sample), and
+the evaluation loop (often at a larger batch, after the epoch). So in a
+replay, every DataLoader over a map-style dataset yields its batches longest
+first (each sample's size read from the dataset, within a time budget), and
+once the replay's steps are done the training loader ends its epoch, so that
+the script's own end-of-epoch work (its evaluation, on its loaders' longest
+batches) runs; the next epoch's first batch stops the replay. The failing run
+itself is never reordered: the user's run sees its data as it would.
+
+Child side only (imports torch). What it did is the capture's
+`data_loaders` (docs/snapshot.md).
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import Mapping
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.utils.data
+
+from oomdoc.capture.tracker import StopRun, Tracker
+
+# Seconds spent reading one dataset's sample sizes: a dataset that takes
+# longer (decoding images) is ordered by the samples read, and says so.
+SCAN_SECONDS = 5.0
+# Batches an evaluation loader yields in a replay: its longest, and one more
+# (a loop that keeps the previous batch's outputs holds two at once).
+EVALUATION_BATCHES = 2
+# The most samples whose indices a record lists (the longest first).
+LISTED_SAMPLES = 4
+
+
+def sample_elements(sample: Any, depth: int = 0) -> int:
+    """How many elements a sample holds: what padding and memory grow with
+    (a tensor's or array's elements, a string's characters, a list of
+    numbers' length; containers add up their parts; a number is 0)."""
+    if depth > 4:
+        return 0
+    if isinstance(sample, torch.Tensor):
+        return int(sample.numel())
+    if isinstance(sample, (str, bytes)):
+        return len(sample)
+    if isinstance(sample, Mapping):
+        return sum(sample_elements(value, depth + 1) for value in sample.values())
+    if isinstance(sample, (list, tuple)):
+        if all(isinstance(item, (int, float, bool)) for item in sample):
+            return len(sample)
+        return sum(sample_elements(item, depth + 1) for item in sample)
+    size = getattr(sample, "size", None)  # a NumPy array (an int), a PIL image (w, h)
+    if isinstance(size, int):
+        return size
+    if isinstance(size, tuple) and size and all(isinstance(side, int) for side in size):
+        product = 1
+        for side in size:
+            product *= side
+        return product
+    return 0
+
+
+class DatasetSizes:
+    """The sizes of a map-style dataset's samples, read once per dataset."""
+
+    def __init__(self, dataset: Any, budget_s: float = SCAN_SECONDS):
+        self.samples = len(dataset)
+        self.sizes: list[int] = []
+        self.error: str | None = None
+        started = time.perf_counter()
+        try:
+            for index in range(self.samples):
+                self.sizes.append(sample_elements(dataset[index]))
+                if time.perf_counter() - started > budget_s:
+                    break
+        except Exception as exc:  # the script's dataset: say why, order nothing
+            self.error = f"reading sample {len(self.sizes)} failed: {type(exc).__name__}"
+        self.seconds = time.perf_counter() - started
+
+    @property
+    def complete(self) -> bool:
+        return self.error is None and len(self.sizes) == self.samples
+
+    @property
+    def fixed(self) -> bool:
+        """Every sample read has the same size: the order cannot matter."""
+        return len(set(self.sizes)) <= 1
+
+    def size_of(self, index: int) -> int:
+        return self.sizes[index] if 0 <= index < len(self.sizes) else 0
+
+    def longest_first(self) -> list[int]:
+        """Every index, the longest samples first (unread ones last, as read)."""
+        read = sorted(range(len(self.sizes)), key=lambda index: -self.sizes[index])
+        return read + list(range(len(self.sizes), self.samples))
+
+
+class LongestFirstBatches:
+    """A batch sampler that yields a DataLoader's batches longest first.
+
+    For torch's own BatchSampler, the batches are the dataset's samples
+    sorted longest first, in chunks of its batch size (the first is the
+    batch of the longest samples a shuffle can bring together). For a
+    script's own batch sampler (bucketing), its batches for one epoch, the
+    largest (longest sample times batch length) first. How many of them a
+    replay uses is decided where they are taken (WholeRun.next_batch)."""
+
+    def __init__(self, original: Any, record: dict, whole_run: WholeRun):
+        self.original = original
+        self.record = record
+        self.whole_run = whole_run
+        self._order: list[list[int]] | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        # batch_size, drop_last, sampler: what frameworks read of a batch sampler.
+        if name == "original":
+            raise AttributeError(name)
+        return getattr(self.original, name)
+
+    def __len__(self) -> int:
+        return len(self.original)
+
+    def _batches(self) -> list[list[int]]:
+        if self._order is not None:
+            return self._order
+        sizes = self.whole_run.sizes_of(self.record)
+        original = self.original
+        if sizes is None or sizes.fixed or not sizes.sizes:
+            self._order = []
+            return self._order
+        if type(original) is torch.utils.data.BatchSampler:
+            order = sizes.longest_first()
+            size = int(original.batch_size)
+            batches = [order[start : start + size] for start in range(0, len(order), size)]
+            if original.drop_last and batches and len(batches[-1]) < size:
+                batches.pop()
+        else:
+            batches = [list(batch) for batch in original]
+            batches.sort(
+                key=lambda batch: -max((sizes.size_of(i) for i in batch), default=0) * len(batch)
+            )
+        self._order = batches
+        if batches:
+            first = batches[0]
+            longest = max(first, key=sizes.size_of)
+            self.record["longest_first"] = True
+            self.record["first_batch"] = {
+                "samples": len(first),
+                "longest_sample": int(longest),
+                "longest_elements": sizes.size_of(longest),
+            }
+        return batches
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return iter(self._batches() or self.original)
+
+
+class _Batches:
+    """One iteration over a DataLoader in a replay: its own iterator, with
+    WholeRun.next_batch deciding before each batch whether it comes."""
+
+    def __init__(self, iterator: Any, record: dict, whole_run: WholeRun):
+        self.iterator = iterator
+        self.record = record
+        self.whole_run = whole_run
+        self.taken = 0
+        record["iterations"] += 1
+
+    def __iter__(self) -> _Batches:
+        return self
+
+    def __len__(self) -> int:
+        return len(self.iterator)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "iterator":
+            raise AttributeError(name)
+        return getattr(self.iterator, name)
+
+    def __next__(self) -> Any:
+        self.whole_run.next_batch(self.record, self.taken)
+        batch = next(self.iterator)
+        self.taken += 1
+        self.whole_run.taken(self.record)
+        return batch
+
+
+class WholeRun:
+    """Installed in a replay's child (ChildConfig.whole_run): see the module."""
+
+    def __init__(self, tracker: Tracker, budget_s: float = SCAN_SECONDS):
+        self.tracker = tracker
+        self.budget_s = budget_s
+        self.records: list[dict] = []
+        self._by_loader: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # Sizes by dataset identity: a framework that makes a DataLoader
+        # again over the same dataset reads it once.
+        self._datasets: dict[int, Any] = {}
+        self._sizes: dict[int, DatasetSizes] = {}
+        self._last_taken: dict | None = None
+
+    # ------------------------------------------------------------ install
+    def install(self) -> Callable[[], None]:
+        loader_class = torch.utils.data.DataLoader
+        original_init, original_iter = loader_class.__init__, loader_class.__iter__
+        whole_run = self
+
+        def init(loader: Any, *args: Any, **kwargs: Any) -> None:
+            original_init(loader, *args, **kwargs)
+            whole_run.wrap(loader)
+
+        def iterate(loader: Any) -> Any:
+            iterator = original_iter(loader)
+            record = whole_run._by_loader.get(loader)
+            return iterator if record is None else _Batches(iterator, record, whole_run)
+
+        init.__wrapped__ = original_init  # type: ignore[attr-defined]
+        iterate.__wrapped__ = original_iter  # type: ignore[attr-defined]
+        loader_class.__init__ = init  # type: ignore[method-assign,assignment]
+        loader_class.__iter__ = iterate  # type: ignore[method-assign]
+        self.tracker.backward_start_callbacks.append(self._backward_started)
+        self.tracker.forward_start_callbacks.append(self._model_called)
+
+        def undo() -> None:
+            loader_class.__init__ = original_init  # type: ignore[method-assign]
+            loader_class.__iter__ = original_iter  # type: ignore[method-assign]
+            for callbacks, callback in (
+                (self.tracker.backward_start_callbacks, self._backward_started),
+                (self.tracker.forward_start_callbacks, self._model_called),
+            ):
+                if callback in callbacks:
+                    callbacks.remove(callback)
+
+        return undo
+
+    def wrap(self, loader: Any) -> None:
+        """Give a new DataLoader a longest-first batch sampler, or record why not."""
+        batch_sampler = getattr(loader, "batch_sampler", None)
+        inner = getattr(batch_sampler, "batch_sampler", None)  # accelerate's shard of one
+        for made in (batch_sampler, inner):
+            if isinstance(made, LongestFirstBatches):
+                # Made again from one already ordered (accelerate's prepare):
+                # the same loader to the run.
+                self._by_loader[loader] = made.record
+                return
+        dataset = loader.dataset
+        record: dict[str, Any] = {
+            "loader": len(self.records),
+            "dataset": type(dataset).__name__,
+            "batch_size": getattr(loader, "batch_size", None),
+            "role": None,
+            "batches_taken": 0,
+            "iterations": 0,
+            "longest_first": False,
+        }
+        if isinstance(dataset, torch.utils.data.IterableDataset):
+            record["not_ordered"] = "an iterable dataset: its samples come as it yields them"
+        elif batch_sampler is None:
+            record["not_ordered"] = "no batches (batch_size=None): samples come one at a time"
+        elif not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
+            record["not_ordered"] = "a dataset without len() and indexing"
+        else:
+            record["dataset_key"] = id(dataset)
+            self._datasets[id(dataset)] = dataset
+            object.__setattr__(
+                loader, "batch_sampler", LongestFirstBatches(batch_sampler, record, self)
+            )
+        self.records.append(record)
+        self._by_loader[loader] = record
+
+    def sizes_of(self, record: dict) -> DatasetSizes | None:
+        key = record.get("dataset_key")
+        if key is None or key not in self._datasets:
+            return None
+        sizes = self._sizes.get(key)
+        if sizes is None:
+            sizes = self._sizes[key] = DatasetSizes(self._datasets[key], self.budget_s)
+        record["samples"] = sizes.samples
+        record["samples_read"] = len(sizes.sizes)
+        record["read_s"] = round(sizes.seconds, 3)
+        if sizes.error:
+            record["not_ordered"] = sizes.error
+        elif sizes.fixed and sizes.sizes:
+            record["fixed_elements"] = sizes.sizes[0]
+        if sizes.sizes:
+            longest = max(range(len(sizes.sizes)), key=sizes.size_of)
+            record["longest_sample"] = longest
+            record["longest_elements"] = sizes.sizes[longest]
+            record["median_elements"] = sorted(sizes.sizes)[len(sizes.sizes) // 2]
+        return sizes
+
+    # ------------------------------------------------------------ roles
+    def _backward_started(self) -> None:
+        if self._last_taken is not None:
+            self._last_taken["role"] = "training"
+
+    def _model_called(self, module: Any) -> None:
+        last = self._last_taken
+        if last is not None and last["role"] is None and self.tracker.phase == "evaluation":
+            last["role"] = "evaluation"
+
+    # ------------------------------------------------------------ batches
+    def next_batch(self, record: dict, taken: int) -> None:
+        """Before a DataLoader's next batch in one iteration (`taken` so far):
+        an evaluation loader ends after EVALUATION_BATCHES; a training loader
+        ends its epoch once the replay's steps are done, so that the script's
+        end-of-epoch work runs; iterated again after that (the next epoch),
+        it stops the replay (StopRun)."""
+        role = record["role"]
+        if role == "training" and self.tracker.steps_done():
+            self.tracker.timed_steps_done()
+            if taken == 0:
+                record["stopped_replay"] = True
+                raise StopRun()
+            record["epoch_ended_early"] = True
+            raise StopIteration
+        if role == "evaluation" and taken >= EVALUATION_BATCHES:
+            record["epoch_ended_early"] = True
+            raise StopIteration
+
+    def taken(self, record: dict) -> None:
+        self._last_taken = record
+        record["batches_taken"] += 1
+
+    def fields(self) -> list[dict]:
+        """The capture's `data_loaders`: those the run iterated."""
+        return [
+            {key: value for key, value in record.items() if key != "dataset_key"}
+            for record in self.records
+            if record["iterations"]
+        ]
+
+
+def install(tracker: Tracker) -> tuple[WholeRun, Callable[[], None]]:
+    whole_run = WholeRun(tracker)
+    return whole_run, whole_run.install()

@@ -1,0 +1,96 @@
+"""Typed records of a replay's data and of the whole-run certificate
+(docs/snapshot.md: `data_loaders`, `prescription.certificate`).
+
+A replay orders every DataLoader's batches longest first and reaches the
+script's own evaluation (oomdoc.capture.whole_run); what it did is a
+`DataLoaderRecord` each. The prescription's `Certificate` says what its
+measurement covers: the longest input, the evaluation batch, the optimizer
+steps, the ranks, and the margin measured from the allocator's drift. Part
+of oomdoc.model (which imports them): parsed the same way, by field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from oomdoc.records import when_set
+
+
+@dataclass
+class FirstBatch:
+    """The first batch a replay's DataLoader yielded: its longest."""
+
+    samples: int = 0
+    longest_sample: Optional[int] = None  # the dataset index
+    longest_elements: int = 0
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class DataLoaderRecord:
+    """One DataLoader a replay iterated, and how its batches were ordered."""
+
+    loader: int = 0  # in the order the script made them
+    dataset: str = "?"  # the dataset's class
+    batch_size: Optional[int] = None
+    # What its batches fed: `training` (a backward), `evaluation` (model
+    # calls without autograd), None (neither seen).
+    role: Optional[str] = None
+    batches_taken: int = 0
+    iterations: int = 0  # epochs begun
+    # Its batches came longest first (else `not_ordered` or `fixed_elements` says why not).
+    longest_first: bool = False
+    samples: Optional[int] = None  # len(dataset)
+    samples_read: Optional[int] = None  # whose sizes were read (a time budget)
+    read_s: Optional[float] = None
+    longest_sample: Optional[int] = None
+    longest_elements: Optional[int] = None
+    median_elements: Optional[int] = None
+    # Every sample read had this many elements: the order cannot matter.
+    fixed_elements: Optional[int] = when_set()
+    not_ordered: Optional[str] = when_set()
+    first_batch: Optional[FirstBatch] = when_set()
+    # The replay ended its epoch early (its steps were done, or an
+    # evaluation loader's longest batches were taken).
+    epoch_ended_early: bool = when_set(False)
+    # Iterated again once the steps were done (the next epoch): the replay stopped there.
+    stopped_replay: bool = when_set(False)
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def complete(self) -> bool:
+        """Every sample's size was read."""
+        return self.samples is not None and self.samples_read == self.samples
+
+
+@dataclass
+class Certificate:
+    """What the prescription's own replay measured it to hold for, and
+    what it does not cover (`gaps`): certified only with no gap."""
+
+    certified: bool = False
+    # The longest sample in the first (largest) training batch replayed.
+    longest_input_elements: Optional[int] = None
+    longest_input_sample: Optional[int] = None
+    median_input_elements: Optional[int] = None
+    samples_read: Optional[int] = None
+    samples: Optional[int] = None
+    # `longest_first`, `fixed` (every sample the same size), or
+    # `as_they_came` (an iterable dataset, no DataLoader).
+    shapes: str = "as_they_came"
+    evaluation_batch_size: Optional[int] = None
+    evaluation_peak_bytes: Optional[int] = None
+    training_peak_bytes: Optional[int] = None
+    optimizer_steps: int = 0
+    ranks: int = 1
+    # The margin the configuration leaves free, and what it is made of: the
+    # allocator's overhead at the peak (reserved over allocated), its growth
+    # per step over the replay's steps, and the spread of the peak between
+    # replays of the same configuration.
+    margin_bytes: int = 0
+    allocator_overhead_bytes: int = 0
+    drift_bytes_per_step: int = 0
+    spread_bytes: int = 0
+    gaps: List[str] = field(default_factory=list)
+    extra: Dict[str, Any] = field(default_factory=dict)

@@ -1,0 +1,215 @@
+"""The whole-run certificate: what the prescription's own replay measured
+it to hold for, and what it does not cover.
+
+Batch-size finders are blamed for one thing above all: the batch they find
+runs out of memory later, on a longer input, in the evaluation loop, after
+a few steps of fragmentation, on one rank. A replay here runs the data's
+longest batches first and reaches the script's own evaluation
+(oomdoc.capture.whole_run); the certificate reads that replay's capture and
+says, field by field, what was covered, and names each gap. The margin is
+measured rather than fixed: the allocator's overhead at the peak (reserved
+over allocated), its growth over the replay's optimizer steps carried as far
+again, and the spread of the peak between replays of the same configuration.
+Pure: it reads snapshots, runs nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+from oomdoc.model import Certificate, DataLoaderRecord, Prescription, Snapshot, Step
+from oomdoc.replay.candidates import Candidate
+from oomdoc.sizes import format_bytes
+
+# What no replay measures (the CUDA context's own growth, a library's
+# workspace chosen later): the least margin, as a share of the capacity.
+MARGIN_FLOOR = 0.02
+# The most a measured margin asks for before the search (a failing run whose
+# allocator held far more than it allocated: that is the OOM's own story).
+MARGIN_CEILING = 0.10
+# Optimizer steps a certificate needs: the optimizer's state is allocated
+# at the first, and the second runs with it alive.
+CERTIFIED_OPTIMIZER_STEPS = 2
+
+
+def training_steps(capture: Snapshot) -> list[Step]:
+    """The replay's training steps (a backward or an optimizer step), in order."""
+    return [step for step in capture.steps if step.optimizer_steps or step.backward_calls]
+
+
+def evaluation_peak(capture: Snapshot) -> Optional[int]:
+    """The most allocated during an evaluation pass, if one ran."""
+    peaks = [
+        step.phase_peaks["evaluation"] for step in capture.steps if "evaluation" in step.phase_peaks
+    ]
+    return max(peaks) if peaks else None
+
+
+def allocator_drift(steps: list[Step]) -> tuple[int, int]:
+    """(the allocator's overhead at the highest peak, its growth per step):
+    reserved over allocated at each step's peak, the growth from the first
+    step with the optimizer's state to the last."""
+    measured = [step for step in steps if step.peak_reserved_bytes >= step.peak_allocated_bytes]
+    if not measured:
+        return 0, 0
+    highest = max(measured, key=lambda step: step.peak_allocated_bytes)
+    overhead = highest.peak_reserved_bytes - highest.peak_allocated_bytes
+    settled = measured[1:] if len(measured) > 2 else measured
+    gaps = [step.peak_reserved_bytes - step.peak_allocated_bytes for step in settled]
+    drift = 0
+    if len(gaps) > 1:
+        drift = max(0, (gaps[-1] - gaps[0]) // (len(gaps) - 1))
+    return overhead, drift
+
+
+def measured_margin_fraction(failing: Snapshot) -> float:
+    """The margin the search leaves free when `--margin` is not given
+    (`auto`): the failing run's allocator overhead at its highest step and
+    its growth per step carried over as many steps again, as a share of the
+    capacity, between MARGIN_FLOOR and MARGIN_CEILING. A run that failed
+    before closing a step gives its overhead at the OOM."""
+    capacity = failing.capacity_bytes
+    if not capacity:
+        return MARGIN_FLOOR
+    steps = training_steps(failing)
+    overhead, drift = allocator_drift([step for step in steps if step.optimizer_steps] or steps)
+    if not steps and failing.oom is not None:
+        overhead = max(0, failing.oom.reserved_bytes - failing.oom.allocated_bytes)
+    measured = (overhead + drift * len(steps)) / capacity
+    return min(MARGIN_CEILING, max(MARGIN_FLOOR, measured))
+
+
+def _shapes(certificate: Certificate, training: Optional[DataLoaderRecord]) -> None:
+    if training is None:
+        certificate.shapes = "as_they_came"
+        certificate.gaps.append(
+            "the training batches do not come from a DataLoader over a map-style dataset: "
+            "the replay ran them as they came, not the longest first"
+        )
+        return
+    certificate.samples, certificate.samples_read = training.samples, training.samples_read
+    certificate.median_input_elements = training.median_elements
+    if training.longest_first and training.first_batch is not None:
+        certificate.shapes = "longest_first"
+        certificate.longest_input_elements = training.first_batch.longest_elements
+        certificate.longest_input_sample = training.first_batch.longest_sample
+        if not training.complete:
+            certificate.gaps.append(
+                f"only {training.samples_read} of {training.samples} samples' sizes were read "
+                "in the time allowed: a longer one may come later"
+            )
+    elif training.fixed_elements is not None:
+        certificate.shapes = "fixed"
+        certificate.longest_input_elements = training.fixed_elements
+        if not training.complete:
+            certificate.gaps.append(
+                f"every sample read had {training.fixed_elements} elements, but only "
+                f"{training.samples_read} of {training.samples} were read"
+            )
+    else:
+        certificate.shapes = "as_they_came"
+        certificate.gaps.append(
+            f"the training batches came as the data gave them: {training.not_ordered or 'not ordered'}"
+        )
+
+
+def _evaluation(
+    certificate: Certificate, capture: Snapshot, failing: Snapshot, loaders: list[DataLoaderRecord]
+) -> None:
+    evaluating = [loader for loader in loaders if loader.role == "evaluation"]
+    certificate.evaluation_peak_bytes = evaluation_peak(capture)
+    if evaluating:
+        certificate.evaluation_batch_size = max(
+            (loader.batch_size for loader in evaluating if loader.batch_size), default=None
+        )
+        for loader in evaluating:
+            if not loader.longest_first and loader.fixed_elements is None:
+                certificate.gaps.append(
+                    f"the evaluation batches came as the data gave them: "
+                    f"{loader.not_ordered or 'not ordered'}"
+                )
+    failing_evaluates = any(step.evaluation_calls for step in failing.steps)
+    if certificate.evaluation_peak_bytes is None and failing_evaluates:
+        certificate.gaps.append("the run evaluates, but the replay did not reach its evaluation")
+    never = [loader for loader in loaders if not loader.iterations and loader.role is None]
+    if certificate.evaluation_peak_bytes is None and never:
+        names = ", ".join(f"{loader.dataset} (batch {loader.batch_size})" for loader in never)
+        certificate.gaps.append(
+            f"DataLoaders the replay never iterated: {names}; an evaluation that runs later "
+            "than one shortened epoch (every N steps) is not covered"
+        )
+
+
+def certificate_for(
+    capture: Optional[Snapshot],
+    failing: Snapshot,
+    capacity_bytes: int,
+    same_configuration_peaks: Iterable[int] = (),
+) -> Optional[Certificate]:
+    """The certificate of the configuration whose replay wrote `capture`
+    (None without one); `same_configuration_peaks`: the peaks of every
+    replay of that same configuration, whose spread the margin covers."""
+    if capture is None or not capture.steps:
+        return None
+    certificate = Certificate()
+    loaders = capture.data_loaders
+    training = next((loader for loader in loaders if loader.role == "training"), None)
+    _shapes(certificate, training)
+    _evaluation(certificate, capture, failing, loaders)
+    steps = training_steps(capture)
+    certificate.training_peak_bytes = max(
+        (step.peak_allocated_bytes for step in steps), default=None
+    )
+    if failing.optimizers:
+        certificate.optimizer_steps = sum(step.optimizer_steps for step in steps)
+        if certificate.optimizer_steps < CERTIFIED_OPTIMIZER_STEPS:
+            certificate.gaps.append(
+                f"{certificate.optimizer_steps} optimizer step(s) measured: the state's "
+                "second step was not seen"
+            )
+    certificate.ranks = max(1, len(capture.ranks) or int(capture.world_size or 1))
+    overhead, drift = allocator_drift([step for step in steps if step.optimizer_steps] or steps)
+    peaks = [peak for peak in same_configuration_peaks if peak]
+    spread = max(peaks) - min(peaks) if len(peaks) > 1 else 0
+    certificate.allocator_overhead_bytes, certificate.drift_bytes_per_step = overhead, drift
+    certificate.spread_bytes = spread
+    measured_margin = overhead + drift * max(1, len(steps)) + spread
+    certificate.margin_bytes = max(measured_margin, int(MARGIN_FLOOR * capacity_bytes))
+    peak = max(
+        [value for value in (capture.peak.allocated_bytes if capture.peak else None,) if value]
+        or [0]
+    )
+    if peak + certificate.margin_bytes > capacity_bytes:
+        certificate.gaps.append(
+            f"its peak {format_bytes(peak)} and the margin {format_bytes(certificate.margin_bytes)} "
+            f"are above the capacity {format_bytes(capacity_bytes)}"
+        )
+    if capture.outcome != "ok":
+        certificate.gaps.append(f"its replay did not end well ({capture.outcome})")
+    certificate.certified = not certificate.gaps
+    return certificate
+
+
+def certify_choice(
+    chosen: Prescription, weighed: list[Candidate], failing: Snapshot, capacity_bytes: int
+) -> Optional[Certificate]:
+    """The certificate of the prescription: from the replay that measured it
+    as prescribed (else the one at its batch), the spread over every replay
+    of that same configuration."""
+    same = [
+        candidate
+        for candidate in weighed
+        if candidate.capture is not None
+        and list(candidate.fixes) == list(chosen.fixes)
+        and candidate.batch_size == chosen.batch_size
+        and candidate.accumulation_steps == max(1, chosen.accumulation_steps)
+    ]
+    if not same:
+        return None
+    source = ([candidate for candidate in same if candidate.exact] or same)[-1]
+    return certificate_for(
+        source.capture,
+        failing,
+        capacity_bytes,
+        [candidate.peak_allocated_bytes for candidate in same],
+    )
