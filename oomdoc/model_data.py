@@ -54,6 +54,9 @@ class DataLoaderRecord:
     # The replay ended its epoch early (its steps were done, or an
     # evaluation loader's longest batches were taken).
     epoch_ended_early: bool = when_set(False)
+    # An evaluation loader whose pass kept memory growing from batch to
+    # batch (it gathers outputs): it yielded every batch, to the pass's end.
+    evaluation_grows: bool = when_set(False)
     # Iterated again once the steps were done (the next epoch): the replay stopped there.
     stopped_replay: bool = when_set(False)
     extra: Dict[str, Any] = field(default_factory=dict)

@@ -38,6 +38,16 @@ def peak_of(document: dict) -> int:
     return document["peak"]["allocated_bytes"]
 
 
+def training_peak_of(document: dict) -> int:
+    """The most a run allocated outside its evaluation passes."""
+    return max(
+        value
+        for step in document["steps"]
+        for phase, value in step["phase_peaks"].items()
+        if phase != "evaluation"
+    )
+
+
 def test_gpt_trainer_evaluating_at_iteration_0(tmp_path):
     """nanoGPT's idiom: the optimizer exists before the loss is estimated at
     iteration 0 under no_grad, so those calls are step 0's evaluation, the
@@ -150,7 +160,16 @@ def test_word_lm_with_a_criterion_module_and_a_manual_update(tmp_path):
     by_hand_args += ["--accumulate", str(prescription["accumulation_steps"])]
     by_hand = plain(tmp_path, capacity, WORD_LM, by_hand_args)
     assert by_hand["outcome"] == "ok", by_hand_args
-    assert peak_of(by_hand) == pytest.approx(prescription["peak_allocated_bytes"], rel=0.05)
+    # Its training peak is the one measured. The corpus is one tensor, not a
+    # DataLoader, so no replay reaches the evaluation after the epoch (at its
+    # own --eval_batch_size, which can peak higher): the certificate says so.
+    assert training_peak_of(by_hand) == pytest.approx(
+        prescription["peak_allocated_bytes"], rel=0.05
+    )
+    certificate = prescription["certificate"]
+    assert not certificate["certified"]
+    assert certificate["shapes"] == "as_they_came"
+    assert any("DataLoader" in gap for gap in certificate["gaps"]), certificate
 
 
 def test_imagenet_trainer_with_transform_modules_and_a_short_flag(tmp_path):

@@ -32,8 +32,12 @@ from oomdoc.capture.tracker import StopRun, Tracker
 # longer (decoding images) is ordered by the samples read, and says so.
 SCAN_SECONDS = 5.0
 # Batches an evaluation loader yields in a replay: its longest, and one more
-# (a loop that keeps the previous batch's outputs holds two at once).
+# (a loop that keeps the previous batch's outputs holds two at once) ...
 EVALUATION_BATCHES = 2
+# ... and all of them while memory grows from batch to batch by more than
+# this: a loop that gathers every batch's logits or predictions (the HF
+# Trainer's compute_metrics) peaks only at the end of its pass.
+EVALUATION_GROWTH_BYTES = 64 * 1024
 # The most samples whose indices a record lists (the longest first).
 LISTED_SAMPLES = 4
 
@@ -170,6 +174,7 @@ class _Batches:
         self.whole_run = whole_run
         self.taken = 0
         record["iterations"] += 1
+        record["_held"] = []  # allocated before each evaluation batch of this pass
 
     def __iter__(self) -> _Batches:
         return self
@@ -319,9 +324,15 @@ class WholeRun:
                 raise StopRun()
             record["epoch_ended_early"] = True
             raise StopIteration
-        if role == "evaluation" and taken >= EVALUATION_BATCHES:
-            record["epoch_ended_early"] = True
-            raise StopIteration
+        if role == "evaluation":
+            held = record["_held"]
+            held.append(int(self.tracker.backend.allocated_bytes()))
+            if taken >= EVALUATION_BATCHES:
+                if held[-1] - held[1] > EVALUATION_GROWTH_BYTES:
+                    record["evaluation_grows"] = True  # every batch, to the pass's end
+                    return
+                record["epoch_ended_early"] = True
+                raise StopIteration
 
     def taken(self, record: dict) -> None:
         self._last_taken = record
@@ -330,7 +341,11 @@ class WholeRun:
     def fields(self) -> list[dict]:
         """The capture's `data_loaders`: those the run iterated."""
         return [
-            {key: value for key, value in record.items() if key != "dataset_key"}
+            {
+                key: value
+                for key, value in record.items()
+                if not key.startswith(("_", "dataset_key"))
+            }
             for record in self.records
             if record["iterations"]
         ]

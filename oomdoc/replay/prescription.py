@@ -391,7 +391,7 @@ def measured_choice(
             )
             continue
         if replay.fits and replay.peak_allocated_bytes is not None:
-            if replay.peak_allocated_bytes <= limit:
+            if claimed_peak(candidate, chosen, replay) <= limit:
                 # Measured as prescribed: it takes the place of the bound,
                 # and the choice is made again.
                 exact = measured_as_prescribed(candidate, chosen, replay)
@@ -515,7 +515,7 @@ def measured_as_prescribed(
     return Candidate(
         list(bound.fixes),
         int(prescription.batch_size or bound.batch_size),
-        replay.peak_allocated_bytes,
+        claimed_peak(bound, prescription, replay),
         replay.step_s / steps if replay.step_s else None,
         replay.label,
         notes=list(bound.notes),
@@ -530,6 +530,20 @@ def measured_as_prescribed(
             + (f", {bound.samples_per_second:.1f} samples/s" if bound.samples_per_second else "")
         ),
     )
+
+
+def claimed_peak(bound: Candidate, prescription: Prescription, replay: Replay) -> int:
+    """The peak a replay with accumulation measured, unless it ended before
+    an optimizer step and two more micro-batches (a script that updates by
+    hand, whose gradients oomdoc's accumulation cannot hold back, or one
+    that stopped too soon): then the later micro-batches' forward with the
+    gradients alive was not seen, and the larger batch the configuration
+    ran, `bound`, bounds what is claimed."""
+    assert replay.peak_allocated_bytes is not None
+    covered = (prescription.accumulation_replay or {}).get("accumulation_covered")
+    if prescription.accumulation_steps > 1 and covered is False:
+        return max(replay.peak_allocated_bytes, bound.peak_allocated_bytes)
+    return replay.peak_allocated_bytes
 
 
 def replay_prescription(
