@@ -174,7 +174,7 @@ class _Batches:
         self.whole_run = whole_run
         self.taken = 0
         record["iterations"] += 1
-        record["_held"] = []  # allocated before each evaluation batch of this pass
+        record["_held"] = {}  # allocated before each evaluation batch of this pass
 
     def __iter__(self) -> _Batches:
         return self
@@ -325,10 +325,10 @@ class WholeRun:
             record["epoch_ended_early"] = True
             raise StopIteration
         if role == "evaluation":
-            held = record["_held"]
-            held.append(int(self.tracker.backend.allocated_bytes()))
+            held = record["_held"]  # by batches taken: after the first on
+            held[taken] = int(self.tracker.backend.allocated_bytes())
             if taken >= EVALUATION_BATCHES:
-                if held[-1] - held[1] > EVALUATION_GROWTH_BYTES:
+                if held[taken] - held.get(1, held[taken]) > EVALUATION_GROWTH_BYTES:
                     record["evaluation_grows"] = True  # every batch, to the pass's end
                     return
                 record["epoch_ended_early"] = True

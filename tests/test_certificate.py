@@ -1,0 +1,151 @@
+"""The whole-run certificate (oomdoc.replay.certificate): what a replay's
+capture covers, each gap named, and a margin measured from the allocator."""
+
+from __future__ import annotations
+
+from oomdoc.model import Snapshot
+from oomdoc.replay.certificate import (
+    MARGIN_CEILING,
+    MARGIN_FLOOR,
+    certificate_for,
+    measured_margin_fraction,
+)
+
+MIB = 1 << 20
+CAPACITY = 100 * MIB
+
+
+def step(index: int, allocated: int, reserved: int | None = None, evaluation: int = 0) -> dict:
+    phase_peaks = {"forward": allocated}
+    if evaluation:
+        phase_peaks["evaluation"] = evaluation
+    return {
+        "index": index,
+        "peak_allocated_bytes": allocated,
+        "peak_reserved_bytes": allocated if reserved is None else reserved,
+        "forward_calls": 1,
+        "backward_calls": 1,
+        "optimizer_steps": 1,
+        "evaluation_calls": 2 if evaluation else 0,
+        "phase_peaks": phase_peaks,
+    }
+
+
+def loader(role: str, **fields) -> dict:
+    record = {"loader": 0 if role == "training" else 1, "dataset": "Texts", "role": role}
+    record.update(iterations=1, batches_taken=2, samples=100, samples_read=100)
+    record.update(fields)
+    return record
+
+
+LONGEST = {
+    "longest_first": True,
+    "first_batch": {"samples": 8, "longest_sample": 42, "longest_elements": 512},
+}
+
+
+def capture(steps: list[dict], loaders: list[dict], peak: int | None = None) -> Snapshot:
+    return Snapshot.from_dict(
+        {
+            "outcome": "ok",
+            "device": {"kind": "simulated", "capacity_bytes": CAPACITY},
+            "optimizers": ["AdamW"],
+            "steps": steps,
+            "data_loaders": loaders,
+            "peak": {"allocated_bytes": peak or max(s["peak_allocated_bytes"] for s in steps)},
+        }
+    )
+
+
+FAILING = Snapshot.from_dict(
+    {"outcome": "oom", "optimizers": ["AdamW"], "device": {"capacity_bytes": CAPACITY}}
+)
+
+
+def test_a_replay_with_the_longest_batch_its_evaluation_and_two_steps_is_certified():
+    replayed = capture(
+        [step(0, 60 * MIB), step(1, 62 * MIB), step(2, 61 * MIB, evaluation=30 * MIB)],
+        [loader("training", **LONGEST), loader("evaluation", batch_size=16, **LONGEST)],
+    )
+    certificate = certificate_for(replayed, FAILING, CAPACITY)
+    assert certificate is not None and certificate.certified, certificate
+    assert certificate.gaps == []
+    assert (certificate.longest_input_elements, certificate.longest_input_sample) == (512, 42)
+    assert certificate.shapes == "longest_first"
+    assert (certificate.evaluation_batch_size, certificate.evaluation_peak_bytes) == (16, 30 * MIB)
+    assert certificate.optimizer_steps == 3
+    assert certificate.training_peak_bytes == 62 * MIB
+    # Nothing measured beyond the allocated bytes: the floor.
+    assert certificate.margin_bytes == int(MARGIN_FLOOR * CAPACITY)
+
+
+def test_each_thing_not_covered_is_a_gap():
+    replayed = capture(
+        [step(0, 60 * MIB)],
+        [
+            loader(
+                "training", longest_first=True, samples_read=40, first_batch=LONGEST["first_batch"]
+            )
+        ],
+    )
+    failing = Snapshot.from_dict(
+        {
+            "outcome": "oom",
+            "optimizers": ["AdamW"],
+            "steps": [step(0, 10 * MIB, evaluation=5 * MIB)],
+        }
+    )
+    certificate = certificate_for(replayed, failing, CAPACITY)
+    assert certificate is not None and not certificate.certified
+    text = " | ".join(certificate.gaps)
+    assert "only 40 of 100 samples" in text
+    assert "did not reach its evaluation" in text
+    assert "1 optimizer step(s)" in text
+
+
+def test_batches_not_from_a_dataloader_are_a_gap():
+    certificate = certificate_for(
+        capture([step(0, 1 * MIB), step(1, 1 * MIB)], []), FAILING, CAPACITY
+    )
+    assert certificate is not None and certificate.shapes == "as_they_came"
+    assert any("DataLoader" in gap for gap in certificate.gaps)
+
+
+def test_the_margin_is_the_allocators_overhead_its_drift_and_the_spread_between_replays():
+    # Reserved over allocated: 4, 5, 6 MiB: overhead 6 at the highest peak, 1 MiB a step.
+    replayed = capture(
+        [step(0, 70 * MIB, 74 * MIB), step(1, 71 * MIB, 76 * MIB), step(2, 72 * MIB, 78 * MIB)],
+        [loader("training", **LONGEST)],
+    )
+    certificate = certificate_for(replayed, FAILING, CAPACITY, [72 * MIB, 70 * MIB])
+    assert certificate is not None
+    assert certificate.allocator_overhead_bytes == 6 * MIB
+    assert certificate.drift_bytes_per_step == 1 * MIB
+    assert certificate.spread_bytes == 2 * MIB
+    assert certificate.margin_bytes == 6 * MIB + 3 * 1 * MIB + 2 * MIB
+    assert certificate.certified  # 72 + 11 MiB is below 100
+    tight = certificate_for(replayed, FAILING, 80 * MIB, [72 * MIB, 70 * MIB])
+    assert tight is not None and not tight.certified
+    assert any("above the capacity" in gap for gap in tight.gaps)
+
+
+def test_the_search_margin_is_measured_from_the_failing_run_within_bounds():
+    flat = Snapshot.from_dict(
+        {"device": {"capacity_bytes": CAPACITY}, "steps": [step(0, 50 * MIB), step(1, 50 * MIB)]}
+    )
+    assert measured_margin_fraction(flat) == MARGIN_FLOOR
+    overhead = Snapshot.from_dict(
+        {
+            "device": {"capacity_bytes": CAPACITY},
+            "steps": [step(0, 50 * MIB, 54 * MIB), step(1, 50 * MIB, 54 * MIB)],
+        }
+    )
+    assert measured_margin_fraction(overhead) == 0.04
+    fragmented = Snapshot.from_dict(
+        {
+            "device": {"capacity_bytes": CAPACITY},
+            "outcome": "oom",
+            "oom": {"allocated_bytes": 60 * MIB, "reserved_bytes": 95 * MIB},
+        }
+    )
+    assert measured_margin_fraction(fragmented) == MARGIN_CEILING

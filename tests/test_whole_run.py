@@ -1,0 +1,103 @@
+"""A replay's whole-run data (oomdoc.capture.whole_run): DataLoaders yield
+their longest batches first, the training epoch ends once the replay's
+steps are done so that the script's own evaluation runs, and the next epoch
+stops the replay. The failing run sees its data as it would."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from oomdoc.model import Snapshot
+from oomdoc.runner import ChildRequest, run_child
+
+SCRIPT = Path(__file__).parent / "scripts" / "whole_run_loaders.py"
+
+
+def replay(tmp_path: Path, *args: str, whole_run: bool = True, steps: int = 2) -> tuple:
+    log = tmp_path / "log.txt"
+    request = ChildRequest(
+        target=str(SCRIPT),
+        args=list(args),
+        device="cpu",
+        capacity_bytes=1 << 30,
+        max_steps=steps,
+        expected_unit="optimizer",
+        whole_run=whole_run,
+        output_path=str(log),
+    )
+    result = run_child(request)
+    assert result.capture is not None
+    capture = Snapshot.from_dict(result.capture)
+    lines = [
+        line.split() for line in log.read_text().splitlines() if line[:5] in ("train", "eval ")
+    ]
+    return capture, lines
+
+
+def shapes(lines: list, kind: str) -> list[str]:
+    return [" ".join(line[2:]) for line in lines if line[0] == kind]
+
+
+def test_longest_batches_first_then_the_scripts_evaluation_then_the_next_epoch_stops(tmp_path):
+    capture, lines = replay(tmp_path, "--batch_size", "4")
+    assert capture.outcome == "ok"
+    # Two steps, the longest batch first (40 is the longest sample; 33, 33
+    # and 32 are the next), then the evaluation's two longest batches (33 the
+    # longest there); epoch 1 never trains.
+    assert shapes(lines, "train") == ["(4, 40)", "(4, 32)"]
+    assert shapes(lines, "eval")[0] == "(8, 33)"
+    assert len(shapes(lines, "eval")) == 2
+    assert [line[1] for line in lines] == ["0"] * 4
+    training, evaluation = capture.data_loaders
+    assert (training.role, evaluation.role) == ("training", "evaluation")
+    assert training.longest_first and training.complete
+    assert training.first_batch is not None and training.first_batch.longest_sample == 37
+    assert training.longest_elements == 40 and training.stopped_replay
+    assert evaluation.batches_taken == 2 and evaluation.epoch_ended_early
+    assert evaluation.batch_size == 8
+    # The evaluation ran in the replay's last step: its peak is recorded.
+    assert any("evaluation" in step.phase_peaks for step in capture.steps)
+
+
+def test_the_failing_run_sees_its_data_as_it_would(tmp_path):
+    capture, lines = replay(
+        tmp_path, "--batch_size", "4", "--epochs", "1", whole_run=False, steps=None
+    )
+    assert capture.data_loaders == []
+    assert len(shapes(lines, "train")) == 16  # the whole epoch, shuffled
+    assert shapes(lines, "train")[:3] != ["(4, 40)", "(4, 33)", "(4, 33)"]
+
+
+def test_a_scripts_own_batch_sampler_gives_its_largest_batches_first(tmp_path):
+    capture, lines = replay(tmp_path, "--batch_size", "4", "--bucketing")
+    # The bucketing sampler's batches, by padded size: the one holding 40 first.
+    assert shapes(lines, "train")[0] == "(4, 40)"
+    assert capture.data_loaders[0].longest_first
+
+
+def test_an_iterable_dataset_is_not_reordered_and_says_why(tmp_path):
+    capture, lines = replay(tmp_path, "--batch_size", "4", "--iterable")
+    training = capture.data_loaders[0]
+    assert not training.longest_first
+    assert training.not_ordered is not None and "iterable" in training.not_ordered
+    # Its epoch still ends once the steps are done: the evaluation runs.
+    assert len(shapes(lines, "train")) == 2 and shapes(lines, "eval")
+
+
+def test_an_evaluation_that_gathers_outputs_runs_to_the_end_of_its_pass(tmp_path):
+    capture, lines = replay(tmp_path, "--batch_size", "4", "--gather")
+    evaluation = capture.data_loaders[1]
+    assert evaluation.evaluation_grows
+    assert evaluation.batches_taken == 3  # 24 samples in batches of 8
+    assert len(shapes(lines, "eval")) == 3
+
+
+@pytest.mark.parametrize("workers", ["2"])
+def test_loader_workers_fetching_ahead_do_not_add_steps(tmp_path, workers):
+    """Workers prefetch batches: the epoch is still cut where the script
+    takes its batches, not where the sampler was asked for them."""
+    capture, lines = replay(tmp_path, "--batch_size", "4", "--workers", workers)
+    assert shapes(lines, "train") == ["(4, 40)", "(4, 32)"]
+    assert len(shapes(lines, "eval")) == 2
