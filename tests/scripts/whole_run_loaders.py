@@ -100,7 +100,7 @@ for epoch in range(args.epochs):
     model.eval()
     kept = []
     with torch.no_grad():
-        for tokens, labels in val_loader:
+        for tokens, _labels in val_loader:
             logits = model(tokens)
             if args.gather:
                 kept.append(logits)
