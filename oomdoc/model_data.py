@@ -57,6 +57,9 @@ class DataLoaderRecord:
     # An evaluation loader whose pass kept memory growing from batch to
     # batch (it gathers outputs): it yielded every batch, to the pass's end.
     evaluation_grows: bool = when_set(False)
+    # A framework that evaluates every N steps was asked to evaluate at the
+    # end of the shortened epoch (how: e.g. the HF Trainer's flow callback).
+    evaluation_asked: Optional[str] = when_set()
     # Iterated again once the steps were done (the next epoch): the replay stopped there.
     stopped_replay: bool = when_set(False)
     extra: Dict[str, Any] = field(default_factory=dict)

@@ -124,6 +124,8 @@ class Tracker(Attribution, LeakChecks):
         # Called with the module at each outermost model call, and with no
         # argument at each outermost backward: replays apply fixes there.
         self.forward_start_callbacks: list = []
+        # Asked before the step limit stops a replay: False lets one more step run.
+        self.may_stop: Callable[[], bool] | None = None
         self.backward_start_callbacks: list = []
         # What a replayed fix did, by fix name (see oomdoc.capture.child.apply_fix).
         self.fix_applied: dict | None = None
@@ -261,25 +263,22 @@ class Tracker(Attribution, LeakChecks):
         return limit
 
     def steps_done(self) -> bool:
-        """Whether a replay has run all its steps (the last one closed or
-        ending): its training DataLoader ends the epoch then
-        (oomdoc.capture.whole_run). A replay of an evaluation OOM counts
-        its steps too: its training epoch ends sooner and the evaluation
-        comes."""
+        """Whether a replay has run all its steps (the last closed or ending),
+        also one that stops after an evaluation: its training DataLoader
+        then ends the epoch (oomdoc.capture.whole_run)."""
         limit = self.max_steps
-        if limit is None:
-            return False
-        if self.expected_unit is not None and UNITS.index(self.unit) < UNITS.index(
-            self.expected_unit
+        if limit is None or (
+            self.expected_unit is not None
+            and UNITS.index(self.unit) < UNITS.index(self.expected_unit)
         ):
             return False
-        if self.unit == "module":
-            limit *= self.micro_batches_per_step
-        current = self._current
+        current, module = self._current, self.unit == "module"
         ongoing = self._pending_close or (
-            self.unit == "module" and bool(current["forward_calls"] or current["evaluation_calls"])
+            module and bool(current["forward_calls"] or current["evaluation_calls"])
         )
-        return self.step_index + int(ongoing) >= limit
+        return self.step_index + int(ongoing) >= limit * (
+            self.micro_batches_per_step if module else 1
+        )
 
     def share_device(
         self, alone: Callable[[], None], done: Callable[[], None], autotunes: Callable[[], bool]
@@ -571,6 +570,8 @@ class Tracker(Attribution, LeakChecks):
         if closes:
             limit = self._step_limit()
             last = limit is not None and self.step_index + 1 >= limit
+            if last and self.may_stop is not None and not self.may_stop():
+                last = False  # a batch fetched before its epoch was cut (whole_run)
             if not last:
                 # Taken before this step's end is timed: a wait for it is
                 # left out of this step (exclude_seconds), and the next step

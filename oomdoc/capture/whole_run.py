@@ -18,6 +18,7 @@ Child side only (imports torch). What it did is the capture's
 
 from __future__ import annotations
 
+import sys
 import time
 import weakref
 from collections.abc import Mapping
@@ -38,8 +39,9 @@ EVALUATION_BATCHES = 2
 # this: a loop that gathers every batch's logits or predictions (the HF
 # Trainer's compute_metrics) peaks only at the end of its pass.
 EVALUATION_GROWTH_BYTES = 64 * 1024
-# The most samples whose indices a record lists (the longest first).
-LISTED_SAMPLES = 4
+# Steps a loop that fetches batches ahead may still train once its
+# training epoch was cut (oomdoc's step limit waits for them).
+STEPS_AFTER_CUT = 4
 
 
 def sample_elements(sample: Any, depth: int = 0) -> int:
@@ -208,6 +210,8 @@ class WholeRun:
         self._datasets: dict[int, Any] = {}
         self._sizes: dict[int, DatasetSizes] = {}
         self._last_taken: dict | None = None
+        self._epoch_cut = False  # a training epoch was ended early
+        self._steps_after_cut = 0
 
     # ------------------------------------------------------------ install
     def install(self) -> Callable[[], None]:
@@ -230,6 +234,7 @@ class WholeRun:
         loader_class.__iter__ = iterate  # type: ignore[method-assign]
         self.tracker.backward_start_callbacks.append(self._backward_started)
         self.tracker.forward_start_callbacks.append(self._model_called)
+        self.tracker.may_stop = self._may_stop
 
         def undo() -> None:
             loader_class.__init__ = original_init  # type: ignore[method-assign]
@@ -299,6 +304,16 @@ class WholeRun:
             record["median_elements"] = sorted(sizes.sizes)[len(sizes.sizes) // 2]
         return sizes
 
+    def _may_stop(self) -> bool:
+        """At the step limit: a loop that fetches batches ahead (the HF
+        Trainer) took some before the training epoch was cut; they still
+        train (at most STEPS_AFTER_CUT), so that its epoch ends and its
+        evaluation comes. Any other run stops there."""
+        if not self._epoch_cut or self._steps_after_cut >= STEPS_AFTER_CUT:
+            return True
+        self._steps_after_cut += 1
+        return False
+
     # ------------------------------------------------------------ roles
     def _backward_started(self) -> None:
         if self._last_taken is not None:
@@ -323,6 +338,8 @@ class WholeRun:
                 record["stopped_replay"] = True
                 raise StopRun()
             record["epoch_ended_early"] = True
+            self._epoch_cut = True
+            evaluate_at_epoch_end(record)
             raise StopIteration
         if role == "evaluation":
             held = record["_held"]  # by batches taken: after the first on
@@ -349,6 +366,41 @@ class WholeRun:
             for record in self.records
             if record["iterations"]
         ]
+
+
+def _transformers_epoch_end(record: dict) -> None:
+    """The HF Trainer evaluates at an epoch's end only with
+    `eval_strategy="epoch"`; every N steps, the replay's shortened epoch
+    would never reach it. Once the epoch is cut, its flow callback asks for
+    the evaluation at the epoch's end whatever the strategy (never `no`)."""
+    module = sys.modules.get("transformers.trainer_callback")
+    flow = getattr(module, "DefaultFlowCallback", None)
+    original = getattr(flow, "on_epoch_end", None)
+    if original is None or getattr(original, "oomdoc_whole_run", False):
+        return
+
+    def on_epoch_end(self: Any, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        control = original(self, args, state, control, **kwargs)
+        strategy = getattr(args, "eval_strategy", None) or getattr(
+            args, "evaluation_strategy", None
+        )
+        if str(getattr(strategy, "value", strategy)) not in ("no", "None") and control is not None:
+            control.should_evaluate = True
+            record["evaluation_asked"] = "transformers: at the shortened epoch's end"
+        return control
+
+    on_epoch_end.oomdoc_whole_run = True  # type: ignore[attr-defined]
+    flow.on_epoch_end = on_epoch_end  # type: ignore[union-attr]
+
+
+# Frameworks that evaluate every N steps rather than at an epoch's end: how
+# each is asked to evaluate at the end of a replay's shortened epoch.
+EPOCH_END_EVALUATION: tuple[Callable[[dict], None], ...] = (_transformers_epoch_end,)
+
+
+def evaluate_at_epoch_end(record: dict) -> None:
+    for ask in EPOCH_END_EVALUATION:
+        ask(record)
 
 
 def install(tracker: Tracker) -> tuple[WholeRun, Callable[[], None]]:
