@@ -40,6 +40,7 @@ from oomdoc.errors import UsageError
 from oomdoc.formatting import relative_path
 from oomdoc.model import CATEGORIES, Breakdown, Location, Site, Snapshot
 from oomdoc.output_paths import check_output_file, write_new_file
+from oomdoc.replay.certificate import certificate_for
 from oomdoc.reporters import render
 from oomdoc.runner import (
     RunOptions,
@@ -241,7 +242,14 @@ def measure(options: CheckOptions) -> tuple[Snapshot, float]:
         # a fixed seed makes two checks of the same code count the same bytes.
         extra_env["PYTHONHASHSEED"] = "0"
     # The child resolves `--device auto` itself: the parent never imports torch.
-    result = run_child(child_request(run_options, extra_env=extra_env, serial_dataloaders=True))
+    result = run_child(
+        child_request(
+            run_options,
+            extra_env=extra_env,
+            serial_dataloaders=True,
+            whole_run=options.whole_run,
+        )
+    )
     raise_child_usage_error(result)
     return build_snapshot(run_options, result), result.wall_s
 
@@ -273,7 +281,11 @@ def evaluate(
         notes.append(
             "the script allocated nothing on the GPU: does it move its model and data to CUDA?"
         )
+    certificate = None
+    if options.whole_run and measured:
+        certificate = certificate_for(snapshot, snapshot, snapshot.capacity_bytes)
     return CheckResult(
+        certificate=certificate,
         snapshot=snapshot,
         current=current,
         baseline=baseline,

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, List, Optional
 
 from oomdoc.analysis import headline
-from oomdoc.model import CATEGORIES, Breakdown, Location, Site, Snapshot, parse
+from oomdoc.model import CATEGORIES, Breakdown, Certificate, Location, Site, Snapshot, parse
 from oomdoc.sizes import format_bytes
 from oomdoc.snapshot import SnapshotError, dumps, read_json_file
 
@@ -35,6 +35,9 @@ class CheckOptions:
     update_baseline: bool = False
     junit_path: str | None = None
     html_path: str | None = None
+    # --whole-run: the run's worst case (oomdoc.capture.whole_run), gated
+    # on its certificate having no gap.
+    whole_run: bool = False
 
 
 # ------------------------------------------------------------------ baseline
@@ -250,6 +253,8 @@ class CheckResult:
     notes: list[str]
     wall_s: float
     options: Optional[CheckOptions] = field(default=None)
+    # --whole-run: what the run covered (oomdoc.replay.certificate).
+    certificate: Optional[Certificate] = field(default=None)
 
     @property
     def measured(self) -> bool:
@@ -268,5 +273,10 @@ class CheckResult:
         return [c for c in self.comparisons if c.grew]
 
     @property
+    def uncovered(self) -> bool:
+        """--whole-run asked, and the run's worst case is not all covered."""
+        return self.certificate is not None and not self.certificate.certified
+
+    @property
     def failed(self) -> bool:
-        return not self.measured or self.oom or bool(self.regressions)
+        return not self.measured or self.oom or bool(self.regressions) or self.uncovered

@@ -352,6 +352,14 @@ def check(
         metavar="PATH",
         help="Also write the run's report as one HTML page (a CI artifact; never overwritten).",
     ),
+    whole_run: bool = typer.Option(
+        False,
+        "--whole-run",
+        help=(
+            "Gate the run's worst case: DataLoaders yield their longest batches first and the "
+            "script's evaluation runs after the steps; fail when something is not covered."
+        ),
+    ),
     module: ModuleFlag = False,
     device: DeviceOption = "auto",
     device_memory: DeviceMemoryOption = None,
@@ -382,6 +390,7 @@ def check(
         update_baseline=update_baseline,
         junit_path=check_output_file(junit, "--junit", replace=True),
         html_path=new_file_option(html, "--html"),
+        whole_run=whole_run,
     )
     return run_check(options)
 

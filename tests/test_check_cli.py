@@ -129,3 +129,34 @@ def test_usage_errors_are_one_line_with_status_2(tmp_path):
         and "--tolerance" in tolerance.stderr
         and "Traceback" not in tolerance.stderr
     )
+
+
+def test_whole_run_gates_the_longest_batch_and_the_evaluation_and_names_a_gap(tmp_path):
+    """--whole-run: the check measures the run's worst case (the longest
+    batch first, then the script's evaluation) and fails, naming the gap,
+    when part of it cannot be covered (an iterable dataset)."""
+    script = SCRIPTS / "whole_run_loaders.py"
+    baseline = tmp_path / "memory-baseline.json"
+    common = ["check", "--whole-run", "--device", "cpu", "--baseline", baseline]
+    made = run_oomdoc([*common, "--update-baseline", script, "--batch_size", "4"], cwd=tmp_path)
+    assert made.returncode == 0, made.stderr
+    # Its three steps are the three longest batches, then the evaluation's two.
+    assert made.stdout.splitlines()[:4] == [
+        "train 0 (4, 40)",
+        "train 0 (4, 32)",
+        "train 0 (4, 30)",
+        "eval 0 (8, 33)",
+    ]
+    assert "certified for the whole run: longest input 40 elements (sample 37" in made.stderr
+    assert "evaluation at batch 8" in made.stderr
+    junit = tmp_path / "report.xml"
+    streamed = run_oomdoc(
+        [*common, "--junit", junit, script, "--batch_size", "4", "--iterable"], cwd=tmp_path
+    )
+    assert streamed.returncode == 1, streamed.stderr
+    assert "FAIL: --whole-run" in streamed.stderr
+    assert "not covered: the training batches came as the data gave them: an iterable" in (
+        streamed.stderr
+    )
+    cases = {case.get("name"): case for case in ElementTree.parse(junit).iter("testcase")}
+    assert cases["whole run"].find("failure") is not None

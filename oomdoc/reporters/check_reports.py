@@ -10,6 +10,7 @@ from tabulate import tabulate
 
 from oomdoc.check_records import CheckOptions, CheckResult
 from oomdoc.formatting import format_location, printable
+from oomdoc.reporters.tables import certificate_lines
 from oomdoc.sizes import format_bytes
 
 # Allocation sites shown when a check fails.
@@ -66,6 +67,8 @@ def verdict(result: CheckResult, options: CheckOptions) -> str:
     if regressions:
         names = ", ".join(c.name for c in sorted(regressions, key=lambda c: -c.change))
         return f"FAIL: {names} grew beyond the {options.tolerance_text} tolerance (baseline {options.baseline_path})"
+    if result.uncovered:
+        return "FAIL: --whole-run: the run's worst case is not all covered (see below)"
     return (
         f"OK: peak {format_bytes(result.current.peak.allocated_bytes)} allocated; every quantity within "
         f"{options.tolerance_text} of the baseline ({options.baseline_path})"
@@ -107,10 +110,20 @@ def _all_notes(result: CheckResult) -> list[str]:
     return notes
 
 
+def whole_run_lines(result: CheckResult) -> list[str]:
+    """--whole-run: what the run covered, and each gap."""
+    if result.certificate is None:
+        return []
+    return ["", "The whole run (--whole-run)"] + [
+        line[2:] for line in certificate_lines(result.certificate)
+    ]
+
+
 def render_text(result: CheckResult, options: CheckOptions) -> str:
     lines = ["", f"oomdoc check: {verdict(result, options)}"]
     for title, headers, rows in _blocks(result, options):
         lines += ["", title, tabulate(rows, headers=headers, disable_numparse=True)]
+    lines += whole_run_lines(result)
     for note in _all_notes(result):
         lines.append(f"note: {note}")
     return printable("\n".join(lines) + "\n")
@@ -125,6 +138,9 @@ def render_markdown(result: CheckResult, options: CheckOptions) -> str:
             f"#### {title}",
             tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True),
         ]
+    whole_run = whole_run_lines(result)
+    if whole_run:
+        lines += ["", f"#### {whole_run[1]}", "```", *whole_run[2:], "```"]
     for note in _all_notes(result):
         lines += ["", f"> {note}"]
     return "\n".join(lines) + "\n\n"
@@ -139,6 +155,15 @@ def junit_xml(result: CheckResult, options: CheckOptions) -> str:
     if not result.measured or result.oom:
         run_failure = verdict(result, options)
     cases.append(("run", run_failure, result.headline))
+    if result.certificate is not None:
+        gaps = "; ".join(result.certificate.gaps)
+        cases.append(
+            (
+                "whole run",
+                f"not covered: {gaps}" if result.uncovered else None,
+                "\n".join(line.strip() for line in certificate_lines(result.certificate)),
+            )
+        )
     for comparison in result.comparisons:
         failure = (
             comparison.failure_message(options.tolerance_text)
