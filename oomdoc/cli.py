@@ -142,6 +142,14 @@ def run(
     no_replay: bool = typer.Option(
         False, "--no-replay", help="Do not replay the failing step with fixes."
     ),
+    first_batches: bool = typer.Option(
+        False,
+        "--first-batches",
+        help=(
+            "Replay the data as it comes, not the longest batches first and the script's "
+            "evaluation (faster; no whole-run certificate)."
+        ),
+    ),
     fixes: Optional[str] = typer.Option(
         None, "--fixes", metavar="a,b", help="Only try these fixes (comma-separated)."
     ),
@@ -239,6 +247,7 @@ def run(
         output=output,
         max_steps=max_steps,
         replay=not no_replay,
+        whole_run=not first_batches,
         fixes=fix_names,
         replay_timeout_s=replay_timeout,
         replay_jobs=replay_jobs,

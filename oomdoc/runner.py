@@ -416,6 +416,9 @@ class RunOptions:
     output: str | None = None
     max_steps: int | None = None
     replay: bool = True
+    # Replays run the whole run's worst case (oomdoc.capture.whole_run);
+    # False (--first-batches): the data as it comes.
+    whole_run: bool = True
     fixes: list[str] | None = None
     replay_timeout_s: float | None = None
     # Replays that may run side by side (None: as the machine allows).

@@ -224,9 +224,23 @@ class WholeRun:
             whole_run.wrap(loader)
 
         def iterate(loader: Any) -> Any:
-            iterator = original_iter(loader)
             record = whole_run._by_loader.get(loader)
-            return iterator if record is None else _Batches(iterator, record, whole_run)
+            if record is None:
+                return original_iter(loader)
+            # The longest-first batch sampler only while the iterator is made
+            # (it takes its indices from it): a framework that makes the
+            # DataLoader again from its attributes (Lightning, accelerate)
+            # finds the script's own batch sampler.
+            original = loader.batch_sampler
+            ordered = whole_run.ordered(record, original)
+            if ordered is not None:
+                object.__setattr__(loader, "batch_sampler", ordered)
+            try:
+                iterator = original_iter(loader)
+            finally:
+                if ordered is not None:
+                    object.__setattr__(loader, "batch_sampler", original)
+            return _Batches(iterator, record, whole_run)
 
         init.__wrapped__ = original_init  # type: ignore[attr-defined]
         iterate.__wrapped__ = original_iter  # type: ignore[attr-defined]
@@ -249,20 +263,14 @@ class WholeRun:
         return undo
 
     def wrap(self, loader: Any) -> None:
-        """Give a new DataLoader a longest-first batch sampler, or record why not."""
-        batch_sampler = getattr(loader, "batch_sampler", None)
-        inner = getattr(batch_sampler, "batch_sampler", None)  # accelerate's shard of one
-        for made in (batch_sampler, inner):
-            if isinstance(made, LongestFirstBatches):
-                # Made again from one already ordered (accelerate's prepare):
-                # the same loader to the run.
-                self._by_loader[loader] = made.record
-                return
+        """Note a new DataLoader, and whether its batches can come longest first."""
         dataset = loader.dataset
         record: dict[str, Any] = {
             "loader": len(self.records),
             "dataset": type(dataset).__name__,
-            "batch_size": getattr(loader, "batch_size", None),
+            # A DataLoader made with a batch sampler (accelerate's) has none of its own.
+            "batch_size": getattr(loader, "batch_size", None)
+            or getattr(getattr(loader, "batch_sampler", None), "batch_size", None),
             "role": None,
             "batches_taken": 0,
             "iterations": 0,
@@ -270,18 +278,25 @@ class WholeRun:
         }
         if isinstance(dataset, torch.utils.data.IterableDataset):
             record["not_ordered"] = "an iterable dataset: its samples come as it yields them"
-        elif batch_sampler is None:
+        elif getattr(loader, "batch_sampler", None) is None:
             record["not_ordered"] = "no batches (batch_size=None): samples come one at a time"
         elif not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
             record["not_ordered"] = "a dataset without len() and indexing"
         else:
             record["dataset_key"] = id(dataset)
             self._datasets[id(dataset)] = dataset
-            object.__setattr__(
-                loader, "batch_sampler", LongestFirstBatches(batch_sampler, record, self)
-            )
         self.records.append(record)
         self._by_loader[loader] = record
+
+    def ordered(self, record: dict, batch_sampler: Any) -> LongestFirstBatches | None:
+        """The longest-first batch sampler over `batch_sampler` (made once
+        per DataLoader and batch sampler), None when it cannot be ordered."""
+        if "dataset_key" not in record or batch_sampler is None:
+            return None
+        made = record.get("_ordered")
+        if made is None or made.original is not batch_sampler:
+            made = record["_ordered"] = LongestFirstBatches(batch_sampler, record, self)
+        return made
 
     def sizes_of(self, record: dict) -> DatasetSizes | None:
         key = record.get("dataset_key")
@@ -342,10 +357,14 @@ class WholeRun:
             evaluate_at_epoch_end(record)
             raise StopIteration
         if role == "evaluation":
-            held = record["_held"]  # by batches taken: after the first on
+            # Memory before each batch, by batches taken, from when the role
+            # is known (after its first model call: a loop that fetches
+            # ahead, as accelerate's does, knows it a batch later).
+            held = record["_held"]
+            earlier = min(held, default=None)
             held[taken] = int(self.tracker.backend.allocated_bytes())
-            if taken >= EVALUATION_BATCHES:
-                if held[taken] - held.get(1, held[taken]) > EVALUATION_GROWTH_BYTES:
+            if taken >= EVALUATION_BATCHES and earlier is not None:
+                if held[taken] - held[earlier] > EVALUATION_GROWTH_BYTES:
                     record["evaluation_grows"] = True  # every batch, to the pass's end
                     return
                 record["epoch_ended_early"] = True
@@ -356,7 +375,10 @@ class WholeRun:
         record["batches_taken"] += 1
 
     def fields(self) -> list[dict]:
-        """The capture's `data_loaders`: those the run iterated."""
+        """The capture's `data_loaders`: those the run iterated, and those it
+        never did over a dataset no iterated one reads (a framework's copy
+        of a DataLoader over the same dataset is the same loader to the run)."""
+        iterated = {record.get("dataset_key") for record in self.records if record["iterations"]}
         return [
             {
                 key: value
@@ -364,7 +386,7 @@ class WholeRun:
                 if not key.startswith(("_", "dataset_key"))
             }
             for record in self.records
-            if record["iterations"]
+            if record["iterations"] or record.get("dataset_key", -1) not in iterated
         ]
 
 

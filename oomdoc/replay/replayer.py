@@ -330,7 +330,7 @@ class Replayer:
             micro_batches_per_step=micro_batches_per_step,
             expected_unit=self.step_unit,
             stop_after_evaluation=self.stop_after_evaluation,
-            whole_run=True,
+            whole_run=bool(getattr(self.options, "whole_run", True)),
             fix=payload,
             extra_env=env,
             output_path=log_path,
