@@ -539,12 +539,33 @@ def summarise(replay: Replay) -> str:
     if replay.outcome == "fits":
         return f"fits, peak {format_bytes(replay.peak_allocated_bytes)}"
     if replay.outcome == "oom":
-        return f"out of memory (needs more than {format_bytes(replay.peak_allocated_bytes)})"
+        return (
+            f"out of memory{evaluation_oom(replay)} "
+            f"(needs more than {format_bytes(replay.peak_allocated_bytes)})"
+        )
     if replay.outcome == "grows":
         return f"still leaks, peak {format_bytes(replay.peak_allocated_bytes)} so far"
     if replay.outcome == "timeout":
         return "timed out"
     return f"failed: {replay.message[:120]}"
+
+
+def evaluation_oom(replay: Replay) -> str:
+    """' in the evaluation at batch N' when a replay ran out of memory in
+    the script's evaluation after its training steps (a whole-run replay
+    reaches it: a training batch alone does not decide such a replay)."""
+    capture = replay.capture
+    if capture is None or capture.oom is None or not capture.oom.in_evaluation:
+        return ""
+    batches = [
+        loader.batch_size
+        for loader in capture.data_loaders
+        if loader.role == "evaluation" and loader.batch_size
+    ]
+    batch = f" at batch {max(batches)}" if batches else ""
+    trained = sum(1 for step in capture.steps if step.optimizer_steps or step.backward_calls)
+    after = f", after {trained} training step(s)" if trained else ""
+    return f" in the evaluation{batch}{after}"
 
 
 def keep_log(log_path: str, artifact_dir: str | None) -> str | None:
