@@ -62,6 +62,22 @@ def load_json(path) -> dict:
     return json.loads(Path(path).read_text())
 
 
+@pytest.fixture(scope="session")
+def tiny_gpt_oom_run(tmp_path_factory):
+    """The tiny GPT out of memory on a 192 MiB simulated device, without
+    replays: (the CompletedProcess, the snapshot's path). One run shared by
+    the tests that read it (it runs out of memory in step 0's backward, so
+    more --steps would write the same snapshot)."""
+    directory = tmp_path_factory.mktemp("tiny-gpt-oom")
+    snapshot = directory / "gpt.json"
+    completed = run_oomdoc(
+        ["run", "--device", "cpu", "--device-memory", "192MiB", "--no-replay", "-o", snapshot]
+        + [EXAMPLES / "gpt_train.py", "--preset", "tiny", "--batch-size", "64", "--steps", "2"],
+        cwd=directory,
+    )
+    return completed, snapshot
+
+
 def run_capped(snapshot_path, capacity, script, args, options=(), cwd=None):
     """`oomdoc run` of `script args` on the simulated device of `capacity`
     (with `options`, e.g. --no-replay), writing `snapshot_path`:

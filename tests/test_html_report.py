@@ -20,7 +20,7 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
-from conftest import EXAMPLES, REPO_ROOT, load_json, run_oomdoc
+from conftest import REPO_ROOT, load_json
 from suggest_builders import GiB, MiB, oom_document
 
 from oomdoc.analysis import Analysis, analyse
@@ -706,30 +706,10 @@ def test_big_snapshot_renders_in_chromium(chromium, big_page):
     assert "data-rendered-ms" in dom.find("body").attrs
 
 
-def test_real_run_report(chromium, tmp_path):
+def test_real_run_report(chromium, tmp_path, tiny_gpt_oom_run):
     """The report of a real `oomdoc run` (the tiny GPT out of memory on the
     simulated device), rendered."""
-    snapshot = tmp_path / "gpt.json"
-    completed = run_oomdoc(
-        [
-            "run",
-            "--device",
-            "cpu",
-            "--device-memory",
-            "192MiB",
-            "--no-replay",
-            "-o",
-            snapshot,
-            EXAMPLES / "gpt_train.py",
-            "--preset",
-            "tiny",
-            "--batch-size",
-            "64",
-            "--steps",
-            "4",
-        ],
-        cwd=tmp_path,
-    )
+    completed, snapshot = tiny_gpt_oom_run
     assert completed.returncode == 1, completed.stderr[-2000:]
     document = load_json(snapshot)
     dom = parse(dump_dom(chromium, write_page(tmp_path, document)))

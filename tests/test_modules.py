@@ -13,7 +13,7 @@ import gc
 import pytest
 import torch
 import torch.nn as nn
-from conftest import EXAMPLES, SCRIPTS, load_json, run_oomdoc
+from conftest import SCRIPTS, load_json, run_oomdoc
 
 from oomdoc.capture.backends import Backend, OutOfMemoryError, SimulatedBackend
 from oomdoc.capture.modules import (
@@ -356,27 +356,8 @@ def test_torch_func_grad_runs_under_the_cuda_pack_hook():
 # ---------------------------------------------------------------- end to end
 
 
-def test_cli_gpt_tiny_names_the_folded_blocks(tmp_path):
-    snapshot = tmp_path / "gpt.json"
-    result = run_oomdoc(
-        [
-            "run",
-            "--device",
-            "cpu",
-            "--device-memory",
-            "192MiB",
-            "--no-replay",
-            "-o",
-            snapshot,
-            EXAMPLES / "gpt_train.py",
-            "--preset",
-            "tiny",
-            "--batch-size",
-            "64",
-            "--steps",
-            "2",
-        ]
-    )
+def test_cli_gpt_tiny_names_the_folded_blocks(tiny_gpt_oom_run):
+    result, snapshot = tiny_gpt_oom_run
     assert result.returncode == 1, result.stderr[-2000:]
     document = load_json(snapshot)
     assert document["breakdown_at"] == "oom"
