@@ -60,6 +60,31 @@ def set_flag(args: list[str], flag: str, value: str) -> list[str]:
     return [*args, flag, value]
 
 
+def size(value: float) -> str:
+    return f"{value / 2**30:.2f} GiB" if value >= 2**30 else f"{value / 2**20:.1f} MiB"
+
+
+def by_hand_runs(
+    out: Path, name: str, common: list[str], script: list[str], args: list[str], options
+) -> tuple[str, str]:
+    """(outcomes per seed, the highest by-hand peak) of `args` over the whole run."""
+    outcomes, peaks = [], []
+    for seed in options.seeds.split(","):
+        by_hand = set_flag(args, options.seed_flag, seed) if options.seed_flag else args
+        plain, _ = oomdoc(
+            out, f"{name}-by-hand-{seed}", [*common, "--no-replay"], [script[0], *by_hand]
+        )
+        outcome = plain.get("outcome", "error")
+        oom = plain.get("oom") or {}
+        if outcome == "oom":
+            outcome += f" at step {oom.get('step')} ({oom.get('phase')})"
+        outcomes.append(f"seed {seed}: {outcome}")
+        peak = (plain.get("peak") or {}).get("allocated_bytes")
+        if peak:
+            peaks.append(peak)
+    return "; ".join(outcomes), size(max(peaks)) if peaks else "-"
+
+
 def describe(document: dict) -> str:
     prescription = document.get("prescription") or {}
     if not prescription:
@@ -79,6 +104,9 @@ def main() -> int:
     parser.add_argument("--seed-flag", default=None, help="the script's seed flag, e.g. --seed")
     parser.add_argument("--seeds", default="0", help="comma-separated seeds for the by-hand runs")
     parser.add_argument("--out", default="whole-run-check")
+    parser.add_argument(
+        "--modes", default="whole-run,first-batches", help="which diagnoses (comma-separated)"
+    )
     parser.add_argument("script", nargs=argparse.REMAINDER)
     options = parser.parse_args()
     script = options.script[1:] if options.script[:1] == ["--"] else options.script
@@ -88,39 +116,29 @@ def main() -> int:
     rows = []
     for mode, extra in (("whole run", []), ("first batches", ["--first-batches"])):
         name = mode.replace(" ", "-")
+        if name not in options.modes.split(","):
+            continue
         document, seconds = oomdoc(out, name, [*common, *extra], script)
         replays = (document.get("replay") or {}).get("replays")
+        head = [mode, f"{seconds:.0f} s, {replays} replays"]
+        # The largest batch that fits, as the batch search found it.
+        search = (document.get("replay") or {}).get("batch_search") or {}
+        largest, flag = document.get("max_batch_size"), search.get("source")
+        if largest and flag and flag.startswith("-"):
+            args = set_flag(script[1:], flag, str(largest))
+            outcomes, peak = by_hand_runs(out, f"{name}-largest", common, script, args, options)
+            rows.append([*head, f"largest batch {largest}", outcomes, peak])
         args = prescribed_args(document)
         if args is None:
-            rows.append([mode, f"{seconds:.0f} s, {replays} replays", describe(document), "-", "-"])
+            rows.append([*head, describe(document), "-", "-"])
             continue
-        outcomes, peaks = [], []
-        for seed in options.seeds.split(","):
-            by_hand = set_flag(args, options.seed_flag, seed) if options.seed_flag else args
-            plain, _ = oomdoc(out, f"{name}-by-hand-{seed}", [*common, "--no-replay"], by_hand)
-            outcome = plain.get("outcome", "error")
-            oom = plain.get("oom") or {}
-            if outcome == "oom":
-                outcome += f" at step {oom.get('step')} ({oom.get('phase')})"
-            outcomes.append(f"seed {seed}: {outcome}")
-            peak = (plain.get("peak") or {}).get("allocated_bytes")
-            if peak:
-                peaks.append(peak / 2**30)
-        claimed = ((document.get("prescription") or {}).get("peak_allocated_bytes") or 0) / 2**30
-        peak_text = f"{max(peaks):.2f} GiB (claimed {claimed:.2f})" if peaks else "-"
-        rows.append(
-            [
-                mode,
-                f"{seconds:.0f} s, {replays} replays",
-                describe(document),
-                "; ".join(outcomes),
-                peak_text,
-            ]
-        )
-    print("| replays | diagnosis | prescription | by hand, whole run | by-hand peak |")
+        outcomes, peak = by_hand_runs(out, name, common, script, args, options)
+        claimed = (document.get("prescription") or {}).get("peak_allocated_bytes") or 0
+        rows.append([*head, describe(document), outcomes, f"{peak} (claimed {size(claimed)})"])
+    print("| replays | diagnosis | answer | by hand, whole run | by-hand peak |")
     print("| --- | --- | --- | --- | --- |")
     for row in rows:
-        print("| " + " | ".join(row) + " |")
+        print("| " + " | ".join(row) + " |", flush=True)
     return 0
 
 
