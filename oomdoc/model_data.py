@@ -51,6 +51,10 @@ class DataLoaderRecord:
     fixed_elements: Optional[int] = when_set()
     not_ordered: Optional[str] = when_set()
     first_batch: Optional[FirstBatch] = when_set()
+    # How many times it yielded its longest batch (a training loader's: every
+    # micro-batch of the first optimizer step and one more, with the
+    # optimizer's state alive).
+    longest_repeated: Optional[int] = when_set()
     # The replay ended its epoch early (its steps were done, or an
     # evaluation loader's longest batches were taken).
     epoch_ended_early: bool = when_set(False)

@@ -43,10 +43,10 @@ def shapes(lines: list, kind: str) -> list[str]:
 def test_longest_batches_first_then_the_scripts_evaluation_then_the_next_epoch_stops(tmp_path):
     capture, lines = replay(tmp_path, "--batch_size", "4")
     assert capture.outcome == "ok"
-    # Two steps, the longest batch first (40 is the longest sample; 33, 33
-    # and 32 are the next), then the evaluation's two longest batches (33 the
-    # longest there); epoch 1 never trains.
-    assert shapes(lines, "train") == ["(4, 40)", "(4, 32)"]
+    # Two steps, the longest batch (40 is the longest sample) first and again
+    # once the optimizer's state exists, then the evaluation's two longest
+    # batches (33 the longest there); epoch 1 never trains.
+    assert shapes(lines, "train") == ["(4, 40)", "(4, 40)"]
     assert shapes(lines, "eval")[0] == "(8, 33)"
     assert len(shapes(lines, "eval")) == 2
     assert [line[1] for line in lines] == ["0"] * 4
@@ -55,6 +55,7 @@ def test_longest_batches_first_then_the_scripts_evaluation_then_the_next_epoch_s
     assert training.longest_first and training.complete
     assert training.first_batch is not None and training.first_batch.longest_sample == 37
     assert training.longest_elements == 40 and training.stopped_replay
+    assert training.longest_repeated == 2
     assert evaluation.batches_taken == 2 and evaluation.epoch_ended_early
     assert evaluation.batch_size == 8
     # The evaluation ran in the replay's last step: its peak is recorded.
@@ -99,5 +100,5 @@ def test_loader_workers_fetching_ahead_do_not_add_steps(tmp_path, workers):
     """Workers prefetch batches: the epoch is still cut where the script
     takes its batches, not where the sampler was asked for them."""
     capture, lines = replay(tmp_path, "--batch_size", "4", "--workers", workers)
-    assert shapes(lines, "train") == ["(4, 40)", "(4, 32)"]
+    assert shapes(lines, "train") == ["(4, 40)", "(4, 40)"]
     assert len(shapes(lines, "eval")) == 2

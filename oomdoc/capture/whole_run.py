@@ -6,7 +6,8 @@ run. Two things use more memory later in a run than in its first steps: a
 batch of the longest inputs (a collate that pads to the longest sample), and
 the evaluation loop (often at a larger batch, after the epoch). So in a
 replay, every DataLoader over a map-style dataset yields its batches longest
-first (each sample's size read from the dataset, within a time budget), and
+first (each sample's size read from the dataset, within a time budget; a
+training loader's longest again once the optimizer's state exists), and
 once the replay's steps are done the training loader ends its epoch, so that
 the script's own end-of-epoch work (its evaluation, on its loaders' longest
 batches) runs; the next epoch's first batch stops the replay. The failing run
@@ -163,7 +164,16 @@ class LongestFirstBatches:
         return batches
 
     def __iter__(self) -> Iterator[list[int]]:
-        return iter(self._batches() or self.original)
+        batches = self._batches()
+        if not batches:
+            return iter(self.original)
+        # The longest batch again once the optimizer's state exists: the
+        # first optimizer step comes after it (and after every micro-batch
+        # of its accumulation), and a longest batch later in a run trains
+        # with that state alive.
+        repeats = self.whole_run.longest_repeats(self.record)
+        self.record["longest_repeated"] = repeats
+        return iter([batches[0]] * repeats + batches[1:])
 
 
 class _Batches:
@@ -318,6 +328,17 @@ class WholeRun:
             record["longest_elements"] = sizes.sizes[longest]
             record["median_elements"] = sorted(sizes.sizes)[len(sizes.sizes) // 2]
         return sizes
+
+    def longest_repeats(self, record: dict) -> int:
+        """How many times a loader yields its longest batch: a training
+        loader every micro-batch of the first optimizer step and one more
+        after it; once, a loader known not to train (an evaluation loader,
+        or one iterated while another is known to be the training loader)."""
+        role = record["role"]
+        training_known = any(other["role"] == "training" for other in self.records)
+        if role == "evaluation" or (role is None and training_known):
+            return 1
+        return self.tracker.micro_batches_per_step + 1
 
     def _may_stop(self) -> bool:
         """At the step limit: a loop that fetches batches ahead (the HF
