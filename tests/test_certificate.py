@@ -112,7 +112,8 @@ def test_batches_not_from_a_dataloader_are_a_gap():
 
 
 def test_the_margin_is_the_allocators_overhead_its_drift_and_the_spread_between_replays():
-    # Reserved over allocated: 4, 5, 6 MiB: overhead 6 at the highest peak, 1 MiB a step.
+    # Reserved over allocated at the highest peak: 6 MiB; the reserved
+    # high-water mark grows by 2 MiB a step after the first.
     replayed = capture(
         [step(0, 70 * MIB, 74 * MIB), step(1, 71 * MIB, 76 * MIB), step(2, 72 * MIB, 78 * MIB)],
         [loader("training", **LONGEST)],
@@ -120,10 +121,17 @@ def test_the_margin_is_the_allocators_overhead_its_drift_and_the_spread_between_
     certificate = certificate_for(replayed, FAILING, CAPACITY, [72 * MIB, 70 * MIB])
     assert certificate is not None
     assert certificate.allocator_overhead_bytes == 6 * MIB
-    assert certificate.drift_bytes_per_step == 1 * MIB
+    assert certificate.drift_bytes_per_step == 2 * MIB
     assert certificate.spread_bytes == 2 * MIB
-    assert certificate.margin_bytes == 6 * MIB + 3 * 1 * MIB + 2 * MIB
-    assert certificate.certified  # 72 + 11 MiB is below 100
+    assert certificate.margin_bytes == 6 * MIB + 3 * 2 * MIB + 2 * MIB
+    assert certificate.certified  # 72 + 14 MiB is below 100
+    # Smaller batches later, served from the cache: reserved stays, no drift.
+    cached = capture(
+        [step(0, 72 * MIB, 78 * MIB), step(1, 60 * MIB, 78 * MIB), step(2, 50 * MIB, 78 * MIB)],
+        [loader("training", **LONGEST)],
+    )
+    flat = certificate_for(cached, FAILING, CAPACITY)
+    assert flat is not None and flat.drift_bytes_per_step == 0
     tight = certificate_for(replayed, FAILING, 80 * MIB, [72 * MIB, 70 * MIB])
     assert tight is not None and not tight.certified
     assert any("above the capacity" in gap for gap in tight.gaps)

@@ -47,18 +47,21 @@ def evaluation_peak(capture: Snapshot) -> Optional[int]:
 
 def allocator_drift(steps: list[Step]) -> tuple[int, int]:
     """(the allocator's overhead at the highest peak, its growth per step):
-    reserved over allocated at each step's peak, the growth from the first
-    step with the optimizer's state to the last."""
+    reserved over allocated at the step that allocated the most, and how
+    much the reserved high-water mark grew per step after the first (the
+    first step's own growth is the run's start, the optimizer's state):
+    batches of other sizes later in a run are served from what is cached,
+    and what keeps growing is fragmentation."""
     measured = [step for step in steps if step.peak_reserved_bytes >= step.peak_allocated_bytes]
     if not measured:
         return 0, 0
     highest = max(measured, key=lambda step: step.peak_allocated_bytes)
     overhead = highest.peak_reserved_bytes - highest.peak_allocated_bytes
     settled = measured[1:] if len(measured) > 2 else measured
-    gaps = [step.peak_reserved_bytes - step.peak_allocated_bytes for step in settled]
+    reserved = [step.peak_reserved_bytes for step in settled]
     drift = 0
-    if len(gaps) > 1:
-        drift = max(0, (gaps[-1] - gaps[0]) // (len(gaps) - 1))
+    if len(reserved) > 1:
+        drift = max(0, (reserved[-1] - reserved[0]) // (len(reserved) - 1))
     return overhead, drift
 
 
