@@ -16,6 +16,7 @@ CORPUS = REPO_ROOT / "tests" / "corpus"
 GPT = CORPUS / "gpt_configurator.py"
 WORD_LM = CORPUS / "word_lm_style.py"
 IMAGENET = CORPUS / "imagenet_style.py"
+VARLEN = CORPUS / "varlen_text_classifier.py"
 
 
 def plain(tmp_path, capacity, script, args) -> dict:
@@ -361,3 +362,26 @@ def test_a_hugging_face_trainer_evaluation_oom(tmp_path):
     search = document["replay"]["batch_search"]
     assert search["source"] == "--per_device_eval_batch_size", search
     assert document["max_batch_size"] is None
+
+
+def test_varlen_batch_that_passes_its_first_steps_runs_out_of_memory_later(tmp_path):
+    """Issue 28's script: padded batches with long-tailed lengths, so at
+    batch 8 on 128 MiB the first steps hold (peaks well under the capacity)
+    and the run goes out of memory only at its longest batch, after the
+    first two steps; batch 4 holds for the whole run, evaluation included
+    (benchmarks/whole_run_by_hand.py has the table over 10 seeds)."""
+    documents = {}
+    for batch in (4, 8):
+        snapshot = tmp_path / f"varlen-{batch}.json"
+        command = ["run", "--device", "cpu", "--device-memory", "128MiB", "--no-replay"]
+        command += ["-o", snapshot, VARLEN, "--batch_size", str(batch)]
+        completed = run_oomdoc(command, cwd=tmp_path, env={"OMP_NUM_THREADS": "1"})
+        assert snapshot.exists(), completed.stderr[-3000:]
+        documents[batch] = json.loads(snapshot.read_text())
+    assert documents[4]["outcome"] == "ok"
+    assert any(step.get("evaluation_calls") for step in documents[4]["steps"])
+    failed = documents[8]
+    assert failed["outcome"] == "oom"
+    assert failed["oom"]["step"] >= 2
+    first_two = [step["peak_allocated_bytes"] for step in failed["steps"][:2]]
+    assert max(first_two) < 128 * 2**20 / 2
