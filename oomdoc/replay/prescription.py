@@ -174,7 +174,8 @@ def prescription_for(
             capacity - int(margin * capacity),
             accumulates=not snapshot.oom_in_evaluation,
         )
-    if chosen.fits and chosen.kind == "config":
+    if chosen.fits and chosen.kind == "config" and getattr(replayer.options, "whole_run", True):
+        # (--first-batches replays the data as it comes: no certificate)
         chosen.certificate = certify_choice(
             chosen, candidates + measured, snapshot, snapshot.device.capacity_bytes
         )
