@@ -27,14 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-
-def set_flag(args: list[str], flag: str, value: str) -> list[str]:
-    args = list(args)
-    if flag in args:
-        args[args.index(flag) + 1] = value
-    else:
-        args += [flag, value]
-    return args
+from script_args import set_flag
 
 
 def run_by_hand(out: Path, name: str, device_memory: str, script_args: list[str]) -> dict:

@@ -61,6 +61,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from script_args import set_flag
+
 
 @dataclass
 class WholeRun:
@@ -72,15 +74,6 @@ class WholeRun:
     peak_bytes: Optional[int] = None
     oom_step: Optional[int] = None
     oom_phase: Optional[str] = None
-
-
-def set_flag(args: list[str], flag: str, value: str) -> list[str]:
-    args = list(args)
-    if flag in args:
-        args[args.index(flag) + 1] = value
-    else:
-        args += [flag, value]
-    return args
 
 
 def run_whole(

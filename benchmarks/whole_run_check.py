@@ -23,6 +23,8 @@ import sys
 import time
 from pathlib import Path
 
+from script_args import set_flag
+
 
 def oomdoc(out: Path, name: str, options: list[str], script: list[str]) -> tuple[dict, float]:
     snapshot = out / f"{name}.json"
@@ -46,18 +48,6 @@ def prescribed_args(document: dict) -> list[str] | None:
     if accumulation.get("args") and not prescription.get("fixes"):
         return list(accumulation["args"])
     return None
-
-
-def set_flag(args: list[str], flag: str, value: str) -> list[str]:
-    args = list(args)
-    for position, item in enumerate(args):
-        if item == flag:
-            args[position + 1] = value
-            return args
-        if item.startswith(flag + "="):
-            args[position] = f"{flag}={value}"
-            return args
-    return [*args, flag, value]
 
 
 def size(value: float) -> str:

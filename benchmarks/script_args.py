@@ -1,0 +1,18 @@
+"""The script's command line as the by-hand benchmarks rewrite it (imported
+by its siblings: `python benchmarks/<name>.py` puts this folder on the path)."""
+
+from __future__ import annotations
+
+
+def set_flag(args: list[str], flag: str, value: str) -> list[str]:
+    """`args` with `flag` set to `value`: in place where it is given
+    (`--flag value` or `--flag=value`), else added at the end."""
+    args = list(args)
+    for position, item in enumerate(args):
+        if item == flag:
+            args[position + 1] = value
+            return args
+        if item.startswith(flag + "="):
+            args[position] = f"{flag}={value}"
+            return args
+    return [*args, flag, value]
