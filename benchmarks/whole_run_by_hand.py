@@ -77,13 +77,13 @@ class WholeRun:
 
 
 def run_whole(
-    out: Path, label: str, seed: int, device_memory: str, script_args: list[str]
+    out: Path, label: str, seed: int, options: argparse.Namespace, script_args: list[str]
 ) -> WholeRun:
     name = "".join(c if c.isalnum() else "_" for c in label) + f"-seed{seed}"
     snapshot = out / f"{name}.json"
     snapshot.unlink(missing_ok=True)
-    command = [sys.executable, "-m", "oomdoc", "run", "--no-replay", "--device", "cpu"]
-    command += ["--device-memory", device_memory, "-o", str(snapshot), *script_args]
+    command = [sys.executable, "-m", "oomdoc", "run", "--no-replay", "--device", options.device]
+    command += ["--device-memory", options.device_memory, "-o", str(snapshot), *script_args]
     # One thread per run: the simulated device measures memory, not speed, and
     # oversubscribed threads make a whole run on a shared CPU ~5x slower.
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
@@ -112,11 +112,7 @@ def run_all(options, configurations: list[tuple[str, list[str]]]) -> dict[str, l
         for seed in range(options.seeds)
     ]
     with ThreadPoolExecutor(max_workers=options.jobs) as pool:
-        runs = list(
-            pool.map(
-                lambda job: run_whole(out, job[0], job[1], options.device_memory, job[2]), jobs
-            )
-        )
+        runs = list(pool.map(lambda job: run_whole(out, job[0], job[1], options, job[2]), jobs))
     by_label: dict[str, list[WholeRun]] = {label: [] for label, _ in configurations}
     for run in runs:
         print(json.dumps(run.__dict__), file=sys.stderr, flush=True)
@@ -161,6 +157,12 @@ def print_table(by_label: dict[str, list[WholeRun]], seeds: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device-memory", required=True)
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu (the simulated device) or cuda; on one GPU, --jobs runs share it, "
+        "each capped at --device-memory",
+    )
     parser.add_argument("--batch-flag", default="--batch_size")
     parser.add_argument("--seed-flag", default="--seed")
     parser.add_argument("--batches", help="batch sizes, e.g. 4,8,16")

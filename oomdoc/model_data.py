@@ -66,6 +66,9 @@ class DataLoaderRecord:
     evaluation_asked: Optional[str] = when_set()
     # Iterated again once the steps were done (the next epoch): the replay stopped there.
     stopped_replay: bool = when_set(False)
+    # After the evaluation, the next epoch trained one more optimizer step
+    # (the longest batch first) on the cache the evaluation left.
+    trained_after_evaluation: bool = when_set(False)
     extra: Dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -92,6 +95,9 @@ class Certificate:
     evaluation_batch_size: Optional[int] = None
     evaluation_peak_bytes: Optional[int] = None
     training_peak_bytes: Optional[int] = None
+    # The replay trained the longest batch again after the evaluation (the
+    # cache holding the blocks the evaluation left).
+    trained_after_evaluation: bool = when_set(False)
     optimizer_steps: int = 0
     ranks: int = 1
     # The margin the configuration leaves free, and what it is made of: the
@@ -102,5 +108,9 @@ class Certificate:
     allocator_overhead_bytes: int = 0
     drift_bytes_per_step: int = 0
     spread_bytes: int = 0
+    # The allocator setting the certificate holds with, and why
+    # (oomdoc.replay.fragmentation): e.g. expandable segments, without which
+    # the replay's reserved memory drifted.
+    allocator_setting: Optional[str] = when_set()
     gaps: List[str] = field(default_factory=list)
     extra: Dict[str, Any] = field(default_factory=dict)

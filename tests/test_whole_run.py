@@ -1,7 +1,8 @@
 """A replay's whole-run data (oomdoc.capture.whole_run): DataLoaders yield
 their longest batches first, the training epoch ends once the replay's
 steps are done so that the script's own evaluation runs, and the next epoch
-stops the replay. The failing run sees its data as it would."""
+trains one more step (the longest batch, on the cache the evaluation left)
+and stops the replay. The failing run sees its data as it would."""
 
 from __future__ import annotations
 
@@ -40,21 +41,23 @@ def shapes(lines: list, kind: str) -> list[str]:
     return [" ".join(line[2:]) for line in lines if line[0] == kind]
 
 
-def test_longest_batches_first_then_the_scripts_evaluation_then_the_next_epoch_stops(tmp_path):
+def test_longest_batches_first_then_the_scripts_evaluation_then_one_step_after_it(tmp_path):
     capture, lines = replay(tmp_path, "--batch_size", "4")
     assert capture.outcome == "ok"
     # Two steps, the longest batch (40 is the longest sample) first and again
     # once the optimizer's state exists, then the evaluation's two longest
-    # batches (33 the longest there); epoch 1 never trains.
-    assert shapes(lines, "train") == ["(4, 40)", "(4, 40)"]
+    # batches (33 the longest there), then epoch 1's one step on the longest
+    # batch, trained on the cache the evaluation left; then the replay stops.
+    assert shapes(lines, "train") == ["(4, 40)", "(4, 40)", "(4, 40)"]
     assert shapes(lines, "eval")[0] == "(8, 33)"
     assert len(shapes(lines, "eval")) == 2
-    assert [line[1] for line in lines] == ["0"] * 4
+    assert [line[1] for line in lines] == ["0"] * 4 + ["1"]
     training, evaluation = capture.data_loaders
     assert (training.role, evaluation.role) == ("training", "evaluation")
     assert training.longest_first and training.complete
     assert training.first_batch is not None and training.first_batch.longest_sample == 37
-    assert training.longest_elements == 40 and training.stopped_replay
+    assert training.longest_elements == 40 and training.trained_after_evaluation
+    assert not training.stopped_replay
     assert training.longest_repeated == 2
     assert evaluation.batches_taken == 2 and evaluation.epoch_ended_early
     assert evaluation.batch_size == 8
@@ -84,7 +87,8 @@ def test_an_iterable_dataset_is_not_reordered_and_says_why(tmp_path):
     assert not training.longest_first
     assert training.not_ordered is not None and "iterable" in training.not_ordered
     # Its epoch still ends once the steps are done: the evaluation runs.
-    assert len(shapes(lines, "train")) == 2 and shapes(lines, "eval")
+    # (and one step after it, in the next epoch).
+    assert len(shapes(lines, "train")) == 3 and shapes(lines, "eval")
 
 
 def test_an_evaluation_that_gathers_outputs_runs_to_the_end_of_its_pass(tmp_path):
@@ -100,5 +104,7 @@ def test_loader_workers_fetching_ahead_do_not_add_steps(tmp_path, workers):
     """Workers prefetch batches: the epoch is still cut where the script
     takes its batches, not where the sampler was asked for them."""
     capture, lines = replay(tmp_path, "--batch_size", "4", "--workers", workers)
-    assert shapes(lines, "train") == ["(4, 40)", "(4, 40)"]
+    # Two steps, the evaluation, one step after it.
+    assert shapes(lines, "train") == ["(4, 40)", "(4, 40)", "(4, 40)"]
+    assert [line[:2] for line in lines if line[0] == "train"][-1] == ["train", "1"]
     assert len(shapes(lines, "eval")) == 2

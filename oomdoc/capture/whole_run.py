@@ -10,8 +10,12 @@ first (each sample's size read from the dataset, within a time budget; a
 training loader's longest again once the optimizer's state exists), and
 once the replay's steps are done the training loader ends its epoch, so that
 the script's own end-of-epoch work (its evaluation, on its loaders' longest
-batches) runs; the next epoch's first batch stops the replay. The failing run
-itself is never reordered: the user's run sees its data as it would.
+batches) runs. After an evaluation, the next epoch trains one more optimizer
+step on the longest batch: the allocator's cache then holds the
+evaluation's blocks, and a batch that fits a fresh cache can fail on the
+one an evaluation left split (the H100 runs of the HF Trainer ran out of
+memory so, steps after an evaluation). Then the replay stops. The failing
+run itself is never reordered: the user's run sees its data as it would.
 
 Child side only (imports torch). What it did is the capture's
 `data_loaders` (docs/snapshot.md).
@@ -222,6 +226,9 @@ class WholeRun:
         self._last_taken: dict | None = None
         self._epoch_cut = False  # a training epoch was ended early
         self._steps_after_cut = 0
+        self._evaluated_after_cut = False
+        # The tracker's closed steps when the step after the evaluation began.
+        self._after_evaluation_from: int | None = None
 
     # ------------------------------------------------------------ install
     def install(self) -> Callable[[], None]:
@@ -344,7 +351,12 @@ class WholeRun:
         """At the step limit: a loop that fetches batches ahead (the HF
         Trainer) took some before the training epoch was cut; they still
         train (at most STEPS_AFTER_CUT), so that its epoch ends and its
-        evaluation comes. Any other run stops there."""
+        evaluation comes. Any other run stops there; the training step after
+        an evaluation (next_batch) stops once it has closed."""
+        started = self._after_evaluation_from
+        if started is not None:
+            unit = self.tracker.micro_batches_per_step if self.tracker.unit == "module" else 1
+            return self.tracker.step_index >= started + unit
         if not self._epoch_cut or self._steps_after_cut >= STEPS_AFTER_CUT:
             return True
         self._steps_after_cut += 1
@@ -357,8 +369,12 @@ class WholeRun:
 
     def _model_called(self, module: Any) -> None:
         last = self._last_taken
-        if last is not None and last["role"] is None and self.tracker.phase == "evaluation":
+        if self.tracker.phase != "evaluation":
+            return
+        if last is not None and last["role"] is None:
             last["role"] = "evaluation"
+        if self._epoch_cut:
+            self._evaluated_after_cut = True
 
     # ------------------------------------------------------------ batches
     def next_batch(self, record: dict, taken: int) -> None:
@@ -366,10 +382,17 @@ class WholeRun:
         an evaluation loader ends after EVALUATION_BATCHES; a training loader
         ends its epoch once the replay's steps are done, so that the script's
         end-of-epoch work runs; iterated again after that (the next epoch),
-        it stops the replay (StopRun)."""
+        it trains one optimizer step more if an evaluation ran (its longest
+        batch first, see the module), else it stops the replay (StopRun)."""
         role = record["role"]
+        if role == "training" and self._after_evaluation_from is not None:
+            return  # the step after the evaluation: the tracker stops it (_may_stop)
         if role == "training" and self.tracker.steps_done():
             self.tracker.timed_steps_done()
+            if taken == 0 and self._evaluated_after_cut:
+                record["trained_after_evaluation"] = True
+                self._after_evaluation_from = self.tracker.step_index
+                return
             if taken == 0:
                 record["stopped_replay"] = True
                 raise StopRun()

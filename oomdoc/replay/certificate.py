@@ -158,6 +158,7 @@ def certificate_for(
     loaders = capture.data_loaders
     training = next((loader for loader in loaders if loader.role == "training"), None)
     _shapes(certificate, training)
+    certificate.trained_after_evaluation = bool(training and training.trained_after_evaluation)
     _evaluation(certificate, capture, failing, loaders)
     steps = training_steps(capture)
     certificate.training_peak_bytes = max(

@@ -48,6 +48,7 @@ from oomdoc.replay.candidates import (
     prescription_from,
 )
 from oomdoc.replay.certificate import certify_choice
+from oomdoc.replay.fragmentation import certify_with_expandable_segments
 from oomdoc.replay.lanes import (
     SPECULATIVE,
 )
@@ -178,6 +179,9 @@ def prescription_for(
         # (--first-batches replays the data as it comes: no certificate)
         chosen.certificate = certify_choice(
             chosen, candidates + measured, snapshot, snapshot.device.capacity_bytes
+        )
+        certify_with_expandable_segments(
+            chosen, snapshot, lambda trial: replay_prescription(replayer, snapshot, state, trial)
         )
     source = state.batch_info.get("source") or ""
     if snapshot.oom_in_evaluation and source in EVAL_BATCH_FLAGS and chosen.batch_size:

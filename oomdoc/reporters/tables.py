@@ -301,6 +301,8 @@ def certificate_lines(certificate: Optional[Certificate]) -> list[str]:
         covered.append(
             f"evaluation{batch} (peak {format_bytes(certificate.evaluation_peak_bytes)})"
         )
+    if certificate.trained_after_evaluation:
+        covered.append("a step on the longest batch after it")
     if certificate.optimizer_steps:
         covered.append(f"{certificate.optimizer_steps} optimizer steps")
     covered.append(f"{certificate.ranks} rank" + ("s" if certificate.ranks != 1 else ""))
@@ -316,6 +318,8 @@ def certificate_lines(certificate: Optional[Certificate]) -> list[str]:
         f"{format_bytes(certificate.drift_bytes_per_step)}/step, spread between replays "
         f"{format_bytes(certificate.spread_bytes)} (at least 2% of the capacity)"
     )
+    if certificate.allocator_setting:
+        lines.append(f"    with {certificate.allocator_setting}")
     lines.extend(f"    not covered: {gap}" for gap in certificate.gaps)
     return lines
 

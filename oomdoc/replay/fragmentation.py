@@ -1,0 +1,103 @@
+"""A prescription the certificate refused for the CUDA allocator's drift,
+replayed once more with expandable segments.
+
+On the H100 (benchmarks/scripts/hf_trainer_varlen.py, HF Trainer, 16 GiB,
+10 seeds by hand over the whole run) the batches near the limit ran out of
+memory late in the run with far less allocated than the capacity: the
+caching allocator's segments, split by batches of other lengths and by the
+evaluation, left no block large enough (batch 10 held on 3 of 10 seeds, 9 on
+7, the prescription 8 x 4 on 8). With
+`PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` every one of them held on
+10 of 10. A replay sees that drift as reserved memory growing from step to
+step, and the certificate carries it over the rest of the run; when that is
+what refused it, the same configuration is replayed with expandable segments,
+and certified with them (its snippet then sets the variable) if that replay's
+own certificate has no gap. Otherwise the refusal stands, and says what the
+extra replay found.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Optional
+
+from oomdoc.fixes import fix_named
+from oomdoc.fixes.allocator import CONF_ENV, EXPANDABLE
+from oomdoc.model import Prescription, Snapshot
+from oomdoc.replay.certificate import certificate_for
+from oomdoc.replay.replayer import Replay
+from oomdoc.sizes import format_bytes
+
+EXPANDABLE_FIX = "expandable_segments"
+# The certificate's own gap for a peak plus its margin above the capacity.
+MARGIN_GAP = "are above the capacity"
+
+
+def refused_for_drift(prescription: Prescription, snapshot: Snapshot) -> bool:
+    """Whether the certificate's only gap is the margin, on CUDA, with a
+    measured growth of the allocator's reservations, and expandable
+    segments not yet in use (by the prescription, the script's environment,
+    or the failing run's allocator)."""
+    certificate = prescription.certificate
+    if certificate is None or certificate.certified or not snapshot.device.on_cuda:
+        return False
+    parts = "+".join(prescription.fixes).split("+") if prescription.fixes else []
+    if EXPANDABLE_FIX in parts or fix_named("+".join([*parts, EXPANDABLE_FIX])) is None:
+        return False
+    if EXPANDABLE.lower() in os.environ.get(CONF_ENV, "").replace(" ", "").lower():
+        return False
+    if snapshot.allocator is not None and snapshot.allocator.expandable_segments:
+        return False
+    if certificate.drift_bytes_per_step <= 0:
+        return False
+    return all(MARGIN_GAP in gap for gap in certificate.gaps)
+
+
+def certify_with_expandable_segments(
+    prescription: Prescription,
+    snapshot: Snapshot,
+    replay_with: Callable[[Prescription], Replay],
+) -> Optional[Replay]:
+    """Replay `prescription` with expandable segments when its certificate
+    was refused for the allocator's drift (refused_for_drift), and adopt
+    them when that replay is certified; the replay, or None when none ran."""
+    if not refused_for_drift(prescription, snapshot):
+        return None
+    assert prescription.certificate is not None
+    trial = Prescription(
+        fixes=[*prescription.fixes, EXPANDABLE_FIX],
+        batch_size=prescription.batch_size,
+        accumulation_steps=prescription.accumulation_steps,
+    )
+    replay = replay_with(trial)
+    capacity = snapshot.device.capacity_bytes
+    certificate = (
+        certificate_for(replay.capture, snapshot, capacity, [replay.peak_allocated_bytes or 0])
+        if replay.fits
+        else None
+    )
+    if certificate is not None and certificate.certified:
+        refused = prescription.certificate
+        certificate.allocator_setting = (
+            f"{CONF_ENV}={EXPANDABLE}: replayed without it, the reserved memory grew "
+            f"{format_bytes(refused.drift_bytes_per_step)} a step (fragmentation), a margin of "
+            f"{format_bytes(refused.margin_bytes)} that the capacity did not leave"
+        )
+        prescription.fixes = trial.fixes
+        prescription.certificate = certificate
+        prescription.accumulation_replay = trial.accumulation_replay
+        if replay.peak_allocated_bytes:
+            prescription.peak_allocated_bytes = replay.peak_allocated_bytes
+            if prescription.headroom_bytes is not None:
+                prescription.headroom_bytes = capacity - replay.peak_allocated_bytes
+        return replay
+    if certificate is None:
+        found = (
+            f"ran out of memory ({replay.message})" if replay.outcome == "oom" else replay.outcome
+        )
+    else:
+        found = "; ".join(certificate.gaps)
+    prescription.certificate.gaps.append(
+        f"replayed with {CONF_ENV}={EXPANDABLE} to take the drift away: {found}"
+    )
+    return replay

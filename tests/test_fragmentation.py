@@ -1,0 +1,127 @@
+"""A prescription refused for the CUDA allocator's drift is replayed once with
+expandable segments (oomdoc.replay.fragmentation), and adopts them only when
+that replay is certified."""
+
+from __future__ import annotations
+
+import pytest
+from test_certificate import LONGEST, MIB, loader, step
+
+from oomdoc.model import Prescription, Snapshot
+from oomdoc.replay.certificate import certificate_for
+from oomdoc.replay.fragmentation import certify_with_expandable_segments
+from oomdoc.replay.replayer import Replay
+
+CAPACITY = 100 * MIB
+
+
+def cuda_capture(steps: list[dict]) -> Snapshot:
+    return Snapshot.from_dict(
+        {
+            "outcome": "ok",
+            "device": {"kind": "cuda", "capacity_bytes": CAPACITY},
+            "optimizers": ["AdamW"],
+            "steps": steps,
+            "data_loaders": [loader("training", **LONGEST)],
+            "peak": {"allocated_bytes": max(s["peak_allocated_bytes"] for s in steps)},
+        }
+    )
+
+
+FAILING = Snapshot.from_dict(
+    {
+        "outcome": "oom",
+        "optimizers": ["AdamW"],
+        "device": {"kind": "cuda", "capacity_bytes": CAPACITY},
+        "allocator": {"expandable_segments": False},
+    }
+)
+# Reserved grows 8 MiB a step over 3 steps: 80 MiB + 2 MiB + 3 x 8 MiB is above 100.
+DRIFTING = cuda_capture(
+    [
+        step(0, 78 * MIB, 80 * MIB),
+        step(1, 80 * MIB, 82 * MIB),
+        step(2, 79 * MIB, 90 * MIB),
+        step(3, 79 * MIB, 98 * MIB),
+    ]
+)
+# With expandable segments: reserved follows allocated.
+STEADY = cuda_capture(
+    [
+        step(0, 78 * MIB, 79 * MIB),
+        step(1, 80 * MIB, 81 * MIB),
+        step(2, 79 * MIB, 81 * MIB),
+        step(3, 79 * MIB, 81 * MIB),
+    ]
+)
+
+
+def refused() -> Prescription:
+    prescription = Prescription(
+        fixes=[], batch_size=8, accumulation_steps=4, peak_allocated_bytes=80 * MIB, fits=True
+    )
+    prescription.certificate = certificate_for(DRIFTING, FAILING, CAPACITY)
+    assert prescription.certificate is not None and not prescription.certificate.certified
+    return prescription
+
+
+def test_a_drift_refusal_is_replayed_with_expandable_segments_and_certified_with_them():
+    prescription = refused()
+    asked: list[Prescription] = []
+
+    def replay_with(trial: Prescription) -> Replay:
+        asked.append(trial)
+        return Replay("trial", outcome="fits", peak_allocated_bytes=81 * MIB, capture=STEADY)
+
+    assert certify_with_expandable_segments(prescription, FAILING, replay_with) is not None
+    assert [trial.fixes for trial in asked] == [["expandable_segments"]]
+    assert (asked[0].batch_size, asked[0].accumulation_steps) == (8, 4)
+    assert prescription.fixes == ["expandable_segments"]
+    assert prescription.certificate is not None and prescription.certificate.certified
+    assert prescription.peak_allocated_bytes == 81 * MIB
+    setting = prescription.certificate.allocator_setting
+    assert setting is not None and setting.startswith("PYTORCH_CUDA_ALLOC_CONF=expandable_segments")
+    assert "grew 8.00 MiB a step" in setting
+
+
+def test_the_refusal_stands_and_says_what_the_replay_found_when_it_still_drifts():
+    prescription = refused()
+
+    def replay_with(trial: Prescription) -> Replay:
+        return Replay("trial", outcome="fits", peak_allocated_bytes=80 * MIB, capture=DRIFTING)
+
+    certify_with_expandable_segments(prescription, FAILING, replay_with)
+    assert prescription.fixes == []
+    assert prescription.certificate is not None and not prescription.certificate.certified
+    assert "expandable_segments:True" in prescription.certificate.gaps[-1]
+
+
+@pytest.mark.parametrize(
+    "why",
+    ["simulated device", "already set", "another gap", "no drift"],
+)
+def test_no_replay_where_expandable_segments_cannot_be_the_answer(why, monkeypatch):
+    prescription = refused()
+    failing = FAILING
+    if why == "simulated device":
+        failing = Snapshot.from_dict(
+            {"outcome": "oom", "device": {"kind": "simulated", "capacity_bytes": CAPACITY}}
+        )
+    elif why == "already set":
+        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    elif why == "another gap":
+        assert prescription.certificate is not None
+        prescription.certificate.gaps.append("the run evaluates, but the replay did not reach it")
+    else:  # too close to the capacity for the floor, with nothing growing
+        prescription.certificate = certificate_for(
+            cuda_capture([step(0, 99 * MIB, 99 * MIB), step(1, 99 * MIB, 99 * MIB)]),
+            FAILING,
+            CAPACITY,
+        )
+        assert prescription.certificate is not None and not prescription.certificate.certified
+
+    def replay_with(trial: Prescription) -> Replay:
+        raise AssertionError("no replay expected")
+
+    assert certify_with_expandable_segments(prescription, failing, replay_with) is None
+    assert prescription.fixes == []
