@@ -7,10 +7,12 @@ from __future__ import annotations
 import pytest
 from test_certificate import LONGEST, MIB, loader, step
 
+from oomdoc.analysis import analyse
 from oomdoc.model import Prescription, Snapshot
 from oomdoc.replay.certificate import certificate_for
 from oomdoc.replay.fragmentation import certify_with_expandable_segments
 from oomdoc.replay.replayer import Replay
+from oomdoc.reporters.tables import replay_summary_lines
 
 CAPACITY = 100 * MIB
 
@@ -125,3 +127,24 @@ def test_no_replay_where_expandable_segments_cannot_be_the_answer(why, monkeypat
 
     assert certify_with_expandable_segments(prescription, failing, replay_with) is None
     assert prescription.fixes == []
+
+
+def test_the_largest_batch_line_says_it_is_an_edge_when_the_prescription_needed_the_setting():
+    prescription = refused()
+
+    def replay_with(trial: Prescription) -> Replay:
+        return Replay("trial", outcome="fits", peak_allocated_bytes=81 * MIB, capture=STEADY)
+
+    certify_with_expandable_segments(prescription, FAILING, replay_with)
+    snapshot = Snapshot.from_dict(
+        {
+            "outcome": "oom",
+            "device": {"kind": "cuda", "capacity_bytes": CAPACITY},
+            "max_batch_size": 9,
+        }
+    )
+    snapshot.prescription = prescription
+    line = next(
+        line for line in replay_summary_lines(analyse(snapshot)) if line.startswith("Largest")
+    )
+    assert "fragmentation can break it" in line

@@ -22,6 +22,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from conftest import SCRIPTS, run_capped
@@ -74,19 +75,24 @@ def test_lightning_ddp_ranks_are_captured_and_the_largest_batch_holds_on_both(tm
     assert maximum is not None and maximum < 64
 
     def by_hand(batch: int) -> dict:
+        folder = tmp_path / f"by-hand-{batch}"  # its own lightning_logs
+        folder.mkdir()
         _completed, plain = run_capped(
-            tmp_path / f"by-hand-{batch}.json",
+            folder / "by-hand.json",
             capacity,
             LIGHTNING,
             [*lightning, "--batch-size", str(batch)],
             ["--no-replay"],
-            cwd=tmp_path,
+            cwd=folder,
         )
         assert len(plain["ranks"]) == 2
         return plain
 
-    assert [r["outcome"] for r in by_hand(maximum)["ranks"]] == ["ok", "ok"]
-    assert by_hand(maximum + 1)["outcome"] == "oom"
+    # Side by side: each job waits on start-up and rendezvous much of its time.
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        fits, over = pool.map(by_hand, [maximum, maximum + 1])
+    assert [r["outcome"] for r in fits["ranks"]] == ["ok", "ok"]
+    assert over["outcome"] == "oom"
 
 
 LAUNCHER_KILLS_ITS_OWN_PROCESS = """

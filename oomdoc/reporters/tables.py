@@ -160,9 +160,17 @@ def replay_summary_lines(analysis: Analysis) -> list[str]:
             )
     maximum = snapshot.max_batch_size
     if maximum is not None and maximum > 0:
-        lines.append(
+        text = (
             f"Largest batch size that fits: {maximum} (measured: {maximum + 1} ran out of memory)"
         )
+        prescription = snapshot.prescription
+        if prescription and prescription.certificate and prescription.certificate.allocator_setting:
+            # The replays saw the allocator's reservations drift: an edge with no margin.
+            text += (
+                ", in the replayed steps with the allocator's defaults; later in the run "
+                "fragmentation can break it (see the prescription's certificate)"
+            )
+        lines.append(text)
     if replay is not None and replay.reference_step_s:
         lines.append(f"Step time relative to {replay.reference}")
     for fix in analysis.shown_fixes:
