@@ -62,12 +62,12 @@ class DataLoaderRecord:
     # batch (it gathers outputs): it yielded every batch, to the pass's end.
     evaluation_grows: bool = when_set(False)
     # A framework that evaluates every N steps was asked to evaluate at the
-    # end of the shortened epoch (how: e.g. the HF Trainer's flow callback).
+    # replay's last step end, or at the end of the shortened epoch (how).
     evaluation_asked: Optional[str] = when_set()
     # Iterated again once the steps were done (the next epoch): the replay stopped there.
     stopped_replay: bool = when_set(False)
-    # After the evaluation, the next epoch trained one more optimizer step
-    # (the longest batch first) on the cache the evaluation left.
+    # After the evaluation the replay trained on (its longest batch again)
+    # on the cache the evaluation left: a step of the next epoch, or two mid-epoch.
     trained_after_evaluation: bool = when_set(False)
     extra: Dict[str, Any] = field(default_factory=dict)
 

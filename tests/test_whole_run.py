@@ -108,3 +108,40 @@ def test_loader_workers_fetching_ahead_do_not_add_steps(tmp_path, workers):
     assert shapes(lines, "train") == ["(4, 40)", "(4, 40)", "(4, 40)"]
     assert [line[:2] for line in lines if line[0] == "train"][-1] == ["train", "1"]
     assert len(shapes(lines, "eval")) == 2
+
+
+HF_VARLEN = Path(__file__).parents[1] / "benchmarks" / "scripts" / "hf_trainer_varlen.py"
+
+
+def test_an_hf_trainer_evaluating_every_n_steps_evaluates_at_the_step_end_and_trains_on(tmp_path):
+    """A `max_steps` run is one epoch: cutting it would end the training.
+    The Trainer is asked to evaluate at the replay's last step end instead,
+    and trains on: the longest batch again, on the cache the evaluation left."""
+    pytest.importorskip("transformers")
+    args = "--n_layer 1 --n_embd 32 --vocab_size 500 --max_len 128 --median_len 16"
+    args += " --train_samples 256 --eval_samples 64 --per_device_train_batch_size 8"
+    args += " --max_steps 32 --eval_steps 16 --use_cpu True"
+    request = ChildRequest(
+        target=str(HF_VARLEN),
+        args=args.split(),
+        device="cpu",
+        capacity_bytes=1 << 30,
+        max_steps=3,
+        expected_unit="optimizer",
+        whole_run=True,
+        output_path=str(tmp_path / "log.txt"),
+    )
+    result = run_child(request)
+    assert result.capture is not None
+    capture = Snapshot.from_dict(result.capture)
+    assert capture.outcome == "ok"
+    training = next(loader for loader in capture.data_loaders if loader.role == "training")
+    assert training.evaluation_asked == "transformers: at the step end"
+    assert training.trained_after_evaluation and not training.epoch_ended_early
+    evaluated = [step.index for step in capture.steps if step.evaluation_calls]
+    assert evaluated == [2]  # the replay's last step (max_steps=3)
+    after = [step for step in capture.steps if step.index > 2]
+    assert len(after) == 2
+    # The longest batch (the first step's) trained again after the evaluation.
+    first = capture.steps[0].phase_peaks["forward"]
+    assert max(step.phase_peaks["forward"] for step in after) == pytest.approx(first, rel=0.05)

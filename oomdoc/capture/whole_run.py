@@ -177,7 +177,18 @@ class LongestFirstBatches:
         # with that state alive.
         repeats = self.whole_run.longest_repeats(self.record)
         self.record["longest_repeated"] = repeats
-        return iter([batches[0]] * repeats + batches[1:])
+        return self._longest_first(batches, repeats)
+
+    def _longest_first(self, batches: list[list[int]], repeats: int) -> Iterator[list[int]]:
+        # An epoch begun after the evaluation starts with the longest anyway.
+        self.whole_run.longest_again(self.record)
+        yield from [batches[0]] * repeats
+        for batch in batches[1:]:
+            if self.whole_run.longest_again(self.record):
+                # Mid-epoch after an evaluation (the HF Trainer's every N
+                # steps): the longest batch again, on the cache it left.
+                yield from [batches[0]] * repeats
+            yield batch
 
 
 class _Batches:
@@ -226,9 +237,18 @@ class WholeRun:
         self._last_taken: dict | None = None
         self._epoch_cut = False  # a training epoch was ended early
         self._steps_after_cut = 0
-        self._evaluated_after_cut = False
-        # The tracker's closed steps when the step after the evaluation began.
+        # An evaluation ran once the replay's steps were done.
+        self._evaluated_after_steps = False
+        self._longest_again_served = False
+        # The tracker's closed steps when the steps after the evaluation
+        # began, and how many of them train before the replay stops.
         self._after_evaluation_from: int | None = None
+        self._steps_after_evaluation = 1
+        # The framework evaluates at a step's end when asked (the HF
+        # Trainer's flow callback): its epoch is not cut (STEP_END_EVALUATION).
+        self.evaluates_at_step_end = False
+        self._evaluation_asked = False
+        self._steps_waited = 0
 
     # ------------------------------------------------------------ install
     def install(self) -> Callable[[], None]:
@@ -356,7 +376,11 @@ class WholeRun:
         started = self._after_evaluation_from
         if started is not None:
             unit = self.tracker.micro_batches_per_step if self.tracker.unit == "module" else 1
-            return self.tracker.step_index >= started + unit
+            return self.tracker.step_index >= started + self._steps_after_evaluation * unit
+        if self.evaluates_at_step_end and not self._evaluated_after_steps:
+            # Asked to evaluate at this step's end: wait for it, a few steps at most.
+            self._steps_waited += 1
+            return self._steps_waited > STEPS_AFTER_CUT
         if not self._epoch_cut or self._steps_after_cut >= STEPS_AFTER_CUT:
             return True
         self._steps_after_cut += 1
@@ -373,8 +397,8 @@ class WholeRun:
             return
         if last is not None and last["role"] is None:
             last["role"] = "evaluation"
-        if self._epoch_cut:
-            self._evaluated_after_cut = True
+        if self._epoch_cut or self.tracker.steps_done():
+            self._evaluated_after_steps = True
 
     # ------------------------------------------------------------ batches
     def next_batch(self, record: dict, taken: int) -> None:
@@ -385,14 +409,22 @@ class WholeRun:
         it trains one optimizer step more if an evaluation ran (its longest
         batch first, see the module), else it stops the replay (StopRun)."""
         role = record["role"]
+        if role == "training" and not self._evaluation_asked:
+            for offer in STEP_END_EVALUATION:
+                offer(self, record)
         if role == "training" and self._after_evaluation_from is not None:
-            return  # the step after the evaluation: the tracker stops it (_may_stop)
+            return  # the steps after the evaluation: the tracker stops them (_may_stop)
         if role == "training" and self.tracker.steps_done():
             self.tracker.timed_steps_done()
-            if taken == 0 and self._evaluated_after_cut:
+            if self._evaluated_after_steps:
                 record["trained_after_evaluation"] = True
                 self._after_evaluation_from = self.tracker.step_index
+                # A new epoch starts with the longest batch; mid-epoch, a
+                # batch fetched before the evaluation may come first.
+                self._steps_after_evaluation = 1 if taken == 0 else 2
                 return
+            if self.evaluates_at_step_end:
+                return  # the framework evaluates at this step's end (asked)
             if taken == 0:
                 record["stopped_replay"] = True
                 raise StopRun()
@@ -413,6 +445,28 @@ class WholeRun:
                     return
                 record["epoch_ended_early"] = True
                 raise StopIteration
+
+    def longest_again(self, record: dict) -> bool:
+        """Whether a training loader yields its longest batch again now:
+        once, after an evaluation that ran once the steps were done."""
+        if (
+            record["role"] != "training"
+            or not self._evaluated_after_steps
+            or self._longest_again_served
+        ):
+            return False
+        self._longest_again_served = True
+        return True
+
+    def ask_evaluation(self, record: dict, how: str) -> bool:
+        """A framework's step end (STEP_END_EVALUATION): whether to evaluate
+        now, once the replay's steps are done (once)."""
+        self.evaluates_at_step_end = True
+        if self._evaluation_asked or not self.tracker.steps_done():
+            return False
+        self._evaluation_asked = True
+        record["evaluation_asked"] = how
+        return True
 
     def taken(self, record: dict) -> None:
         self._last_taken = record
@@ -462,6 +516,37 @@ def _transformers_epoch_end(record: dict) -> None:
 # Frameworks that evaluate every N steps rather than at an epoch's end: how
 # each is asked to evaluate at the end of a replay's shortened epoch.
 EPOCH_END_EVALUATION: tuple[Callable[[dict], None], ...] = (_transformers_epoch_end,)
+
+
+def _transformers_step_end(whole_run: WholeRun, record: dict) -> None:
+    """The HF Trainer evaluating every N steps goes on training after its
+    evaluation, within the epoch (a `max_steps` run is often one epoch):
+    its flow callback is asked to evaluate at the step end once the
+    replay's steps are done, and the epoch is not cut."""
+    module = sys.modules.get("transformers.trainer_callback")
+    flow = getattr(module, "DefaultFlowCallback", None)
+    original = getattr(flow, "on_step_end", None)
+    if original is None or getattr(original, "oomdoc_whole_run", False):
+        return
+
+    def on_step_end(self: Any, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        control = original(self, args, state, control, **kwargs)
+        strategy = getattr(args, "eval_strategy", None) or getattr(
+            args, "evaluation_strategy", None
+        )
+        if str(getattr(strategy, "value", strategy)) != "steps" or control is None:
+            return control
+        if whole_run.ask_evaluation(record, "transformers: at the step end"):
+            control.should_evaluate = True
+        return control
+
+    on_step_end.oomdoc_whole_run = True  # type: ignore[attr-defined]
+    flow.on_step_end = on_step_end  # type: ignore[union-attr]
+
+
+# Frameworks that can evaluate at a step's end when asked, and go on
+# training: each is offered the replay (once its training loader is known).
+STEP_END_EVALUATION: tuple[Callable[[WholeRun, dict], None], ...] = (_transformers_step_end,)
 
 
 def evaluate_at_epoch_end(record: dict) -> None:
