@@ -458,14 +458,13 @@ class WholeRun:
         self._longest_again_served = True
         return True
 
-    def ask_evaluation(self, record: dict, how: str) -> bool:
+    def ask_evaluation(self) -> bool:
         """A framework's step end (STEP_END_EVALUATION): whether to evaluate
         now, once the replay's steps are done (once)."""
         self.evaluates_at_step_end = True
         if self._evaluation_asked or not self.tracker.steps_done():
             return False
         self._evaluation_asked = True
-        record["evaluation_asked"] = how
         return True
 
     def taken(self, record: dict) -> None:
@@ -488,29 +487,43 @@ class WholeRun:
         ]
 
 
+def _transformers_flow(hook: str, asks: Callable[[str], str | None], record: dict) -> None:
+    """Wrap the HF Trainer's DefaultFlowCallback `hook` (once per process):
+    after its own decision, `asks(eval strategy)` may ask for an evaluation
+    (the record's `evaluation_asked` says how)."""
+    module = sys.modules.get("transformers.trainer_callback")
+    flow = getattr(module, "DefaultFlowCallback", None)
+    original = getattr(flow, hook, None)
+    if original is None or getattr(original, "oomdoc_whole_run", False):
+        return
+
+    def wrapped(self: Any, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        control = original(self, args, state, control, **kwargs)
+        strategy = getattr(args, "eval_strategy", None) or getattr(
+            args, "evaluation_strategy", None
+        )
+        how = asks(str(getattr(strategy, "value", strategy))) if control is not None else None
+        if how:
+            control.should_evaluate = True
+            record["evaluation_asked"] = how
+        return control
+
+    wrapped.oomdoc_whole_run = True  # type: ignore[attr-defined]
+    setattr(flow, hook, wrapped)
+
+
 def _transformers_epoch_end(record: dict) -> None:
     """The HF Trainer evaluates at an epoch's end only with
     `eval_strategy="epoch"`; every N steps, the replay's shortened epoch
     would never reach it. Once the epoch is cut, its flow callback asks for
     the evaluation at the epoch's end whatever the strategy (never `no`)."""
-    module = sys.modules.get("transformers.trainer_callback")
-    flow = getattr(module, "DefaultFlowCallback", None)
-    original = getattr(flow, "on_epoch_end", None)
-    if original is None or getattr(original, "oomdoc_whole_run", False):
-        return
 
-    def on_epoch_end(self: Any, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-        control = original(self, args, state, control, **kwargs)
-        strategy = getattr(args, "eval_strategy", None) or getattr(
-            args, "evaluation_strategy", None
-        )
-        if str(getattr(strategy, "value", strategy)) not in ("no", "None") and control is not None:
-            control.should_evaluate = True
-            record["evaluation_asked"] = "transformers: at the shortened epoch's end"
-        return control
+    def asks(strategy: str) -> str | None:
+        if strategy in ("no", "None"):
+            return None
+        return "transformers: at the shortened epoch's end"
 
-    on_epoch_end.oomdoc_whole_run = True  # type: ignore[attr-defined]
-    flow.on_epoch_end = on_epoch_end  # type: ignore[union-attr]
+    _transformers_flow("on_epoch_end", asks, record)
 
 
 # Frameworks that evaluate every N steps rather than at an epoch's end: how
@@ -523,25 +536,13 @@ def _transformers_step_end(whole_run: WholeRun, record: dict) -> None:
     evaluation, within the epoch (a `max_steps` run is often one epoch):
     its flow callback is asked to evaluate at the step end once the
     replay's steps are done, and the epoch is not cut."""
-    module = sys.modules.get("transformers.trainer_callback")
-    flow = getattr(module, "DefaultFlowCallback", None)
-    original = getattr(flow, "on_step_end", None)
-    if original is None or getattr(original, "oomdoc_whole_run", False):
-        return
 
-    def on_step_end(self: Any, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-        control = original(self, args, state, control, **kwargs)
-        strategy = getattr(args, "eval_strategy", None) or getattr(
-            args, "evaluation_strategy", None
-        )
-        if str(getattr(strategy, "value", strategy)) != "steps" or control is None:
-            return control
-        if whole_run.ask_evaluation(record, "transformers: at the step end"):
-            control.should_evaluate = True
-        return control
+    def asks(strategy: str) -> str | None:
+        if strategy != "steps" or not whole_run.ask_evaluation():
+            return None
+        return "transformers: at the step end"
 
-    on_step_end.oomdoc_whole_run = True  # type: ignore[attr-defined]
-    flow.on_step_end = on_step_end  # type: ignore[union-attr]
+    _transformers_flow("on_step_end", asks, record)
 
 
 # Frameworks that can evaluate at a step's end when asked, and go on
