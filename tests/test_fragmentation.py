@@ -100,11 +100,12 @@ def test_the_refusal_stands_and_says_what_the_replay_found_when_it_still_drifts(
 
 @pytest.mark.parametrize(
     "why",
-    ["simulated device", "already set", "another gap", "no drift"],
+    ["simulated device", "already set", "another gap", "no drift", "--fixes without it"],
 )
 def test_no_replay_where_expandable_segments_cannot_be_the_answer(why, monkeypatch):
     prescription = refused()
     failing = FAILING
+    requested = None
     if why == "simulated device":
         failing = Snapshot.from_dict(
             {"outcome": "oom", "device": {"kind": "simulated", "capacity_bytes": CAPACITY}}
@@ -114,6 +115,8 @@ def test_no_replay_where_expandable_segments_cannot_be_the_answer(why, monkeypat
     elif why == "another gap":
         assert prescription.certificate is not None
         prescription.certificate.gaps.append("the run evaluates, but the replay did not reach it")
+    elif why == "--fixes without it":
+        requested = ["smaller_batch", "autocast"]
     else:  # too close to the capacity for the floor, with nothing growing
         prescription.certificate = certificate_for(
             cuda_capture([step(0, 99 * MIB, 99 * MIB), step(1, 99 * MIB, 99 * MIB)]),
@@ -125,8 +128,11 @@ def test_no_replay_where_expandable_segments_cannot_be_the_answer(why, monkeypat
     def replay_with(trial: Prescription) -> Replay:
         raise AssertionError("no replay expected")
 
-    assert certify_with_expandable_segments(prescription, failing, replay_with) is None
+    assert certify_with_expandable_segments(prescription, failing, replay_with, requested) is None
     assert prescription.fixes == []
+    if requested:
+        assert prescription.certificate is not None
+        assert "--fixes left it out" in prescription.certificate.gaps[-1]
 
 
 def test_the_largest_batch_line_says_it_is_an_edge_when_the_prescription_needed_the_setting():

@@ -57,13 +57,21 @@ def certify_with_expandable_segments(
     prescription: Prescription,
     snapshot: Snapshot,
     replay_with: Callable[[Prescription], Replay],
+    requested: Optional[list[str]] = None,
 ) -> Optional[Replay]:
     """Replay `prescription` with expandable segments when its certificate
     was refused for the allocator's drift (refused_for_drift), and adopt
-    them when that replay is certified; the replay, or None when none ran."""
+    them when that replay is certified; the replay, or None when none ran.
+    `requested`: the user's `--fixes`; without expandable_segments among
+    them, the refusal stands and says what would take the drift away."""
     if not refused_for_drift(prescription, snapshot):
         return None
     assert prescription.certificate is not None
+    if requested and EXPANDABLE_FIX not in "+".join(requested).split("+"):
+        prescription.certificate.gaps.append(
+            f"{CONF_ENV}={EXPANDABLE} may take the drift away: --fixes left it out"
+        )
+        return None
     trial = Prescription(
         fixes=[*prescription.fixes, EXPANDABLE_FIX],
         batch_size=prescription.batch_size,

@@ -181,7 +181,10 @@ def prescription_for(
             chosen, candidates + measured, snapshot, snapshot.device.capacity_bytes
         )
         certify_with_expandable_segments(
-            chosen, snapshot, lambda trial: replay_prescription(replayer, snapshot, state, trial)
+            chosen,
+            snapshot,
+            lambda trial: replay_prescription(replayer, snapshot, state, trial),
+            getattr(replayer.options, "fixes", None),
         )
     source = state.batch_info.get("source") or ""
     if snapshot.oom_in_evaluation and source in EVAL_BATCH_FLAGS and chosen.batch_size:
