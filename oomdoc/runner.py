@@ -50,7 +50,7 @@ class ChildRequest:
     # Micro-batches per optimizer step (gradient accumulation): before the
     # first optimizer step, `max_steps` counts this many model calls per step.
     micro_batches_per_step: int | None = None
-    # A replay: the failing run's step unit (oomdoc.capture.tracker.UNITS);
+    # A replay: the failing run's step unit (oomdoc.capture.step_limits.UNITS);
     # `max_steps` counts only once the replay trains in that unit.
     expected_unit: str | None = None
     # A replay of an OOM in evaluation pass N: it stops after that pass

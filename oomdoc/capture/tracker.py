@@ -45,6 +45,7 @@ from oomdoc.capture.retained_graphs import (
     output_tensors,
     stamp_graph,
 )
+from oomdoc.capture.step_limits import UNITS, StepLimits
 from oomdoc.capture.step_records import BoundedSteps, CudaStepTimer
 from oomdoc.snapshot import CATEGORIES
 
@@ -64,12 +65,11 @@ class StopRun(BaseException):
 
 
 # Step units, in the order a run can move through them (see the module's docstring).
-UNITS = ("module", "backward", "optimizer")
 # What an outermost module call is to the step model (_call_kind).
 _AUXILIARY, _EVALUATION, _TRAINING = 0, 1, 2
 
 
-class Tracker(Attribution, LeakChecks):
+class Tracker(Attribution, LeakChecks, StepLimits):
     def __init__(
         self,
         backend: Backend,
@@ -243,81 +243,6 @@ class Tracker(Attribution, LeakChecks):
     def exclude_seconds(self, seconds: float) -> None:
         """Leave `seconds` (a wait for the device lock) out of the step's duration."""
         self._step_started += seconds
-
-    def _first_step(self) -> None:
-        hook, self.on_first_step = self.on_first_step, None
-        if hook is not None:
-            hook()
-
-    def _step_limit(self) -> int | None:
-        """How many steps are closed before the run stops (StopRun), if limited."""
-        limit = self.max_steps
-        if limit is None or self.stop_after_evaluation is not None:
-            return None
-        if self.expected_unit is not None and UNITS.index(self.unit) < UNITS.index(
-            self.expected_unit
-        ):
-            return None  # not training in the failing run's unit yet
-        if self.unit == "module":
-            limit *= self.micro_batches_per_step
-        return limit
-
-    def steps_done(self) -> bool:
-        """Whether a replay has run all its steps (the last closed or ending),
-        also one that stops after an evaluation: its training DataLoader
-        then ends the epoch (oomdoc.capture.whole_run)."""
-        limit = self.max_steps
-        if limit is None or (
-            self.expected_unit is not None
-            and UNITS.index(self.unit) < UNITS.index(self.expected_unit)
-        ):
-            return False
-        current, module = self._current, self.unit == "module"
-        ongoing = self._pending_close or (
-            module and bool(current["forward_calls"] or current["evaluation_calls"])
-        )
-        return self.step_index + int(ongoing) >= limit * (
-            self.micro_batches_per_step if module else 1
-        )
-
-    def share_device(
-        self, alone: Callable[[], None], done: Callable[[], None], autotunes: Callable[[], bool]
-    ) -> None:
-        """Replays that share the device (oomdoc.capture.gate): `alone` is
-        called before the first step whose duration may be used is timed,
-        `done` once the last one has been timed. When `autotunes()` at the
-        first step, the device is alone from then on: kernels chosen by
-        timing them (cuDNN's benchmark mode, torch.compile) must not be
-        chosen while others use the device, since they decide the step
-        times and workspace memory of every step."""
-        self.on_timed_steps, self.on_timed_steps_done = alone, done
-        self.device_to_itself = self._step_alone = False
-        first_step = self.on_first_step
-
-        def first_step_begins() -> None:
-            if first_step is not None:
-                first_step()
-            if autotunes():
-                self._timed_steps_begin()
-
-        self.on_first_step = first_step_begins
-
-    def _timed_steps_begin(self) -> None:
-        """The device alone from here on: the steps that start from now on
-        may be those whose durations are used (steps_timed in
-        oomdoc.replay.batch leaves out only the first step, when later ones
-        exist)."""
-        hook = self.on_timed_steps
-        if hook is not None and not self.device_to_itself:
-            hook()
-            self.device_to_itself = True
-
-    def timed_steps_done(self) -> None:
-        """No step timed from now on has the device alone (oomdoc.capture.gate)."""
-        hook = self.on_timed_steps_done
-        if hook is not None and self.device_to_itself:
-            hook()
-            self.device_to_itself = False
 
     def _fold_peak(self) -> None:
         """Attribute the peak since the last phase change to the phase that is ending."""

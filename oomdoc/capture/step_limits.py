@@ -1,0 +1,110 @@
+"""When a replay's run stops, and when its steps have the device alone.
+
+The Tracker's step limit (a replay runs `max_steps` steps in the failing
+run's unit, then StopRun), whether those steps are done (the whole-run data,
+oomdoc.capture.whole_run, ends the training epoch then), and the hooks that
+give the timed steps the device alone when replays share it
+(oomdoc.capture.gate). A mixin: what it reads of the tracker's state is
+declared here, the Tracker sets it up.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+# The units a step is counted in, from the finest: a model call, a backward,
+# an optimizer step (the tracker moves up as the run shows them).
+UNITS = ("module", "backward", "optimizer")
+
+
+class StepLimits:
+    """The Tracker's step limit and device-sharing hooks."""
+
+    max_steps: int | None
+    stop_after_evaluation: int | None
+    expected_unit: str | None
+    unit: str
+    micro_batches_per_step: int
+    step_index: int
+    _current: dict[str, Any]
+    _pending_close: bool
+    _step_alone: bool
+    device_to_itself: bool
+    on_first_step: Callable[[], None] | None
+    on_timed_steps: Callable[[], None] | None
+    on_timed_steps_done: Callable[[], None] | None
+
+    def _first_step(self) -> None:
+        hook, self.on_first_step = self.on_first_step, None
+        if hook is not None:
+            hook()
+
+    def _step_limit(self) -> int | None:
+        """How many steps are closed before the run stops (StopRun), if limited."""
+        limit = self.max_steps
+        if limit is None or self.stop_after_evaluation is not None:
+            return None
+        if self.expected_unit is not None and UNITS.index(self.unit) < UNITS.index(
+            self.expected_unit
+        ):
+            return None  # not training in the failing run's unit yet
+        if self.unit == "module":
+            limit *= self.micro_batches_per_step
+        return limit
+
+    def steps_done(self) -> bool:
+        """Whether a replay has run all its steps (the last closed or ending),
+        also one that stops after an evaluation: its training DataLoader
+        then ends the epoch (oomdoc.capture.whole_run)."""
+        limit = self.max_steps
+        if limit is None or (
+            self.expected_unit is not None
+            and UNITS.index(self.unit) < UNITS.index(self.expected_unit)
+        ):
+            return False
+        current, module = self._current, self.unit == "module"
+        ongoing = self._pending_close or (
+            module and bool(current["forward_calls"] or current["evaluation_calls"])
+        )
+        return self.step_index + int(ongoing) >= limit * (
+            self.micro_batches_per_step if module else 1
+        )
+
+    def share_device(
+        self, alone: Callable[[], None], done: Callable[[], None], autotunes: Callable[[], bool]
+    ) -> None:
+        """Replays that share the device (oomdoc.capture.gate): `alone` is
+        called before the first step whose duration may be used is timed,
+        `done` once the last one has been timed. When `autotunes()` at the
+        first step, the device is alone from then on: kernels chosen by
+        timing them (cuDNN's benchmark mode, torch.compile) must not be
+        chosen while others use the device, since they decide the step
+        times and workspace memory of every step."""
+        self.on_timed_steps, self.on_timed_steps_done = alone, done
+        self.device_to_itself = self._step_alone = False
+        first_step = self.on_first_step
+
+        def first_step_begins() -> None:
+            if first_step is not None:
+                first_step()
+            if autotunes():
+                self._timed_steps_begin()
+
+        self.on_first_step = first_step_begins
+
+    def _timed_steps_begin(self) -> None:
+        """The device alone from here on: the steps that start from now on
+        may be those whose durations are used (steps_timed in
+        oomdoc.replay.batch leaves out only the first step, when later ones
+        exist)."""
+        hook = self.on_timed_steps
+        if hook is not None and not self.device_to_itself:
+            hook()
+            self.device_to_itself = True
+
+    def timed_steps_done(self) -> None:
+        """No step timed from now on has the device alone (oomdoc.capture.gate)."""
+        hook = self.on_timed_steps_done
+        if hook is not None and self.device_to_itself:
+            hook()
+            self.device_to_itself = False
