@@ -220,6 +220,9 @@ class Step:
     # device work may have run too (oomdoc.capture.gate), so its duration is
     # not the step's own (oomdoc.replay.batch.timed_on_a_shared_device).
     device_shared: bool = when_set(False)
+    # Began after the replay's steps were done (batches a loop fetched
+    # ahead, the steps after its evaluation): left out of its step time.
+    after_timed_steps: bool = when_set(False)
     extra: Dict[str, Any] = field(default_factory=dict)
 
 

@@ -149,3 +149,12 @@ def test_a_leak_only_the_replays_showed_is_the_prescription():
     replayer = SimpleNamespace(leak=False, replays=[leaking])
     prescription = prescription_for(snapshot, replayer, ReplayState(skipped=[]))
     assert prescription is not None and prescription.kind == "leak" and not prescription.fits
+
+
+def test_steps_after_the_replays_steps_are_left_out_of_its_step_time():
+    # Batches fetched ahead and the longest batch again after the evaluation
+    # (oomdoc.capture.whole_run) trained after the replay's steps were done.
+    timed = steps(9.0, 1.0, 1.2, 0.8, 3.0, 3.2)
+    for step in timed[4:]:
+        step.after_timed_steps = True
+    assert step_timing(timed) == StepTiming(1.0, 0.2, 3)

@@ -142,6 +142,9 @@ def test_an_hf_trainer_evaluating_every_n_steps_evaluates_at_the_step_end_and_tr
     assert evaluated == [2]  # the replay's last step (max_steps=3)
     after = [step for step in capture.steps if step.index > 2]
     assert len(after) == 2
+    # Past the replay's steps: not part of its step time.
+    assert all(step.after_timed_steps for step in after)
+    assert not any(step.after_timed_steps for step in capture.steps[:3])
     # The longest batch (the first step's) trained again after the evaluation.
     first = capture.steps[0].phase_peaks["forward"]
     assert max(step.phase_peaks["forward"] for step in after) == pytest.approx(first, rel=0.05)

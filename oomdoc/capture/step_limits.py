@@ -30,6 +30,7 @@ class StepLimits:
     _pending_close: bool
     _step_alone: bool
     device_to_itself: bool
+    timed_steps_over: bool
     on_first_step: Callable[[], None] | None
     on_timed_steps: Callable[[], None] | None
     on_timed_steps_done: Callable[[], None] | None
@@ -103,7 +104,9 @@ class StepLimits:
             self.device_to_itself = True
 
     def timed_steps_done(self) -> None:
-        """No step timed from now on has the device alone (oomdoc.capture.gate)."""
+        """No step timed from now on has the device alone (oomdoc.capture.gate),
+        nor makes the replay's step time (`after_timed_steps`)."""
+        self.timed_steps_over = True
         hook = self.on_timed_steps_done
         if hook is not None and self.device_to_itself:
             hook()

@@ -153,6 +153,7 @@ class Tracker(Attribution, LeakChecks, StepLimits):
         self.on_timed_steps: Callable[[], None] | None = None
         self.on_timed_steps_done: Callable[[], None] | None = None
         self.device_to_itself = True
+        self.timed_steps_over = False  # timed_steps_done() was called
         self._step_alone = True
         self.peak_sample: dict | None = None
         # (allocated, reserved) peak after the last step, or of a run without
@@ -239,6 +240,10 @@ class Tracker(Attribution, LeakChecks, StepLimits):
         }
         self._step_started = time.perf_counter()
         self._step_alone = self.device_to_itself
+        if self.timed_steps_over:
+            # Past the replay's steps (batches fetched ahead, the steps after
+            # its evaluation): not the steps its step time is made of.
+            self._current["after_timed_steps"] = True
 
     def exclude_seconds(self, seconds: float) -> None:
         """Leave `seconds` (a wait for the device lock) out of the step's duration."""

@@ -43,9 +43,14 @@ class StepTiming:
 def timed_steps(steps: Iterable[Step]) -> list[Step]:
     """The steps whose durations make a run's step time: all that have one,
     less the first step (warm-up, lazy optimizer state) when later ones exist,
+    less the steps begun after the replay's steps were done (batches fetched
+    ahead, the longest batch again after the evaluation: Step.after_timed_steps),
     and less a step that also ran an evaluation loop (a replay reaches the
     script's evaluation after its steps) when others did not."""
     timed = [step for step in steps if step.duration_s is not None]
+    within = [step for step in timed if not step.after_timed_steps]
+    if within and len(within) < len(timed):
+        timed = within
     training = [step for step in timed if not (step.evaluation_calls and step.forward_calls)]
     if training and len(training) < len(timed):
         timed = training
