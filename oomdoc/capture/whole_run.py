@@ -10,9 +10,11 @@ first (each sample's size read from the dataset, within a time budget; a
 training loader's longest again once the optimizer's state exists), and
 once the replay's steps are done the training loader ends its epoch, so that
 the script's own end-of-epoch work (its evaluation, on its loaders' longest
-batches) runs. After an evaluation, the next epoch trains one more optimizer
-step on the longest batch: the allocator's cache then holds the
-evaluation's blocks, and a batch that fits a fresh cache can fail on the
+batches) runs; a framework that evaluates every N steps and can be asked at
+a step's end (the HF Trainer: STEP_END_EVALUATION) evaluates there instead,
+its epoch not cut. After an evaluation the longest batch trains again (one
+step of the next epoch, or two mid-epoch): the allocator's cache then holds
+the evaluation's blocks, and a batch that fits a fresh cache can fail on the
 one an evaluation left split (the H100 runs of the HF Trainer ran out of
 memory so, steps after an evaluation). Then the replay stops. The failing
 run itself is never reordered: the user's run sees its data as it would.
