@@ -11,7 +11,7 @@ from oomdoc.analysis import analyse
 from oomdoc.model import Prescription, Snapshot
 from oomdoc.replay.certificate import certificate_for
 from oomdoc.replay.fragmentation import certify_with_expandable_segments
-from oomdoc.replay.replayer import Replay
+from oomdoc.replay.replayer import Replay, ReplaysInterrupted
 from oomdoc.reporters.tables import replay_summary_lines
 
 CAPACITY = 100 * MIB
@@ -154,3 +154,14 @@ def test_the_largest_batch_line_says_it_is_an_edge_when_the_prescription_needed_
         line for line in replay_summary_lines(analyse(snapshot)) if line.startswith("Largest")
     )
     assert "fragmentation can break it" in line
+
+
+def test_an_interrupted_replay_leaves_the_refusal_as_measured():
+    prescription = refused()
+
+    def replay_with(trial: Prescription) -> Replay:
+        raise ReplaysInterrupted()
+
+    assert certify_with_expandable_segments(prescription, FAILING, replay_with) is None
+    assert prescription.fixes == [] and prescription.certificate is not None
+    assert not prescription.certificate.certified

@@ -25,7 +25,7 @@ from oomdoc.fixes import fix_named
 from oomdoc.fixes.allocator import CONF_ENV, EXPANDABLE
 from oomdoc.model import Prescription, Snapshot
 from oomdoc.replay.certificate import certificate_for
-from oomdoc.replay.replayer import Replay
+from oomdoc.replay.replayer import Replay, ReplaysInterrupted
 from oomdoc.sizes import format_bytes
 
 EXPANDABLE_FIX = "expandable_segments"
@@ -77,7 +77,10 @@ def certify_with_expandable_segments(
         batch_size=prescription.batch_size,
         accumulation_steps=prescription.accumulation_steps,
     )
-    replay = replay_with(trial)
+    try:
+        replay = replay_with(trial)
+    except ReplaysInterrupted:
+        return None  # Ctrl-C or stopped: the refusal stands as measured
     capacity = snapshot.device.capacity_bytes
     certificate = (
         certificate_for(replay.capture, snapshot, capacity, [replay.peak_allocated_bytes or 0])
