@@ -22,13 +22,13 @@ import os
 from typing import Callable, Optional
 
 from oomdoc.fixes import fix_named
-from oomdoc.fixes.allocator import CONF_ENV, EXPANDABLE
+from oomdoc.fixes.allocator import CONF_ENV, EXPANDABLE, ExpandableSegments
 from oomdoc.model import Prescription, Snapshot
 from oomdoc.replay.certificate import certificate_for
 from oomdoc.replay.replayer import Replay, ReplaysInterrupted
 from oomdoc.sizes import format_bytes
 
-EXPANDABLE_FIX = "expandable_segments"
+EXPANDABLE_FIX = ExpandableSegments.name
 # The certificate's own gap for a peak plus its margin above the capacity.
 MARGIN_GAP = "are above the capacity"
 
