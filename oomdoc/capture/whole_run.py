@@ -238,7 +238,7 @@ class WholeRun:
         self._sizes: dict[int, DatasetSizes] = {}
         self._last_taken: dict | None = None
         self._epoch_cut = False  # a training epoch was ended early
-        self._steps_after_cut = 0
+        self._steps_past_limit = 0  # trained past the step limit (_may_stop)
         # An evaluation ran once the replay's steps were done.
         self._evaluated_after_steps = False
         self._longest_again_served = False
@@ -250,7 +250,6 @@ class WholeRun:
         # Trainer's flow callback): its epoch is not cut (STEP_END_EVALUATION).
         self.evaluates_at_step_end = False
         self._evaluation_asked = False
-        self._steps_waited = 0
 
     # ------------------------------------------------------------ install
     def install(self) -> Callable[[], None]:
@@ -373,19 +372,21 @@ class WholeRun:
         """At the step limit: a loop that fetches batches ahead (the HF
         Trainer) took some before the training epoch was cut; they still
         train (at most STEPS_AFTER_CUT), so that its epoch ends and its
-        evaluation comes. Any other run stops there; the training step after
-        an evaluation (next_batch) stops once it has closed."""
+        evaluation comes; a framework asked to evaluate at a step's end
+        (STEP_END_EVALUATION) trains on until it has. Any other run stops
+        there; the steps after an evaluation (next_batch) stop once closed."""
         started = self._after_evaluation_from
         if started is not None:
             unit = self.tracker.micro_batches_per_step if self.tracker.unit == "module" else 1
             return self.tracker.step_index >= started + self._steps_after_evaluation * unit
-        if self.evaluates_at_step_end and not self._evaluated_after_steps:
-            # Asked to evaluate at this step's end: wait for it, a few steps at most.
-            self._steps_waited += 1
-            return self._steps_waited > STEPS_AFTER_CUT
-        if not self._epoch_cut or self._steps_after_cut >= STEPS_AFTER_CUT:
+        # Past the limit, a few steps at most: after the cut, or while a
+        # framework asked to evaluate at this step's end has not yet.
+        waiting = self._epoch_cut or (
+            self.evaluates_at_step_end and not self._evaluated_after_steps
+        )
+        if not waiting or self._steps_past_limit >= STEPS_AFTER_CUT:
             return True
-        self._steps_after_cut += 1
+        self._steps_past_limit += 1
         return False
 
     # ------------------------------------------------------------ roles

@@ -33,6 +33,11 @@ EXPANDABLE_FIX = ExpandableSegments.name
 MARGIN_GAP = "are above the capacity"
 
 
+def _fix_names(fixes: list[str]) -> list[str]:
+    """Single fix names, combinations (`a+b`) taken apart."""
+    return [part for fix in fixes for part in fix.split("+")]
+
+
 def refused_for_drift(prescription: Prescription, snapshot: Snapshot) -> bool:
     """Whether the certificate's only gap is the margin, on CUDA, with a
     measured growth of the allocator's reservations, and expandable
@@ -41,7 +46,7 @@ def refused_for_drift(prescription: Prescription, snapshot: Snapshot) -> bool:
     certificate = prescription.certificate
     if certificate is None or certificate.certified or not snapshot.device.on_cuda:
         return False
-    parts = "+".join(prescription.fixes).split("+") if prescription.fixes else []
+    parts = _fix_names(prescription.fixes)
     if EXPANDABLE_FIX in parts or fix_named("+".join([*parts, EXPANDABLE_FIX])) is None:
         return False
     if EXPANDABLE.lower() in os.environ.get(CONF_ENV, "").replace(" ", "").lower():
@@ -67,7 +72,7 @@ def certify_with_expandable_segments(
     if not refused_for_drift(prescription, snapshot):
         return None
     assert prescription.certificate is not None
-    if requested and EXPANDABLE_FIX not in "+".join(requested).split("+"):
+    if requested and EXPANDABLE_FIX not in _fix_names(requested):
         prescription.certificate.gaps.append(
             f"{CONF_ENV}={EXPANDABLE} may take the drift away: --fixes left it out"
         )
