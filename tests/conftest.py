@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -76,6 +77,15 @@ def tiny_gpt_oom_run(tmp_path_factory):
         cwd=directory,
     )
     return completed, snapshot
+
+
+def two_at_a_time(function, items) -> list:
+    """`function` of each of `items`, two at a time, results in order: each
+    call runs separate processes (a script under oomdoc), which wait on
+    start-up and rendezvous much of their time, so two share CI's two cores
+    well where one alone leaves a core idle."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return list(pool.map(function, items))
 
 
 def run_capped(snapshot_path, capacity, script, args, options=(), cwd=None):

@@ -7,11 +7,10 @@ with its peak within 5% of the one reported."""
 from __future__ import annotations
 
 import json
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from conftest import REPO_ROOT, SCRIPTS, run_capped, run_oomdoc
+from conftest import REPO_ROOT, SCRIPTS, run_capped, run_oomdoc, two_at_a_time
 
 CORPUS = REPO_ROOT / "tests" / "corpus"
 GPT = CORPUS / "gpt_configurator.py"
@@ -30,18 +29,14 @@ def plain(tmp_path, capacity, script, args) -> dict:
 
 
 def plains(tmp_path, capacity, script, *arg_lists) -> list[dict]:
-    """plain() of each of `arg_lists`, two at a time, each in its own folder
-    (a script may write files where it runs): by-hand runs wait on start-up
-    and rendezvous much of their time, so two share the CI's two cores well."""
+    """plain() of each of `arg_lists`, two at a time (two_at_a_time), each
+    in its own folder (a script may write files where it runs)."""
     folders = [tmp_path / f"by-hand-{index}" for index in range(len(arg_lists))]
     for folder in folders:
         folder.mkdir()
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        runs = [
-            pool.submit(plain, folder, capacity, script, args)
-            for folder, args in zip(folders, arg_lists)
-        ]
-        return [run.result() for run in runs]
+    return two_at_a_time(
+        lambda job: plain(job[0], capacity, script, job[1]), list(zip(folders, arg_lists))
+    )
 
 
 def diagnoses_of(path: Path) -> list[dict]:
@@ -449,6 +444,5 @@ def test_varlen_whole_run_answer_holds_for_the_whole_run_by_hand(tmp_path):
         return json.loads(by_hand.read_text())["outcome"]
 
     checked = [by_hand_args, ["--batch_size", "5", "--seed", "2"]]
-    with ThreadPoolExecutor(max_workers=2) as pool:  # side by side: two CI cores
-        outcomes = list(pool.map(outcome_of, checked))
+    outcomes = two_at_a_time(outcome_of, checked)
     assert outcomes == ["ok", "ok"], checked

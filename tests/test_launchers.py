@@ -22,10 +22,9 @@ import socket
 import subprocess
 import sys
 import textwrap
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from conftest import SCRIPTS, run_capped
+from conftest import SCRIPTS, run_capped, two_at_a_time
 
 LIGHTNING = SCRIPTS / "fw_lightning_trainer.py"
 IN_SCRIPT = SCRIPTS / "launch_in_script.py"
@@ -88,9 +87,7 @@ def test_lightning_ddp_ranks_are_captured_and_the_largest_batch_holds_on_both(tm
         assert len(plain["ranks"]) == 2
         return plain
 
-    # Side by side: each job waits on start-up and rendezvous much of its time.
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        fits, over = pool.map(by_hand, [maximum, maximum + 1])
+    fits, over = two_at_a_time(by_hand, [maximum, maximum + 1])
     assert [r["outcome"] for r in fits["ranks"]] == ["ok", "ok"]
     assert over["outcome"] == "oom"
 

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import json
 import pickle
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from conftest import SCRIPTS, run_capped, run_oomdoc
+from conftest import SCRIPTS, run_capped, run_oomdoc, two_at_a_time
 from suggest_builders import oomdoc_document, torch_snapshot
 
 from oomdoc.snapshot import MAX_SNAPSHOT_BYTES
@@ -43,8 +42,7 @@ def runs(tmp_path_factory):
         )
         return snapshot, completed
 
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        return dict(zip(SCENARIOS, pool.map(run_scenario, SCENARIOS)))
+    return dict(zip(SCENARIOS, two_at_a_time(run_scenario, SCENARIOS)))
 
 
 def suggest_json(path, *extra) -> dict:
