@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -711,3 +712,67 @@ def test_a_rank_whose_collective_failed_after_its_peer_finished_ended_with_the_r
     failed = job("oom", "error")
     finished_with_peers(failed)
     assert failed.exit_code == 1 and failed.captures[1]["outcome"] == "error"
+
+
+def test_a_replay_takes_the_job_started_ahead_and_a_new_one_waits(tmp_path):
+    """Warm jobs: a replay's launcher and ranks started before its work is
+    known import, then wait for their configuration. The replay that takes
+    the spare gets run_child's contract (both ranks' captures, the launcher's
+    output in its log), a new spare starts, a request with another
+    environment starts cold, and closing ends the spare: nothing is left."""
+    import psutil
+
+    from oomdoc.distributed.launch import run_distributed_child
+    from oomdoc.distributed.warm_jobs import WarmJobs
+    from oomdoc.runner import ChildRequest
+
+    dist = DistOptions(nproc_per_node=2)
+    jobs = WarmJobs(dist, "cpu", {"OOMDOC_REPLAY": "1"}, ["torch.nn"])
+    try:
+        jobs.fill()
+        first = jobs.spare
+        assert first is not None and first.launcher.poll() is None
+        request = ChildRequest(
+            target=str(DDP),
+            args=["--steps", "2", "--width", "64", "--expect-world", "2"],
+            device="cpu",
+            max_steps=2,
+            extra_env={"OOMDOC_REPLAY": "1"},
+            output_path=str(tmp_path / "warm.log"),
+            timeout_s=JOB_TIMEOUT,
+        )
+        other = dataclasses.replace(request, extra_env={"OOMDOC_REPLAY": "0"})
+        assert not jobs.usable_for(other)
+        result = run_distributed_child(request, dist, jobs)
+        log = (tmp_path / "warm.log").read_text()
+        assert result.exit_code == 0, log[-3000:]
+        assert first.launcher.poll() is not None and not os.path.exists(first.workdir)
+        assert jobs.spare is not None and jobs.spare is not first
+        capture = result.capture
+        assert capture["outcome"] == "ok" and len(capture["ranks"]) == 2
+        assert all(len(entry["steps"]) == 2 for entry in capture["ranks"])
+        assert "waited_s" in capture["timings"], capture["timings"]
+        spare = jobs.spare
+    finally:
+        jobs.close()
+    assert spare.launcher.poll() is not None and not os.path.exists(spare.workdir)
+    assert not [p for p in psutil.Process().children(recursive=True) if p.is_running()]
+
+
+def test_a_warm_rank_stops_waiting_when_oomdoc_is_gone(tmp_path):
+    """A rank of a job started ahead waits for its configuration only while
+    the oomdoc that started it lives: a killed oomdoc leaves no rank behind."""
+    from oomdoc.capture.waiting import wait_for_config_file
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    started = time.monotonic()
+    has_work, _imported_at, _preimported = wait_for_config_file(
+        str(tmp_path / "config.json"), json.dumps({"parent_pid": gone.pid})
+    )
+    assert not has_work and time.monotonic() - started < 30
+    (tmp_path / "config.json").write_text("{}")
+    has_work, _imported_at, _preimported = wait_for_config_file(
+        str(tmp_path / "config.json"), json.dumps({"parent_pid": os.getpid()})
+    )
+    assert has_work

@@ -16,6 +16,11 @@ CONFIG_FD_ENV = "OOMDOC_CHILD_CONFIG_FD"
 # A line on that pipe that starts with this names modules (a JSON list) for
 # the waiting child to import: the framework the failing run used.
 PREIMPORT_PREFIX = "import "
+# A rank of a job started before its work is known (a warm job: its launcher
+# and ranks import while the replay before runs) waits for the file
+# CONFIG_ENV names to appear; this variable holds what it imports meanwhile
+# and the pid whose end ends the wait (JSON, oomdoc.distributed.warm_jobs).
+CONFIG_WAIT_ENV = "OOMDOC_CHILD_CONFIG_WAIT"
 # When the parent started the child (seconds since the epoch): the child's
 # start-up is measured from it, on the same clock as the child's own times.
 STARTED_ENV = "OOMDOC_CHILD_STARTED"

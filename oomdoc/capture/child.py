@@ -8,7 +8,6 @@ result file the configuration names.
 
 from __future__ import annotations
 
-import json
 import os
 import runpy
 import signal
@@ -31,8 +30,8 @@ import torch
 from oomdoc.capture import (
     CONFIG_ENV,
     CONFIG_FD_ENV,
+    CONFIG_WAIT_ENV,
     CUDA_UNAVAILABLE,
-    PREIMPORT_PREFIX,
     STARTED_ENV,
     choose_device,
     ddp_buckets,
@@ -45,9 +44,10 @@ from oomdoc.capture.backends import Backend, CudaBackend, OutOfMemoryError, Simu
 from oomdoc.capture.frameworks import capture_keys as framework_keys
 from oomdoc.capture.frameworks import install as detect_framework
 from oomdoc.capture.gate import DeviceGate
-from oomdoc.capture.imports import imported_packages, preimport
+from oomdoc.capture.imports import imported_packages
 from oomdoc.capture.parallel import ParallelCapture
 from oomdoc.capture.tracker import StopRun, Tracker
+from oomdoc.capture.waiting import wait_for_config_file, wait_for_work
 from oomdoc.capture.whole_run import WholeRun
 from oomdoc.capture.whole_run import install as install_whole_run
 from oomdoc.child_config import ChildConfig
@@ -708,39 +708,6 @@ def write_capture(
     write_atomic(config.result_path, dumps(capture), overwrite=True)
 
 
-def _wait_for_work(descriptor: int) -> tuple[str | None, float, dict]:
-    """A warm child: import what every run needs, then wait for the path of
-    the configuration (None when the parent has no work for it), importing
-    the modules the parent sends meanwhile. Also returns when the first
-    imports were done, and what was imported ahead (`preimport`)."""
-    import torch.nn  # noqa: F401
-    import torch.optim  # noqa: F401
-    import torch.utils.checkpoint  # noqa: F401
-    import torch.utils.data  # noqa: F401
-
-    try:
-        # Constructing any torch.optim optimizer imports TorchDynamo (and with
-        # it sympy and ~800 modules: as long as `import torch` itself); done
-        # here, while the previous replay runs, it is off the replay's path.
-        import torch._dynamo  # noqa: F401
-    except Exception:
-        pass
-
-    imported_at = time.time()
-    preimported: dict = {}
-    with os.fdopen(descriptor, encoding="utf-8") as pipe:
-        for line in pipe:
-            line = line.strip()
-            if not line.startswith(PREIMPORT_PREFIX):
-                return line or None, imported_at, preimported
-            try:
-                names = json.loads(line[len(PREIMPORT_PREFIX) :])
-            except ValueError:
-                continue
-            preimport([str(name) for name in names], preimported)
-    return None, imported_at, preimported
-
-
 def main() -> None:
     global _STARTED
     imported_at = time.time()
@@ -752,13 +719,21 @@ def main() -> None:
     preimported = None
     if descriptor is not None:
         try:
-            config_path, imported_at, preimported = _wait_for_work(int(descriptor))
+            config_path, imported_at, preimported = wait_for_work(int(descriptor))
         except KeyboardInterrupt:  # Ctrl-C before the script started: no capture
             sys.exit(130)
         if config_path is None:
             sys.exit(0)
     else:
         config_path = os.environ.pop(CONFIG_ENV, None)
+        wait = os.environ.pop(CONFIG_WAIT_ENV, None)
+        if config_path and wait is not None:
+            try:
+                has_work, imported_at, preimported = wait_for_config_file(config_path, wait)
+            except KeyboardInterrupt:
+                sys.exit(130)
+            if not has_work:
+                sys.exit(0)
     if not config_path:
         print("oomdoc: the capture child needs $OOMDOC_CHILD_CONFIG", file=sys.stderr)
         sys.exit(2)

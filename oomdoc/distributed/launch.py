@@ -19,7 +19,11 @@ others have `PEER_GRACE_S` to end as well. A rank still running then is
 left waiting for its peer (in a collective, or in work only it does after
 its last step: evaluation, logging, a checkpoint on rank 0) and is ended;
 when its peer reached the step limit, its steps so far are the replay's
-result, not a failure (`ended_with_peers`).
+result, not a failure (`ended_with_peers`). When a rank ran out of memory,
+the replay's answer is in, and the others get `OOM_PEER_GRACE_S` only.
+
+A replay's job may have been started ahead (oomdoc.distributed.warm_jobs):
+its ranks waited for their configuration, written when the replay began.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -34,7 +39,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from oomdoc.capture import CONFIG_ENV, PEER_GRACE_S, STARTED_ENV
 from oomdoc.child_config import ChildConfig, DistributedJob
@@ -46,6 +51,11 @@ KILL_GRACE_S = 10.0
 # Launches again when the port oomdoc chose was taken before torchrun bound it.
 PORT_RETRIES = 2
 POLL_S = 0.1
+# A replay in which a rank ran out of memory: its peers get this long to end
+# as well, then this long after SIGTERM (a rank writes its capture on SIGTERM
+# unless it waits inside a collective, as a peer of an OOM usually does).
+OOM_PEER_GRACE_S = 1.0
+OOM_KILL_GRACE_S = 2.0
 CAPTURE_PATTERN = re.compile(r"^capture-rank(\d+)-local(\d+)\.json$")
 
 
@@ -103,6 +113,7 @@ class FailureWatch:
         self.workdir = workdir
         self.checked: set[str] = set()
         self.finished = False
+        self.out_of_memory = False
 
     def any_failed(self) -> bool:
         for name in sorted(os.listdir(self.workdir)):
@@ -119,6 +130,7 @@ class FailureWatch:
                 # Only the device the rank chose: its capture is still to come.
                 self.checked.discard(name)
             elif capture.get("outcome") != "ok":
+                self.out_of_memory = capture.get("outcome") == "oom"
                 return True
             else:
                 self.finished = True
@@ -179,85 +191,178 @@ def terminate_job(launcher: subprocess.Popen, workdir: str, grace_s: float = KIL
     psutil.wait_procs(alive, timeout=5)
 
 
-def run_job(request: ChildRequest, dist: DistOptions) -> JobResult:
-    """Run the job to its end (bounded, see the module's docstring)."""
-    with tempfile.TemporaryDirectory(prefix="oomdoc-job-") as workdir:
-        config_path = os.path.join(workdir, "config.json")
-        with open(config_path, "w", encoding="utf-8") as handle:
-            handle.write(job_config(request, workdir, dist).to_json())
-        port = (
-            free_port()
-            if dist.master_port is None
-            and dist.single_node
-            and not dist.rdzv_endpoint
-            and not dist.standalone
-            else None
+@dataclass
+class StartedJob:
+    """A launcher started, with its ranks; their configuration file is
+    written before (a cold job) or after (a warm one, whose ranks wait for it)."""
+
+    workdir: str
+    config_path: str
+    launcher: subprocess.Popen
+    # Where the launcher's output goes: the replay's log, or a warm job's own
+    # file (copied into the replay's log once it ends).
+    log_path: str | None
+
+
+def launched_port(dist: DistOptions) -> int | None:
+    """The port oomdoc chooses for a single-node job that names none."""
+    if (
+        dist.master_port is None
+        and dist.single_node
+        and not dist.rdzv_endpoint
+        and not dist.standalone
+    ):
+        return free_port()
+    return None
+
+
+def start_job(
+    dist: DistOptions,
+    env: dict[str, str],
+    log_path: str | None,
+    port: int | None,
+    request: ChildRequest | None = None,
+) -> StartedJob:
+    """Start torchrun and its ranks in a fresh folder. With `request` the
+    ranks read its configuration at once; without, `env` tells them to wait
+    for it (CONFIG_WAIT_ENV, hand_over)."""
+    workdir = tempfile.mkdtemp(prefix="oomdoc-job-")
+    config_path = os.path.join(workdir, "config.json")
+    if request is not None:
+        _write_config(config_path, job_config(request, workdir, dist), workdir)
+    elif log_path is None:  # a warm job's output, until a replay takes it
+        log_path = os.path.join(workdir, "launcher.log")
+    env = dict(env)
+    env[CONFIG_ENV] = config_path
+    env[STARTED_ENV] = repr(time.time())
+    output = open(log_path, "wb") if log_path else None
+    try:
+        launcher = subprocess.Popen(
+            launcher_command(dist, port),
+            env=env,
+            stdout=output,
+            stderr=subprocess.STDOUT if output else None,
+            stdin=subprocess.DEVNULL if output else None,
+            # Its own process group: Ctrl-C reaches oomdoc, which passes it
+            # on once (torchrun passes it on to the ranks).
+            start_new_session=True,
         )
+    except BaseException:
+        shutil.rmtree(workdir, ignore_errors=True)
+        raise
+    finally:
+        if output:
+            output.close()
+    return StartedJob(workdir, config_path, launcher, log_path)
+
+
+def _write_config(config_path: str, config: ChildConfig, workdir: str) -> None:
+    """Whole or not at all: a warm job's ranks read it as soon as it exists."""
+    partial = os.path.join(workdir, "config.json.partial")
+    with open(partial, "w", encoding="utf-8") as handle:
+        handle.write(config.to_json())
+    os.replace(partial, config_path)
+
+
+def hand_over(job: StartedJob, request: ChildRequest, dist: DistOptions) -> None:
+    """Give a warm job its work: the ranks waiting for the file read it."""
+    _write_config(job.config_path, job_config(request, job.workdir, dist), job.workdir)
+
+
+def end_job(job: StartedJob, grace_s: float = KILL_GRACE_S) -> None:
+    """A job no replay needs: ended, its folder removed."""
+    if job.launcher.poll() is None or job_processes(job.launcher, job.workdir):
+        terminate_job(job.launcher, job.workdir, grace_s)
+        job.launcher.wait()
+    shutil.rmtree(job.workdir, ignore_errors=True)
+
+
+class JobsStartedAhead(Protocol):
+    """Jobs started before their work is known (oomdoc.distributed.warm_jobs)."""
+
+    def take(self, request: ChildRequest) -> StartedJob | None: ...
+
+
+def run_job(
+    request: ChildRequest, dist: DistOptions, warm: JobsStartedAhead | None = None
+) -> JobResult:
+    """Run the job to its end (bounded, see the module's docstring), in a
+    job `warm` started ahead when it has one that suits the request."""
+    job = warm.take(request) if warm is not None else None
+    if job is not None:
+        hand_over(job, request, dist)
+    else:
         env = child_env(request.device, request.extra_env)
-        env[CONFIG_ENV] = config_path
-        env[STARTED_ENV] = repr(time.time())
-        output = open(request.output_path, "wb") if request.output_path else None
-        started = time.perf_counter()
-        state: dict[str, Any] = {"signal": None, "stop_from": None}
-        previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-        launcher = None
-        timed_out = terminated = False
-        try:
-            launcher = subprocess.Popen(
-                launcher_command(dist, port),
-                env=env,
-                stdout=output,
-                stderr=subprocess.STDOUT if output else None,
-                stdin=subprocess.DEVNULL if output else None,
-                # Its own process group: Ctrl-C reaches oomdoc, which passes it
-                # on once (torchrun passes it on to the ranks).
-                start_new_session=True,
-            )
+        job = start_job(dist, env, request.output_path, launched_port(dist), request)
+    try:
+        return _watch(job, request, dist)
+    finally:
+        if job.log_path and request.output_path and job.log_path != request.output_path:
+            _append_log(job.log_path, request.output_path)
+        shutil.rmtree(job.workdir, ignore_errors=True)
 
-            def forward(signum, frame):
-                if state["signal"] is None:
-                    state["signal"] = signum
-                    state["stop_from"] = time.monotonic()
-                if launcher.poll() is None:
-                    launcher.send_signal(signum)
 
-            for sig in previous:
-                signal.signal(sig, forward)
-            deadline = (
-                time.monotonic() + request.timeout_s if request.timeout_s is not None else None
-            )
-            watch = FailureWatch(workdir)
-            replay = request.max_steps is not None
-            # A replay's ranks end together (see the module's docstring).
-            grace_s = min(PEER_GRACE_S, dist.rank_timeout_s) if replay else dist.rank_timeout_s
-            while launcher.poll() is None:
-                now = time.monotonic()
-                if state["stop_from"] is None:
-                    if watch.any_failed():
-                        state["stop_from"] = now  # a rank failed: the clock starts
-                    elif replay and watch.finished:
-                        state["stop_from"] = now
-                        state["peer_finished"] = True
-                if deadline is not None and now > deadline:
-                    timed_out = True
-                elif state["stop_from"] is None or now - state["stop_from"] < grace_s:
-                    time.sleep(POLL_S)
-                    continue
-                terminated = True
-                terminate_job(launcher, workdir, min(KILL_GRACE_S, grace_s))
-                break
-            launcher_exit = launcher.wait()
-            # Ranks that outlived the launcher (it was killed) are ended too.
-            if any(process.is_running() for process in job_processes(launcher, workdir)):
-                terminated = True
-                terminate_job(launcher, workdir)
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-            if output:
-                output.close()
-        wall_s = time.perf_counter() - started
-        by_local = read_captures(workdir, CAPTURE_PATTERN, group=2)  # by local rank
+def _append_log(source: str, target: str) -> None:
+    try:
+        with open(source, "rb") as reader, open(target, "ab") as writer:
+            shutil.copyfileobj(reader, writer)
+    except OSError:
+        pass
+
+
+def _watch(job: StartedJob, request: ChildRequest, dist: DistOptions) -> JobResult:
+    """Wait for the job's end, ending it within the bounds; its ranks' captures."""
+    workdir, launcher = job.workdir, job.launcher
+    started = time.perf_counter()
+    state: dict[str, Any] = {"signal": None, "stop_from": None}
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    timed_out = terminated = False
+    try:
+
+        def forward(signum, frame):
+            if state["signal"] is None:
+                state["signal"] = signum
+                state["stop_from"] = time.monotonic()
+            if launcher.poll() is None:
+                launcher.send_signal(signum)
+
+        for sig in previous:
+            signal.signal(sig, forward)
+        deadline = time.monotonic() + request.timeout_s if request.timeout_s is not None else None
+        watch = FailureWatch(workdir)
+        replay = request.max_steps is not None
+        # A replay's ranks end together (see the module's docstring).
+        grace_s = min(PEER_GRACE_S, dist.rank_timeout_s) if replay else dist.rank_timeout_s
+        while launcher.poll() is None:
+            now = time.monotonic()
+            if state["stop_from"] is None:
+                if watch.any_failed():
+                    state["stop_from"] = now  # a rank failed: the clock starts
+                elif replay and watch.finished:
+                    state["stop_from"] = now
+                    state["peer_finished"] = True
+            if replay and watch.out_of_memory:
+                # The replay's answer is in: its peers, left waiting in a
+                # collective (where SIGTERM is not handled), need not be waited for.
+                grace_s = min(grace_s, OOM_PEER_GRACE_S)
+            if deadline is not None and now > deadline:
+                timed_out = True
+            elif state["stop_from"] is None or now - state["stop_from"] < grace_s:
+                time.sleep(POLL_S)
+                continue
+            terminated = True
+            terminate_job(launcher, workdir, min(KILL_GRACE_S, max(grace_s, OOM_KILL_GRACE_S)))
+            break
+        launcher_exit = launcher.wait()
+        # Ranks that outlived the launcher (it was killed) are ended too.
+        if any(process.is_running() for process in job_processes(launcher, workdir)):
+            terminated = True
+            terminate_job(launcher, workdir)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    wall_s = time.perf_counter() - started
+    by_local = read_captures(workdir, CAPTURE_PATTERN, group=2)  # by local rank
 
     captures = sorted(by_local.values(), key=lambda c: (c.get("rank") or {}).get("rank", 0))
     node_rank = dist.node_rank or 0
@@ -347,13 +452,15 @@ def finished_with_peers(result: JobResult) -> None:
         result.exit_code = 0
 
 
-def run_distributed_child(request: ChildRequest, dist: DistOptions) -> ChildResult:
+def run_distributed_child(
+    request: ChildRequest, dist: DistOptions, warm: JobsStartedAhead | None = None
+) -> ChildResult:
     """run_child's contract for a whole job: its `capture` is the merged job
     document's capture-level fields (the first failing rank's, with `ranks`,
     `world_size` and `first_oom_rank`), so replays keep the world size."""
     from oomdoc.distributed.merge import merge_rank_captures
 
-    result = run_job(request, dist)
+    result = run_job(request, dist, warm)
     for _retry in range(PORT_RETRIES):
         if not port_was_taken(result, request, dist):
             break

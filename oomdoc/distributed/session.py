@@ -10,8 +10,11 @@ from typing import TextIO
 from oomdoc.distributed import DistOptions, check_dist_options
 from oomdoc.distributed.launch import run_distributed_child, run_job
 from oomdoc.distributed.merge import merge_rank_captures, missing_entry
+from oomdoc.distributed.warm_jobs import WarmJobs
 from oomdoc.errors import UsageError
+from oomdoc.frameworks import preimports
 from oomdoc.model import RankEntry, parse
+from oomdoc.replay.replayer import REPLAY_ENV
 from oomdoc.reporters import write_and_report
 from oomdoc.runner import (
     ChildResult,
@@ -24,6 +27,7 @@ from oomdoc.runner import (
     output_path,
     remove_if_empty,
 )
+from oomdoc.warm import script_preimports
 
 
 def run_distributed_session(options: RunOptions, stderr: TextIO | None = None) -> int:
@@ -38,6 +42,20 @@ def run_distributed_session(options: RunOptions, stderr: TextIO | None = None) -
     request = child_request(options, artifact_dir=str(artifact_dir))
     new_parent = not path.parent.exists()
     artifact_dir.mkdir(parents=True, exist_ok=True)
+    # The replays' first job starts importing while the failing run runs,
+    # with the imports read from the script's file (never run).
+    jobs = None
+    if options.replay and not request.is_module:
+        jobs = WarmJobs(dist, request.device, REPLAY_ENV, script_preimports(request.target))
+        jobs.fill()
+    try:
+        return _run_and_replay(options, dist, request, path, artifact_dir, new_parent, jobs, stderr)
+    finally:
+        if jobs is not None:
+            jobs.close()
+
+
+def _run_and_replay(options, dist, request, path, artifact_dir, new_parent, jobs, stderr) -> int:
     result = run_job(request, dist)
     refused = next((c["usage_error"] for c in result.captures if c.get("usage_error")), None)
     if refused:
@@ -65,10 +83,15 @@ def run_distributed_session(options: RunOptions, stderr: TextIO | None = None) -
         snapshot.options.distributed = dist.as_dict()
 
     if snapshot.outcome == "oom" and options.replay and capture is not None:
-        from oomdoc.replay.orchestrate import REPLAY_ENV, replay_fixes
+        from oomdoc.replay.orchestrate import replay_fixes
 
-        # Never filled: a job's ranks are started by the launcher, not warm.
+        # Never filled: a job's ranks are started by the launcher, in jobs
+        # started ahead (warm_jobs), not by the pool.
         pool = WarmPool(request.device, REPLAY_ENV)
+        if jobs is None:
+            jobs = WarmJobs(dist, request.device, REPLAY_ENV, preimports(snapshot))
+        # Later jobs also import what the failing run's framework loads lazily.
+        jobs.preimports = preimports(snapshot)
         try:
             replay_fixes(
                 snapshot,
@@ -76,7 +99,7 @@ def run_distributed_session(options: RunOptions, stderr: TextIO | None = None) -
                 request,
                 stderr=stderr,
                 pool=pool,
-                launch=lambda child: run_distributed_child(child, dist),
+                launch=lambda child: run_distributed_child(child, dist, jobs),
             )
         finally:
             pool.close()

@@ -426,7 +426,8 @@ def forward_progress(snapshot: Snapshot, made_bytes: float) -> float:
     total = sum(block.count for block in groups)
     offset = 0
     for block in groups:
-        prefix = "" if block.path == "(root)" else block.path + "."
+        path = _as_named(block.path, module)
+        prefix = "" if path == "(root)" else path + "."
         rest = module[len(prefix) :] if module.startswith(prefix) else None
         index = rest.split(".", 1)[0] if rest else ""
         if index.isdigit():
@@ -436,13 +437,32 @@ def forward_progress(snapshot: Snapshot, made_bytes: float) -> float:
             # rest (embeddings, a CNN's stem) was made once.
             in_blocks = made_bytes
             for entry in snapshot.modules:
-                if entry.path == block.path:
+                if entry.path == path:
                     request = snapshot.oom.requested_bytes if snapshot.oom else 0
                     in_blocks = min(made_bytes, entry.bytes.bytes_of("activations") + request)
             whole = made_bytes - in_blocks + in_blocks * total / done
             return max(1e-3, min(1.0, made_bytes / whole)) if whole > 0 else 1.0
         offset += block.count
     return 1.0
+
+
+# Attributes through which a wrapper holds the model: a (Distributed)DataParallel
+# module's `module`, a torch.compile'd model's `_orig_mod`. A model's repeated
+# blocks are found on the object the script called (`module.h`), while module
+# paths are named without the wrapper (`h.3.attn`: oomdoc.capture.modules).
+WRAPPER_ATTRIBUTES = ("module", "_orig_mod")
+
+
+def _as_named(block_path: str, module_path: str) -> str:
+    """`block_path` as the module paths name it: without the wrappers'
+    attributes in front when `module_path` does not have them."""
+    path = block_path
+    while not module_path.startswith(path + ".") and "." in path:
+        head, rest = path.split(".", 1)
+        if head not in WRAPPER_ATTRIBUTES:
+            break
+        path = rest
+    return path if module_path.startswith(path + ".") else block_path
 
 
 def search_max_batch(
