@@ -120,8 +120,10 @@ def tracker_for(config: ChildConfig, backend: Backend) -> Tracker:
 
 def make_backend(config: ChildConfig) -> Backend:
     if resolve_device(config.device) == "cuda":
-        # With a device lock, CUDA starts only when the script starts it.
-        return CudaBackend(config.capacity_bytes, deferred=config.device_lock is not None)
+        # CUDA starts only when the script starts it: as without oomdoc, a
+        # script that never touches CUDA before it forks its ranks can fork
+        # them, and a replay waiting for the device lock holds no context.
+        return CudaBackend(config.capacity_bytes, deferred=True)
     capacity = config.capacity_bytes or psutil.virtual_memory().total
     return SimulatedBackend(capacity)
 

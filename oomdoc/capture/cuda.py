@@ -31,9 +31,12 @@ class CudaBackend(Backend):
     def __init__(
         self, capacity_bytes: int | None, device_index: int | None = None, deferred: bool = False
     ):
-        # `deferred` (replays side by side, oomdoc.capture.gate): nothing here
-        # starts CUDA; the set-up in `install` runs when the script starts it.
+        # `deferred`: nothing here starts CUDA; the set-up in `install` runs
+        # when the script starts it (oomdoc.capture.child.make_backend).
         self.deferred = deferred and not torch.cuda.is_initialized()
+        # A process forked before CUDA started inherits the queued set-up:
+        # there it is not this backend's (the fork makes its own).
+        self._pid = os.getpid()
         if device_index is None:
             # Before CUDA starts, the current device is 0.
             device_index = 0 if self.deferred else torch.cuda.current_device()
@@ -80,6 +83,8 @@ class CudaBackend(Backend):
     def _start_deferred(self) -> None:
         """The set-up, queued until CUDA starts (an error here must not
         become the script's: it would be raised at its first CUDA call)."""
+        if os.getpid() != self._pid:
+            return
         try:
             self._start()
         except Exception as exc:

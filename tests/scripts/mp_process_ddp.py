@@ -3,6 +3,7 @@
 the process group, as scripts that manage their own workers do.
 
     python mp_process_ddp.py --batch-size 4096 --start-method fork   # OOMs under oomdoc on 8MiB
+    python mp_process_ddp.py --cuda --batch-size 1000000   # NCCL, a GPU per rank: OOMs on 512MiB
 """
 
 import argparse
@@ -22,17 +23,19 @@ def prepare_data(queue, batch_size, steps):
         queue.put(torch.randn(batch_size, 64, generator=generator).numpy())
 
 
-def train(rank, world_size, port, batch_size, steps, rank0_final_stall=0.0):
+def train(rank, world_size, port, batch_size, steps, rank0_final_stall=0.0, cuda=False):
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world_size)
     torch.manual_seed(0)
-    model = DistributedDataParallel(
-        nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.Linear(256, 10))
-    )
+    layers = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.Linear(256, 10))
+    model = DistributedDataParallel(layers.to(device), device_ids=[rank] if cuda else None)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     for _ in range(steps):
-        batch = torch.randn(batch_size, 64)
+        batch = torch.randn(batch_size, 64, device=device)
         model(batch).square().mean().backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -61,6 +64,7 @@ if __name__ == "__main__":
     parser.add_argument("--start-method", choices=["spawn", "fork"], default="spawn")
     parser.add_argument("--rank0-final-stall", type=float, default=0.0, help="seconds")
     parser.add_argument("--as-subclass", action="store_true", help="ranks as TrainerProcess")
+    parser.add_argument("--cuda", action="store_true", help="NCCL, GPU `rank` for each rank")
     args = parser.parse_args()
     torch.set_num_threads(1)
     mp.set_start_method(args.start_method)
@@ -70,7 +74,7 @@ if __name__ == "__main__":
     ranks = []
     for rank in range(args.world_size):
         train_args = (rank, args.world_size, args.port, args.batch_size, args.steps)
-        train_kwargs = {"rank0_final_stall": args.rank0_final_stall}
+        train_kwargs = {"rank0_final_stall": args.rank0_final_stall, "cuda": args.cuda}
         if args.as_subclass:
             ranks.append(TrainerProcess(*train_args, **train_kwargs))
         else:
