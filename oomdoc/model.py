@@ -392,6 +392,8 @@ class ReplaySummary:
     # here (as before), every one in saver_batch_searches.
     saver_batch_search: Optional[BatchSearch] = when_set()
     saver_batch_searches: Optional[List[BatchSearch]] = when_set()
+    # The search of the evaluation's own batch (oomdoc.replay.evaluation_batch).
+    evaluation_batch_search: Optional[BatchSearch] = when_set()
     extra: Dict[str, Any] = field(default_factory=dict)
 
 
@@ -490,6 +492,12 @@ class Prescription:
     # The option that sets `batch_size` when it is an evaluation batch (an
     # OOM in evaluation: nothing is accumulated), e.g. `--eval-batch-size`.
     evaluation_batch_flag: Optional[str] = None
+    # A training OOM whose replays then ran out of memory in the evaluation,
+    # at the script's own evaluation batch: the evaluation batch every later
+    # replay ran with, and the script's option for it
+    # (oomdoc.replay.evaluation_batch).
+    evaluation_batch_size: Optional[int] = when_set()
+    evaluation_batch_option: Optional[str] = when_set()
     # The batch whose replay measured samples_per_second, when it is not
     # batch_size (a micro-batch planned above the batches measured).
     throughput_batch_size: Optional[int] = when_set()

@@ -34,6 +34,7 @@ from oomdoc.model import (
 )
 from oomdoc.replay import batch as batch_model
 from oomdoc.replay.certificate import measured_margin_fraction
+from oomdoc.replay.evaluation_batch import EvaluationApart, evaluation_option
 from oomdoc.replay.plan import (
     LEAK_NO_BATCH_SEARCH,
     ReplayState,
@@ -116,6 +117,11 @@ def replay_fixes(
             signals=signals,
             launch=launch,
         )
+        option = evaluation_option(snapshot)
+        if option is not None:
+            # Replays that train and then run out of memory in the
+            # evaluation at the script's own evaluation batch (oomdoc.replay.evaluation_batch).
+            replayer.settler = EvaluationApart(snapshot, option, options.margin_fraction)
         try:
             interrupted = False
             start_ahead(replayer, snapshot, singles, combinations, automatic=requested is None)
@@ -395,6 +401,9 @@ def finish(snapshot: Snapshot, replayer: Replayer, state: ReplayState, progress:
     snapshot.fixes = rank_fixes(results)
     snapshot.max_batch_size = search.max_batch_size if search is not None and search.exact else None
     snapshot.prescription = prescription_for(snapshot, replayer, state)
+    evaluation = replayer.settler if isinstance(replayer.settler, EvaluationApart) else None
+    if evaluation is not None:
+        evaluation.annotate(snapshot.prescription)
     leaking = [(replay.label, replay.leaks) for replay in replayer.replays if replay.leaks]
     if leaking and not replayer.leak:
         # The failing run ended too early to show its leak; a replay did.
@@ -431,6 +440,8 @@ def finish(snapshot: Snapshot, replayer: Replayer, state: ReplayState, progress:
         summary.saver_batch_search = max(
             saver_searches, key=lambda record: len((record.fixes or "").split("+"))
         )
+    if evaluation is not None:
+        summary.evaluation_batch_search = evaluation.record()
     snapshot.replay = summary
     side_by_side = f", up to {replayer.jobs} side by side" if replayer.jobs > 1 else ""
     progress.header(f"{len(replayer.replays)} replays in {progress.total():.1f} s{side_by_side}")

@@ -15,7 +15,7 @@ import json
 import os
 import shutil
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 from oomdoc.model import (
     Snapshot,
@@ -156,6 +156,24 @@ def replay_key(
     )
 
 
+class ReplaySettler(Protocol):
+    """What may change every replay once one has shown it
+    (oomdoc.replay.evaluation_batch.EvaluationApart)."""
+
+    def rewrite(self, args: list[str]) -> list[str]: ...
+
+    def settle(
+        self,
+        replayer: Replayer,
+        replay: Replay,
+        payload: Optional[dict],
+        label: str,
+        args: Optional[list[str]],
+        extra_env: Optional[dict],
+        micro_batches_per_step: Optional[int],
+    ) -> Replay: ...
+
+
 class Replayer:
     """Runs replays like the failing run, with a fix, and measures them.
 
@@ -228,6 +246,7 @@ class Replayer:
         self._unsubmitted: list[Job] = []
         self._discarded: list[tuple[str, Job]] = []
         self._interrupted = False
+        self.settler: ReplaySettler | None = None
 
     @property
     def stopped(self) -> bool:
@@ -299,6 +318,10 @@ class Replayer:
         if replay.outcome in ("timeout", "error"):
             replay.log_path = keep_log(replay.log_path or "", self.request.artifact_dir)
         self.replays.append(replay)
+        if self.settler is not None:
+            replay = self.settler.settle(
+                self, replay, payload, label, args, extra_env, micro_batches_per_step
+            )
         return replay
 
     def _execute(
@@ -320,9 +343,12 @@ class Replayer:
         log_path = os.path.join(self.pool.log_dir, log_name)
         env = dict(REPLAY_ENV)
         env.update(extra_env or {})
+        child_args = list(self.request.args if args is None else args)
+        if self.settler is not None:
+            child_args = self.settler.rewrite(child_args)
         child = ChildRequest(
             target=self.request.target,
-            args=list(self.request.args if args is None else args),
+            args=child_args,
             device=self.request.device,
             capacity_bytes=self.request.capacity_bytes,
             is_module=self.request.is_module,

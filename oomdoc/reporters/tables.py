@@ -228,6 +228,17 @@ def prescription_lines(analysis: Analysis) -> list[str]:
             batch += f" x {prescription.accumulation_steps} gradient accumulation steps"
     head = "Prescription (measured)" if prescription.fits else "Closest measured configuration"
     lines = [f"{head}: {changes}{batch}"]
+    if prescription.evaluation_batch_size is not None and prescription.evaluation_batch_option:
+        search = (
+            analysis.snapshot.replay.evaluation_batch_search if analysis.snapshot.replay else None
+        )
+        was = (
+            f": {search.original_batch_size} ran out of memory in the evaluation" if search else ""
+        )
+        lines.append(
+            f"  and the evaluation batch at {prescription.evaluation_batch_size} "
+            f"({prescription.evaluation_batch_option} {prescription.evaluation_batch_size}){was}"
+        )
     if prescription.peak_allocated_bytes is not None:
         text = (
             f"  peak {format_bytes(prescription.peak_allocated_bytes)} of {format_bytes(capacity)}"

@@ -152,6 +152,12 @@ def prescription_html(view: dict, ids: Ids) -> str:
             if (prescription.get("accumulation_steps") or 1) > 1:
                 batch += f" x {prescription['accumulation_steps']} accumulation steps"
             facts.append(batch)
+        if prescription.get("evaluation_batch_size") is not None:
+            facts.append(
+                f"evaluation batch {prescription['evaluation_batch_size']} "
+                f"({prescription.get('evaluation_batch_option') or ''} "
+                f"{prescription['evaluation_batch_size']})"
+            )
         if prescription.get("peak_allocated_bytes") is not None:
             facts.append(
                 f"peak {fmt(prescription['peak_allocated_bytes'])} of "

@@ -20,6 +20,8 @@ View keys (bytes are ints; absent values are None):
   `peak_allocated_bytes`, `headroom_bytes`, `fits`, `samples_per_second`,
   `measured`, `snippet` (the document's, else the snippets of its fixes),
   `samples_per_second_noise`, `considered` (lines: the configurations weighed),
+  `evaluation_batch_size` and `evaluation_batch_option` (the evaluation batch
+  the replays searched and ran with, and the script's option for it),
   `certificate` (lines: what it holds for over the whole run, and the gaps).
 - `top_fixes`: up to 3 fix items (as in `fixes.items`), those that fit first.
 - `timeline`: `capacity_bytes`, `step_count`, `points_total` (before
@@ -255,6 +257,8 @@ def _prescription(snapshot: Snapshot, capacity: int) -> Optional[dict]:
         "fixes": names,
         "batch_size": prescription.batch_size,
         "accumulation_steps": prescription.accumulation_steps,
+        "evaluation_batch_size": prescription.evaluation_batch_size,
+        "evaluation_batch_option": clip(prescription.evaluation_batch_option, 80),
         "peak_allocated_bytes": peak,
         "headroom_bytes": capacity - peak if peak is not None and capacity else None,
         "fits": prescription.fits,

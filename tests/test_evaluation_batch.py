@@ -1,0 +1,116 @@
+"""The evaluation's own batch (oomdoc.replay.evaluation_batch): a training
+OOM whose smaller-batch replays train and then run out of memory in the
+evaluation, at the script's own evaluation batch."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import run_capped, two_at_a_time
+
+from oomdoc.replay.evaluation_batch import search_evaluation_batch, with_evaluation_batch
+from oomdoc.replay.replayer import Replay
+
+MiB = 1 << 20
+HF_VARLEN = Path(__file__).parents[1] / "benchmarks" / "scripts" / "hf_trainer_varlen.py"
+
+
+def test_the_evaluation_batch_is_set_where_given_and_added_where_not():
+    flag = "--per_device_eval_batch_size"
+    assert with_evaluation_batch(["--a", "1", flag, "64"], flag, 24, None) == [
+        "--a", "1", flag, "24",
+    ]  # fmt: skip
+    assert with_evaluation_batch([f"{flag}=64"], flag, 24, None) == [f"{flag}=24"]
+    assert with_evaluation_batch(["--a", "1"], flag, 24, None) == ["--a", "1", flag, "24"]
+    assert with_evaluation_batch(["--a=1"], "--eval_batch_size", 8, "configurator") == [
+        "--a=1", "--eval_batch_size=8",
+    ]  # fmt: skip
+
+
+def _replays(base: int, per_sample: int, capacity: int):
+    """Replays of an evaluation whose need is base + per_sample x batch."""
+    tried = []
+
+    def trial(batch: int) -> Replay:
+        tried.append(batch)
+        need = base + per_sample * batch
+        if need <= capacity:
+            return Replay("eval", "fits", peak_allocated_bytes=need)
+        # An OOM reports what it held and asked for: a lower bound of the need.
+        return Replay("eval", "oom", peak_allocated_bytes=min(need, capacity + per_sample))
+
+    return trial, tried
+
+
+def test_the_evaluation_search_goes_where_the_line_reaches_the_margin():
+    """Base 20 MiB, 2 MiB a sample, 100 MiB device and 95 MiB free of the
+    margin: 37 fits under it (94 MiB), 40 fits the device only. The search
+    gets there from the OOM at 64 in a few replays and chooses under the margin."""
+    capacity, limit = 100 * MiB, 95 * MiB
+    trial, tried = _replays(20 * MiB, 2 * MiB, capacity)
+    failed = Replay("eval", "oom", peak_allocated_bytes=102 * MiB)
+    search = search_evaluation_batch(64, failed, trial, limit)
+    assert search.chosen is not None and 30 <= search.chosen <= 37, tried
+    assert 20 * MiB + 2 * MiB * search.chosen <= limit
+    assert len(tried) <= 4
+
+
+def test_no_evaluation_batch_is_chosen_when_none_fits():
+    trial, tried = _replays(200 * MiB, 2 * MiB, 100 * MiB)
+    failed = Replay("eval", "oom", peak_allocated_bytes=101 * MiB)
+    search = search_evaluation_batch(64, failed, trial, 95 * MiB)
+    assert search.chosen is None and search.stopped and len(tried) <= 4
+
+
+def test_an_hf_trainer_whose_evaluation_batch_is_too_large_gets_both_batches(tmp_path):
+    """HF Trainer (pad-to-longest collator, evaluation every 4 steps, the
+    Trainer keeping the evaluation's logits), training batch 24 and
+    `--per_device_eval_batch_size 64` on 48 MiB: the training runs out of
+    memory; at a training batch that trains, the evaluation at 64 does. The
+    evaluation batch is searched once and every later replay runs with it:
+    the largest training batch is found (not "nothing fits"), and the
+    prescription prints both batches. By hand under the same cap, its flags
+    run the whole run; the same with the evaluation batch of 64 runs out of
+    memory in the evaluation."""
+    pytest.importorskip("transformers")
+    args = "--n_layer 1 --n_embd 32 --vocab_size 2000 --max_len 128 --median_len 16"
+    args += " --train_samples 256 --eval_samples 128 --max_steps 8 --eval_steps 4 --use_cpu True"
+    args += " --per_device_train_batch_size 24 --per_device_eval_batch_size 64"
+    completed, document = run_capped(
+        tmp_path / "hf.json", "48MiB", HF_VARLEN, args.split(), ["--fixes", "smaller_batch"]
+    )
+    assert document["outcome"] == "oom" and document["oom"]["phase"] != "evaluation"
+    search = document["replay"]["evaluation_batch_search"]
+    assert search["source"] == "--per_device_eval_batch_size"
+    assert search["original_batch_size"] == 64 and 1 <= search["max_batch_size"] < 64
+    assert document["max_batch_size"], completed.stderr[-3000:]
+    prescription = document["prescription"]
+    chosen = prescription["evaluation_batch_size"]
+    assert chosen == search["max_batch_size"]
+    assert prescription["evaluation_batch_option"] == "--per_device_eval_batch_size"
+    assert f"--per_device_eval_batch_size {chosen}" in prescription["snippet"]
+    assert "--per_device_eval_batch_size 64" not in prescription["snippet"]
+    assert f"and the evaluation batch at {chosen}" in completed.stderr
+    flags = prescription["verified_by_flags"]["args"]
+    assert flags[flags.index("--per_device_eval_batch_size") + 1] == str(chosen)
+
+    def by_hand(evaluation_batch: int) -> dict:
+        argv = list(flags)
+        argv[argv.index("--per_device_eval_batch_size") + 1] = str(evaluation_batch)
+        _completed, run = run_capped(
+            tmp_path / f"by-hand-{evaluation_batch}.json",
+            "48MiB",
+            HF_VARLEN,
+            argv,
+            ["--no-replay"],
+        )
+        return run
+
+    prescribed, original = two_at_a_time(by_hand, [chosen, 64])
+    assert prescribed["outcome"] == "ok", json.dumps(prescribed.get("oom"))
+    assert prescribed["peak"]["allocated_bytes"] == pytest.approx(
+        prescription["peak_allocated_bytes"], rel=0.05
+    )
+    assert original["outcome"] == "oom" and original["oom"]["phase"] == "evaluation"
