@@ -9,8 +9,9 @@ repeatable, so CPU-only CI runners can gate parameter and activation memory.
 What is compared:
 - `peak allocated` (and on CUDA `peak reserved`): the device's true peak over
   the steps run, from the backend's counters.
-- each category (parameters, gradients, optimizer_state, activations, other):
-  the most it held at any phase boundary (end of forward, backward, optimizer
+- each category (oomdoc.categories; communication only where a run has
+  some, and not compared with a baseline written before it existed): the
+  most it held at any phase boundary (end of forward, backward, optimizer
   step) or at the OOM. Categories peak at different moments (activations at
   the end of forward, gradients after backward), so each is gated at its own
   maximum rather than at the one moment the total peaked.
@@ -25,6 +26,7 @@ from typing import TextIO
 
 import oomdoc
 from oomdoc.analysis import analyse
+from oomdoc.categories import shown
 from oomdoc.check_records import (
     Baseline,
     BaselineDevice,
@@ -38,8 +40,9 @@ from oomdoc.check_records import (
 )
 from oomdoc.errors import UsageError
 from oomdoc.formatting import relative_path
-from oomdoc.model import CATEGORIES, Breakdown, Location, Site, Snapshot
+from oomdoc.model import CATEGORIES, Breakdown, Location, Site, Snapshot, parse
 from oomdoc.output_paths import check_output_file, write_new_file
+from oomdoc.records import was_absent
 from oomdoc.replay.certificate import certificate_for
 from oomdoc.reporters import render
 from oomdoc.runner import (
@@ -110,13 +113,7 @@ def measurement(snapshot: Snapshot, steps_requested: int) -> Baseline:
             allocated_bytes=(peak.allocated_bytes if peak else None) or 0,
             reserved_bytes=(peak.reserved_bytes if peak else None) or 0,
         ),
-        categories=Breakdown(
-            parameters=most_of("parameters"),
-            gradients=most_of("gradients"),
-            optimizer_state=most_of("optimizer_state"),
-            activations=most_of("activations"),
-            other=most_of("other"),
-        ),
+        categories=parse(Breakdown, {category: most_of(category) for category in CATEGORIES}),
         top_allocations=sites,
     )
 
@@ -140,11 +137,14 @@ def compare(baseline: Baseline, current: Baseline, options: CheckOptions) -> lis
         quantities.append(
             ("peak reserved", baseline.peak.reserved_bytes, current.peak.reserved_bytes or 0)
         )
-    for category in CATEGORIES:
+    for category in shown(dict(baseline.categories.items()), dict(current.categories.items())):
+        # A category added since the baseline was written is not in it: its
+        # bytes moved out of another category, which is no regression.
+        recorded = not was_absent(baseline.categories, category)
         quantities.append(
             (
                 category,
-                baseline.categories.bytes_of(category),
+                baseline.categories.bytes_of(category) if recorded else None,
                 current.categories.bytes_of(category),
             )
         )

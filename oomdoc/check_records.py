@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, List, Optional
 
 from oomdoc.analysis import headline
+from oomdoc.categories import REQUIRED
 from oomdoc.model import CATEGORIES, Breakdown, Certificate, Location, Site, Snapshot, parse
 from oomdoc.sizes import format_bytes
 from oomdoc.snapshot import SnapshotError, dumps, read_json_file
@@ -156,9 +157,10 @@ def read_baseline(path: str | os.PathLike) -> Baseline:
     )
     categories = document.get("categories")
     expect(isinstance(categories, dict), "categories must be an object")
-    for category in CATEGORIES:
+    for category in CATEGORIES:  # one added since the baseline was written may be absent
         expect(
-            _is_byte_count(categories.get(category)), f"categories.{category} must be an integer"
+            _is_byte_count(categories.get(category, 0 if category not in REQUIRED else None)),
+            f"categories.{category} must be an integer",
         )
     expect(isinstance(document.get("device"), dict), "device must be an object")
     sites = document.get("top_allocations", [])

@@ -28,6 +28,7 @@ import pickle
 import re
 from dataclasses import dataclass, field
 
+from oomdoc.categories import COMMUNICATION, is_communication_frame
 from oomdoc.model import Snapshot
 from oomdoc.snapshot import (
     CATEGORIES,
@@ -309,9 +310,15 @@ def infer_category(frames: list[dict]) -> str:
     Optimizer code allocates optimizer state; backward (or the autograd
     engine, whose allocations have no Python stack) gradients and their
     temporaries; Module.to/cuda/_apply parameters; any other code under a
-    module's forward activations. Without a stack: "other"."""
+    module's forward activations; code that makes buffers for collectives
+    (DDP's buckets, FSDP2's, oomdoc.categories) communication, before any
+    of these. Without a stack: "other"."""
     if not frames:
         return "other"
+    if any(
+        is_communication_frame(frame.get("filename") or "", frame.get("name")) for frame in frames
+    ):
+        return COMMUNICATION
     names = " ".join(str(frame.get("name") or "") for frame in frames)
     if any(_frame_is(frame, "torch/optim/") for frame in frames):
         return "optimizer_state"
@@ -348,6 +355,7 @@ def infer_phase(frames: list[dict]) -> str | None:
         "gradients": "backward",
         "activations": "forward",
         "parameters": "setup",
+        COMMUNICATION: COMMUNICATION,
     }.get(category)
 
 

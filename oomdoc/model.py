@@ -24,10 +24,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
+from oomdoc.categories import CATEGORIES  # noqa: F401  (oomdoc.model's API)
 from oomdoc.model_data import Certificate, DataLoaderRecord, FirstBatch  # noqa: F401
 from oomdoc.records import parse, to_dict, when_set  # noqa: F401  (oomdoc.model's API)
 
-CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "other")
 OUTCOMES = ("oom", "ok", "error", "interrupted")
 PHASES = ("setup", "forward", "backward", "optimizer", "idle", "evaluation", "communication")
 DEVICE_KINDS = ("cuda", "simulated")
@@ -94,12 +94,14 @@ class ErrorInfo:
 
 @dataclass
 class Breakdown:
-    """Bytes per category at one moment."""
+    """Bytes per category at one moment (oomdoc.categories; one absent from
+    an older document is 0)."""
 
     parameters: int = 0
     gradients: int = 0
     optimizer_state: int = 0
     activations: int = 0
+    communication: int = 0
     other: int = 0
     extra: Dict[str, Any] = field(default_factory=dict)
 

@@ -110,6 +110,12 @@ def parse(cls: type[Record], data: dict) -> Record:
     return record
 
 
+def was_absent(record: Any, key: str) -> bool:
+    """The document `record` was parsed from had no `key` (a field added
+    since it was written)."""
+    return key in record.__dict__.get("_absent", ())
+
+
 def _default_of(spec: dataclasses.Field) -> Any:
     if spec.default is not dataclasses.MISSING:
         return spec.default

@@ -15,9 +15,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from oomdoc.categories import CATEGORIES, REQUIRED
+
 SCHEMA_VERSION = 1
 
-CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "other")
 OUTCOMES = ("oom", "ok", "error", "interrupted")
 PHASES = ("setup", "forward", "backward", "optimizer", "idle", "evaluation", "communication")
 DEVICE_KINDS = ("cuda", "simulated")
@@ -222,13 +223,14 @@ def validate(document: Any) -> None:
     breakdown = document.get("breakdown")
     _expect(isinstance(breakdown, dict), "breakdown must be an object")
     for category in CATEGORIES:
-        _check_int(breakdown, category, "breakdown", minimum=0)
+        _check_int(breakdown, category, "breakdown", optional=category not in REQUIRED, minimum=0)
 
     category_peaks = document.get("category_peaks")
     if category_peaks is not None:
         _expect(isinstance(category_peaks, dict), "category_peaks must be an object")
         for category in CATEGORIES:
-            _check_int(category_peaks, category, "category_peaks", minimum=0)
+            optional = category not in REQUIRED
+            _check_int(category_peaks, category, "category_peaks", optional=optional, minimum=0)
 
     steps = document.get("steps")
     _expect(isinstance(steps, list), "steps must be a list")

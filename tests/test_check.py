@@ -8,13 +8,14 @@ import json
 import xml.etree.ElementTree as ElementTree
 
 import pytest
-from adapters import check
+from adapters import check, snapshot_of
 
 from oomdoc import check as oomdoc_check
+from oomdoc.categories import REQUIRED
 from oomdoc.errors import UsageError
 from oomdoc.model import Snapshot
 from oomdoc.runner import RunOptions
-from oomdoc.snapshot import CATEGORIES, SnapshotError
+from oomdoc.snapshot import SnapshotError
 
 MiB = 1024**2
 
@@ -168,6 +169,32 @@ def test_a_category_that_appears_from_zero_is_growth():
     assert [c.name for c in result.regressions] == ["gradients"]
 
 
+def test_a_baseline_from_before_the_communication_category_loads_and_compares(tmp_path):
+    """A baseline written before `communication` existed has no such key: it
+    reads, and buckets now counted apart from the gradients are shown but not
+    gated (their bytes moved out of gradients: no regression); a baseline
+    that records communication gates it like any category."""
+    ddp = make_document()
+    ddp["category_peaks"]["communication"] = 4 * MiB
+    ddp["peak"]["allocated_bytes"] += 4 * MiB
+    old = baseline_of(make_document())
+    old["peak"]["allocated_bytes"] += 4 * MiB
+    del old["categories"]["communication"]
+    path = tmp_path / "baseline.json"
+    path.write_text(json.dumps(old))
+    loaded = oomdoc_check.read_baseline(path)
+    assert loaded.categories.communication == 0
+    result = oomdoc_check.evaluate(snapshot_of(ddp), loaded, options())
+    communication = next(c for c in result.comparisons if c.name == "communication")
+    assert communication.baseline is None and communication.status() == "new"
+    assert not result.failed
+    assert "communication: not in the baseline" in check.render_text(result, options())
+    # Recorded (0 bytes, written by this oomdoc): growth from it fails.
+    recorded = check.evaluate(ddp, baseline_of(make_document()), options())
+    assert [c.name for c in recorded.regressions] == ["peak allocated", "communication"]
+    assert "communication" in check.render_text(recorded, options())
+
+
 def test_shrinking_passes_and_suggests_refreshing_the_baseline():
     baseline = baseline_of(make_document(activations=20 * MiB))
     result = check.evaluate(make_document(activations=10 * MiB), baseline, options())
@@ -208,7 +235,7 @@ def test_reserved_is_compared_on_cuda_only():
             make_document(), baseline_of(make_document()), options()
         ).comparisons
     ]
-    assert names == ["peak allocated", *CATEGORIES]
+    assert names == ["peak allocated", *REQUIRED]  # communication: none here
     cuda = make_document(kind="cuda")
     names = [c.name for c in check.evaluate(cuda, baseline_of(cuda), options()).comparisons]
     assert names[:2] == ["peak allocated", "peak reserved"]
@@ -247,7 +274,7 @@ def test_junit_has_one_case_per_quantity_and_failures_with_messages():
     root = ElementTree.fromstring(check.junit_xml(result, options()))
     suite = root.find("testsuite")
     names = [case.get("name") for case in suite.iter("testcase")]
-    assert names == ["run", "peak allocated", *CATEGORIES]
+    assert names == ["run", "peak allocated", *REQUIRED]
     failed = {
         case.get("name"): case.find("failure")
         for case in suite.iter("testcase")

@@ -620,13 +620,15 @@ def test_a_sigterm_while_the_peer_s_death_is_raised_still_names_the_collective()
     assert stopped_elsewhere.waiting_at["collective"] is None  # where it was, no collective
 
 
-def test_ddp_gradient_buckets_are_gradients_not_activations(tmp_path):
-    """Issue 26, item 14: DDP's reducer builds flat gradient buckets when DDP
-    is made and again at the first forward after the first backward; they
-    were counted as other and as activations (8 MiB of "activations" for
-    about 100 KiB real here), which drove the activation advice. They are
-    gradients: each rank holds its gradients and the buckets, twice the
-    parameters, and the activations are the batch's own."""
+def test_ddp_gradient_buckets_are_communication_not_gradients_or_activations(tmp_path):
+    """Issue 26, item 14 and issue 25, item 3: DDP's reducer builds flat
+    gradient buckets when DDP is made and again at the first forward after
+    the first backward; they were counted as other and as activations (8 MiB
+    of "activations" for about 100 KiB real here), which drove the activation
+    advice, then as gradients. They are communication buffers, a category of
+    their own: each rank holds its gradients (one copy of the parameters),
+    the buckets (another), and the activations are the batch's own. The
+    per-rank table and the module table show the category."""
     completed = run_oomdoc(
         ["run", "--device", "cpu", "--device-memory", "512MiB", "--no-replay"]
         + ["--nproc-per-node", "2", "-o", tmp_path / "ddp.json", SCRIPTS / "ddp_rank0_cache.py"]
@@ -639,14 +641,24 @@ def test_ddp_gradient_buckets_are_gradients_not_activations(tmp_path):
     for rank in document["ranks"]:
         peaks = rank["category_peaks"]
         assert peaks["activations"] < 1024**2, peaks
-        assert peaks["gradients"] == pytest.approx(2 * peaks["parameters"], rel=0.01), peaks
+        assert peaks["gradients"] == pytest.approx(peaks["parameters"], rel=0.01), peaks
+        assert peaks["communication"] == pytest.approx(peaks["parameters"], rel=0.01), peaks
         assert peaks["other"] < 1024**2, peaks
+    report = completed.stderr.splitlines()
+    ranks_header = report[next(i for i, line in enumerate(report) if line.startswith("Ranks ")) + 1]
+    assert "communication" in ranks_header.split()
+    assert any("communication" in line.split() and "module" in line for line in report)
+    # The DDP advice points at the buckets, measured apart from the gradients.
+    assert "communication buffers at the peak" in completed.stderr
 
 
-def test_ddp_bucket_blocks_are_gradients_on_cuda():
+def test_ddp_bucket_and_fsdp_buffer_blocks_are_communication_on_cuda():
     """On CUDA the category comes from a block's allocation stack: a block
-    allocated while DDP builds its buckets is a gradient."""
+    allocated while DDP builds its buckets, or in FSDP2's all-gather or
+    reduce-scatter, is a communication buffer; PyTorch's own snapshots
+    (oomdoc suggest) read the same stacks alike."""
     from oomdoc.capture.modules import category_of, phase_from_frames
+    from oomdoc.loaders import infer_category
 
     distributed = "/site-packages/torch/nn/parallel/distributed.py"
     module = "/site-packages/torch/nn/modules/module.py"
@@ -656,8 +668,58 @@ def test_ddp_bucket_blocks_are_gradients_on_cuda():
         {"filename": module, "name": "_call_impl", "line": 1700},
     ]
     assert phase_from_frames(frames) == "communication"
-    assert category_of(None, "communication") == "gradients"
+    assert category_of(None, "communication") == "communication"
+    assert category_of("gradients", "communication") == "gradients"  # known by identity wins
     assert phase_from_frames(frames[1:]) == "forward"
+    assert infer_category(frames) == "communication"
+    collectives = "/site-packages/torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py"
+    for builder in ("foreach_all_gather", "foreach_reduce"):
+        fsdp = [{"filename": collectives, "name": builder, "line": 1}, *frames[1:]]
+        assert phase_from_frames(fsdp) == "communication"
+        assert infer_category(fsdp) == "communication"
+    copy_out = [{"filename": collectives, "name": "foreach_all_gather_copy_out", "line": 1}]
+    assert phase_from_frames(copy_out + frames[1:]) == "forward"  # the gathered parameters
+
+
+def test_fsdp2_collective_buffers_run_in_the_communication_phase(tmp_path, monkeypatch):
+    """The simulated device's side: FSDP2's all-gather and reduce-scatter
+    run in the `communication` phase (patched at install when FSDP is
+    loaded, else when the script imports it: importing it up front would
+    cost every run most of a second), and the patches are undone."""
+    import importlib
+
+    import torch.distributed.fsdp._fully_shard._fsdp_param_group as group
+
+    from oomdoc.capture import communication
+
+    tracker = type("Tracker", (), {"phase": "backward"})()
+    undo = communication.install(tracker)
+    try:
+        for builder in communication.FSDP_BUILDERS:
+            assert getattr(group, builder).__oomdoc_communication__
+    finally:
+        undo()
+    assert not hasattr(group.foreach_reduce, "__oomdoc_communication__")
+
+    seen = []
+    marked = communication._in_communication(tracker, lambda: seen.append(tracker.phase))
+    marked()
+    assert seen == ["communication"] and tracker.phase == "backward"
+
+    # A module imported later is patched once it has run, with its own loader back.
+    (tmp_path / "late_collectives.py").write_text("def foreach_reduce():\n    return 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    finder = communication._AfterImport(
+        ("late_collectives",), lambda m: communication._mark_fsdp(tracker, m, [])
+    )
+    sys.meta_path.insert(0, finder)
+    try:
+        late = importlib.import_module("late_collectives")
+    finally:
+        sys.meta_path.remove(finder)
+        sys.modules.pop("late_collectives", None)
+    assert late.foreach_reduce.__oomdoc_communication__ and late.foreach_reduce() == 1
+    assert late.__loader__ is late.__spec__.loader and "_ThenLoader" not in repr(late.__loader__)
 
 
 def test_a_job_whose_port_was_taken_is_launched_again(tmp_path):

@@ -24,6 +24,7 @@ from conftest import REPO_ROOT, load_json
 from suggest_builders import GiB, MiB, oom_document
 
 from oomdoc.analysis import Analysis, analyse
+from oomdoc.categories import REQUIRED
 from oomdoc.model import Snapshot
 from oomdoc.reporters.html import (
     MAX_SITES,
@@ -233,6 +234,7 @@ def rich_document() -> dict:
         "gradients": 1 * GiB,
         "optimizer_state": 2 * GiB,
         "activations": 11 * GiB,
+        "communication": 200 * MiB,
         "other": 300 * MiB,
     }
     allocated = sum(breakdown.values())
@@ -720,11 +722,12 @@ def test_real_run_report(chromium, tmp_path, tiny_gpt_oom_run):
     headline = dom.find("h1", id="headline").text()
     assert f"tried to allocate {format_bytes(oom['requested_bytes'])}" in headline
     breakdown = dom.find("section", id="breakdown")
-    for category in CATEGORIES:
+    for category in REQUIRED:
         assert (
             format_bytes(document["breakdown"][category])
             in breakdown.find("tr", data_category=category).text()
         )
+    assert not breakdown.find_all("tr", data_category="communication")  # none: not shown
     fixes = dom.find("section", id="fixes")
     assert "estimated" in fixes.find("h2").text()
     shown = [row for row in fixes.find_all("div", cls="fixrow") if "data-fix" in row.attrs]

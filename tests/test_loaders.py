@@ -79,6 +79,7 @@ def test_torch_pickle_is_converted(protocol):
         "gradients": 0,
         "optimizer_state": 800 * MiB,
         "activations": 300 * MiB,
+        "communication": 0,
         "other": 64 * MiB,
     }
     top = document["top_allocations"]

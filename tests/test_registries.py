@@ -169,3 +169,27 @@ def test_the_fix_name_check_finds_a_name():
     assert list(_names_of_fixes(tree, {"smaller_batch", "expandable_segments", "autocast"})) == [
         (1, "smaller_batch")
     ]
+
+
+def test_the_categories_are_one_table():
+    """oomdoc.categories.TABLE is the one list of the memory categories (issue
+    25: a sixth one was added): the Breakdown record has a field for each, in
+    its order, and no other module spells all of them out."""
+    import dataclasses
+
+    from oomdoc.categories import CATEGORIES, REQUIRED, TABLE
+    from oomdoc.model import Breakdown
+    from oomdoc.reporters.html.drawing import CATEGORY_COLORS
+
+    fields = [spec.name for spec in dataclasses.fields(Breakdown) if spec.name != "extra"]
+    assert tuple(fields) == CATEGORIES
+    assert set(CATEGORY_COLORS) == set(CATEGORIES)
+    assert all(category.advice and category.kind and category.title for category in TABLE)
+    others = []
+    for path in _modules():
+        if path == PACKAGE / "categories.py":
+            continue
+        for node, strings in _string_sequences(ast.parse(path.read_text())):
+            if set(REQUIRED) <= set(strings):
+                others.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
+    assert others == []

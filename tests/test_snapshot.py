@@ -206,3 +206,42 @@ def test_every_field_written_only_when_set_is_documented():
     assert len(promoted) >= 15
     missing = [name for name in promoted if f"{name.split('.')[1]}`" not in docs]
     assert missing == []
+
+
+def test_a_snapshot_without_the_communication_category_loads_and_renders():
+    """`communication` came after the first snapshots of schema 1: a document
+    without it validates, reads as 0 and is written back without it, and
+    its tables read as before; one with it shows it in the breakdown, the
+    module and rank tables, Markdown and HTML."""
+    from oomdoc.analysis import analyse
+    from oomdoc.model import Snapshot
+    from oomdoc.reporters import render
+
+    old = copy.deepcopy(VALID)
+    old["category_peaks"] = dict(old["breakdown"])
+    validate(old)
+    snapshot = Snapshot.from_dict(copy.deepcopy(old))
+    assert snapshot.breakdown.communication == 0 and snapshot.category_peaks.communication == 0
+    assert Snapshot.from_dict(copy.deepcopy(old)).to_dict() == old
+    for output_format in ("table", "markdown", "html"):
+        assert "communication" not in render(output_format, analyse(snapshot))
+
+    new = copy.deepcopy(old)
+    new["breakdown"]["communication"] = 600
+    new["modules"] = [{"path": "(root)", "class": "Net", "bytes": {"communication": 600}}]
+    new["ranks"] = [{"rank": r, "breakdown": new["breakdown"]} for r in (0, 1)]
+    new["world_size"] = 2
+    validate(new)
+    analysis = analyse(Snapshot.from_dict(new))
+    text = render("table", analysis)
+    assert "communication" in text.split("Top 1 modules")[1].splitlines()[1]  # a module column
+    assert any(line.split()[:2] == ["communication", "600"] for line in text.splitlines())
+    ranks = text.split("Ranks (2 of a world of 2")[1].splitlines()[1]
+    assert "communication" in ranks.split()
+    assert "| communication   | 600 bytes |" in render("markdown", analysis)
+    page = render("html", analysis)
+    assert 'data-category="communication"' in page and "#059669" in page
+    kinds = [d.kind for d in analysis.diagnoses]
+    assert "communication" in kinds  # the largest category: its advice, not gradients'
+    advice = next(d for d in analysis.diagnoses if d.kind == "communication").summary
+    assert "gradient_as_bucket_view=True" in advice and "fully_shard" in advice

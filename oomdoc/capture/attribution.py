@@ -248,7 +248,7 @@ class Attribution:
         return known
 
     def _breakdown(self, allocated: int | None = None, cached: bool = False) -> dict:
-        """Live memory split into the five categories: O(parameters and
+        """Live memory split into the categories (oomdoc.categories): O(parameters and
         optimizer state), whatever else is alive (`cached`: see _known_tensors)."""
         tables = self._known_tensors(cached)
         parameters, gradients, state = tables
@@ -290,7 +290,7 @@ class Attribution:
     def breakdown_and_sites(
         self, limit: int = 20, with_sites: bool = True
     ) -> tuple[dict, list[dict]]:
-        """Live memory split into the five categories, and the largest
+        """Live memory split into the categories, and the largest
         allocation sites (aggregated by user location, shape and dtype).
         Without `with_sites` only the breakdown is computed (no allocator
         snapshot on CUDA), cheap enough for every phase boundary. With them

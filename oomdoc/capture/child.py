@@ -34,7 +34,7 @@ from oomdoc.capture import (
     CUDA_UNAVAILABLE,
     STARTED_ENV,
     choose_device,
-    ddp_buckets,
+    communication,
     process_ranks,
     relaunch,
     shared_memory,
@@ -265,7 +265,7 @@ def run(
 
         tracker.dataloader_batch_sizes = []
         watch_dataloaders(tracker.dataloader_batch_sizes)
-    undo_hooks = [ddp_buckets.install(tracker), shared_memory.install()]
+    undo_hooks = [communication.install(tracker), shared_memory.install()]
     whole_run = None
     if config.whole_run:  # after the fix's DataLoader edits: it orders what they made
         whole_run, undo_whole_run = install_whole_run(tracker)
@@ -451,7 +451,7 @@ class RankCapture:
         )
         if config.fix:
             apply_fix(config.fix, tracker)
-        self.undo_hooks = [ddp_buckets.install(tracker), shared_memory.install()]
+        self.undo_hooks = [communication.install(tracker), shared_memory.install()]
         self.timings["script_started"] = time.time()
 
     def end(

@@ -47,6 +47,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from oomdoc.categories import COMMUNICATION, is_communication_frame
 from oomdoc.snapshot import CATEGORIES
 
 # Entries that are not modules.
@@ -59,9 +60,6 @@ TOP_MODULES = 30
 TOP_INNER = 8
 
 STEP_PHASES = frozenset(("forward", "backward", "optimizer", "evaluation"))
-# DistributedDataParallel's methods that build its gradient buckets (the
-# reducer's rebuild runs inside _pre_forward).
-_DDP_BUCKET_BUILDERS = frozenset(("_ddp_init_helper", "_pre_forward"))
 _TIMELINE_LIMIT = 1 << 18
 _Tensor = torch.Tensor
 _get_sequence_nr = getattr(torch._C._autograd, "_get_sequence_nr", None) or (lambda: -1)
@@ -77,11 +75,13 @@ def category_of(known: str | None, phase: str | None) -> str:
 
     `known`: `parameters`, `gradients` or `optimizer_state` when the storage
     is one (by identity), else None; `phase`: the phase it was made in
-    (`communication`: DDP's gradient buckets, oomdoc.capture.ddp_buckets)."""
+    (`communication`: buffers made for collectives, oomdoc.capture.communication;
+    a known category wins, e.g. the sharded gradient FSDP2's reduce-scatter
+    writes)."""
     if known:
         return known
-    if phase == "communication":
-        return "gradients"
+    if phase == COMMUNICATION:
+        return COMMUNICATION
     return "activations" if phase in STEP_PHASES else "other"
 
 
@@ -97,8 +97,8 @@ def phase_from_frames(frames) -> str | None:
     for frame in frames:
         filename = (frame.get("filename") or "").replace("\\", "/")
         name = frame.get("name")
-        if name in _DDP_BUCKET_BUILDERS and filename.endswith("torch/nn/parallel/distributed.py"):
-            return "communication"  # DDP's gradient buckets (oomdoc.capture.ddp_buckets)
+        if is_communication_frame(filename, name):
+            return COMMUNICATION  # DDP's buckets, FSDP2's collective buffers (oomdoc.categories)
         if "/torch/optim/" in filename:
             return "optimizer"
         if name == "backward" and filename.endswith(("torch/_tensor.py", "autograd/__init__.py")):

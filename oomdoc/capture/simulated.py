@@ -40,6 +40,7 @@ from oomdoc.capture.simulated_dispatch import (
     _Tensor,
 )
 from oomdoc.sizes import format_bytes
+from oomdoc.snapshot import CATEGORIES
 
 _FORWARD_BACKWARD = frozenset(("forward", "backward"))
 _PHASE_CATEGORIES: dict = {}  # phase -> category_of(None, phase)
@@ -94,9 +95,7 @@ class SimulatedBackend(Backend):
         # Bytes per category. Parameters, gradients and optimizer state are
         # the storages the tracker names through apply_known (key -> category);
         # the rest are activations or other by the phase they were made in.
-        self._category_bytes = dict.fromkeys(
-            ("parameters", "gradients", "optimizer_state", "activations", "other"), 0
-        )
+        self._category_bytes = dict.fromkeys(CATEGORIES, 0)
         self._known_applied: dict[int, str] = {}
         self._known_named: dict = {}  # the last apply_known's argument
         # Live bytes made in the forward or backward of each step.

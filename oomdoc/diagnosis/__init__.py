@@ -7,8 +7,9 @@ causes that decided the OOM on their own (fragmentation, other processes, a
 host that ran out of RAM), then what filled the device, largest first.
 
 Kinds: oversized_request (one request larger than the device), leak, grad_in_eval, evaluation_oom, fragmentation, other_processes, host_memory,
-activations, optimizer_state, parameters, gradients, unattributed (the
-breakdown's `other`: tensors made outside the model and optimizer).
+activations, optimizer_state, parameters, gradients, communication,
+unattributed (the breakdown's `other`: tensors made outside the model and
+optimizer): one per category, named in oomdoc.categories.
 """
 
 from __future__ import annotations

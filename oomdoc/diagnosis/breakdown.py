@@ -3,6 +3,7 @@ large share, each with the fixes that shrink it."""
 
 from __future__ import annotations
 
+from oomdoc.categories import BY_NAME
 from oomdoc.diagnosis.base import TIER_BREAKDOWN, Diagnosis
 from oomdoc.fixes import FIXES
 from oomdoc.formatting import format_location, percent, tensor_description
@@ -13,21 +14,6 @@ from oomdoc.sizes import format_bytes
 # use (the largest category always is).
 CATEGORY_SHARE = 0.2
 
-KIND_OF_CATEGORY = {
-    "activations": "activations",
-    "optimizer_state": "optimizer_state",
-    "parameters": "parameters",
-    "gradients": "gradients",
-    "other": "unattributed",
-}
-
-ADVICE = {
-    "activations": "activation checkpointing of the repeated blocks, autocast to bf16, or a smaller batch with gradient accumulation",
-    "optimizer_state": "a lighter optimizer (SGD with momentum, Adafactor, 8-bit AdamW from bitsandbytes), or shard the state with ZeRO/FSDP",
-    "parameters": "keep the weights in bf16 (model.to(torch.bfloat16)), shard them with FSDP, or offload them to the CPU",
-    "gradients": "shard gradients with FSDP/ZeRO-2, keep them in bf16, and free them with optimizer.zero_grad(set_to_none=True)",
-    "other": "tensors made outside the model and optimizer (a dataset moved to the device up front, caches): keep data on the CPU and move one batch at a time",
-}
 # At an OOM in evaluation no autograd graph is kept: activations are the
 # evaluation batch's own and what the loop keeps between batches.
 EVALUATION_ACTIVATIONS_ADVICE = "a smaller evaluation batch, autocast to bf16, or free each batch's outputs before the next forward (see evaluation_oom)"
@@ -55,12 +41,8 @@ def rule(snapshot: Snapshot) -> list[Diagnosis]:
             )
         ]
         evidence += _category_evidence(snapshot, category)
-        name = (
-            "Unattributed tensors"
-            if category == "other"
-            else category.replace("_", " ").capitalize()
-        )
-        advice = ADVICE[category]
+        entry = BY_NAME[category]
+        name, advice = entry.title, entry.advice
         if category == "activations" and in_evaluation:
             advice = EVALUATION_ACTIVATIONS_ADVICE
         summary = (
@@ -76,7 +58,7 @@ def rule(snapshot: Snapshot) -> list[Diagnosis]:
         ]
         found.append(
             Diagnosis(
-                KIND_OF_CATEGORY[category],
+                entry.kind,
                 summary,
                 evidence,
                 nbytes,

@@ -8,6 +8,7 @@ fix catalogue to adopt.
 
 from __future__ import annotations
 
+from oomdoc.categories import COMMUNICATION
 from oomdoc.diagnosis.base import TIER_BREAKDOWN, TIER_CONTEXT, TIER_DECISIVE, Diagnosis
 from oomdoc.model import DataParallelWrapper, DdpModule, Device, RankEntry, Snapshot
 from oomdoc.sizes import format_bytes
@@ -236,8 +237,9 @@ def ddp_buckets(snapshot: Snapshot) -> dict | None:
 
 
 def _bucket_sites(snapshot: Snapshot, modules: list[DdpModule]) -> list[str]:
-    """Where the breakdown put the buckets: flat tensors of a bucket's size
-    among the allocation sites (the category is where they were made)."""
+    """Where the breakdown put the buckets: its communication bytes, and flat
+    tensors of a bucket's size among the allocation sites (`communication`;
+    in snapshots from before the category, where they were made)."""
     sizes = {size for module in modules for size in module.bucket_sizes_bytes or []}
     found = []
     for site in snapshot.top_allocations:
@@ -249,7 +251,14 @@ def _bucket_sites(snapshot: Snapshot, modules: list[DdpModule]) -> list[str]:
                 f"the bucket is the flat {shape[0]}-element {site.dtype or ''} tensor the "
                 f"breakdown counts under {site.category} (made at {made_at})"
             )
-    return found[:2]
+    held = snapshot.breakdown.bytes_of(COMMUNICATION)
+    if held:
+        found.insert(
+            0,
+            f"communication buffers {snapshot.moment_label}: {format_bytes(held)} "
+            "(the buckets, counted apart from the gradients)",
+        )
+    return found[:3]
 
 
 def outside_allocator(snapshot: Snapshot) -> dict | None:

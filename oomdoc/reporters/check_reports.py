@@ -8,6 +8,7 @@ from pathlib import Path
 
 from tabulate import tabulate
 
+from oomdoc.categories import shown
 from oomdoc.check_records import CheckOptions, CheckResult
 from oomdoc.formatting import format_location, printable
 from oomdoc.reporters.tables import certificate_lines
@@ -95,7 +96,8 @@ def _blocks(
         )
     if result.measured and result.baseline is None:
         rows = [["peak allocated", format_bytes(result.current.peak.allocated_bytes)]]
-        rows += [[c, format_bytes(bytes_)] for c, bytes_ in result.current.categories.items()]
+        categories = dict(result.current.categories.items())
+        rows += [[c, format_bytes(categories[c])] for c in shown(categories)]
         blocks.append(("Measured", ["quantity", "bytes"], rows))
     return blocks
 
@@ -106,6 +108,12 @@ def _all_notes(result: CheckResult) -> list[str]:
     if shrank and not result.failed:
         notes.append(
             f"{', '.join(shrank)} shrank beyond the tolerance: refresh the baseline with --update-baseline to keep the gain"
+        )
+    new = [c.name for c in result.comparisons if c.baseline is None and c.current]
+    if new:
+        notes.append(
+            f"{', '.join(new)}: not in the baseline (an older oomdoc wrote it), so not gated: "
+            "refresh the baseline with --update-baseline to gate it"
         )
     return notes
 

@@ -47,10 +47,10 @@ class MarkdownReporter:
         if snapshot.ranks:
             ranks = rank_section_lines(snapshot)
             lines += ["", "```", *[line for line in ranks if line], "```"]
-        module_rows = tables.module_rows(snapshot)
+        module_headers, module_rows = tables.module_table(snapshot)
         if module_rows:
             lines += ["", f"### Top modules {snapshot.moment_label} (repeated blocks folded)"]
-            lines.append(tabulate(module_rows, headers=tables.MODULE_HEADERS, tablefmt="github"))
+            lines.append(tabulate(module_rows, headers=module_headers, tablefmt="github"))
         headers, sites = tables.site_table(snapshot.top_allocations, snapshot.cwd, analysis.top)
         if sites:
             lines += ["", "### Top allocation sites"]

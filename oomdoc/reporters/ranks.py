@@ -11,8 +11,9 @@ from typing import Optional
 
 from tabulate import tabulate
 
+from oomdoc.categories import shown
 from oomdoc.formatting import relative_path
-from oomdoc.model import CATEGORIES, RankEntry, Snapshot
+from oomdoc.model import RankEntry, Snapshot
 from oomdoc.sizes import format_bytes
 
 
@@ -40,7 +41,13 @@ def _outcome(entry: RankEntry) -> str:
     return outcome
 
 
+def rank_categories(snapshot: Snapshot) -> list[str]:
+    """The categories the rank table shows (oomdoc.categories.shown)."""
+    return shown(*(dict(e.breakdown.items()) for e in snapshot.ranks if e.breakdown))
+
+
 def rank_rows(snapshot: Snapshot) -> list[list[str]]:
+    categories = rank_categories(snapshot)
     rows = []
     for entry in snapshot.ranks:
         breakdown = entry.breakdown
@@ -52,7 +59,7 @@ def rank_rows(snapshot: Snapshot) -> list[list[str]]:
                 entry.host or "",
                 _outcome(entry),
                 format_bytes(peak) if peak is not None else "",
-                *(format_bytes(breakdown.bytes_of(c)) if breakdown else "" for c in CATEGORIES),
+                *(format_bytes(breakdown.bytes_of(c)) if breakdown else "" for c in categories),
                 "needs " + format_bytes(requested) + " more" if entry.outcome == "oom" else "",
             ]
         )
@@ -70,11 +77,12 @@ def rank_section_lines(snapshot: Snapshot) -> list[str]:
         "",
         f"Ranks ({len(ranks)} of a world of {world_size}; breakdown at each rank's OOM or peak)",
     ]
+    categories = rank_categories(snapshot)
     lines.append(
         tabulate(
             rank_rows(snapshot),
-            headers=["rank", "host", "outcome", "peak", *CATEGORIES, ""],
-            colalign=("right", "left", "left", *("right",) * (len(CATEGORIES) + 1), "left"),
+            headers=["rank", "host", "outcome", "peak", *categories, ""],
+            colalign=("right", "left", "left", *("right",) * (len(categories) + 1), "left"),
         )
     )
     lines.extend(failure_lines(snapshot))

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Optional
 
 from oomdoc.analysis import Analysis
+from oomdoc.categories import module_columns, shown
 from oomdoc.formatting import format_location, percent, tensor_description
 from oomdoc.model import Certificate, ConsideredConfiguration, FixResult, Site, Snapshot
 from oomdoc.sizes import format_bytes
@@ -30,9 +31,10 @@ def breakdown_title(snapshot: Snapshot) -> str:
 def breakdown_rows(snapshot: Snapshot) -> list[list[str]]:
     capacity = snapshot.device.capacity_bytes
     breakdown = snapshot.breakdown
+    held = dict(breakdown.items())
     rows = [
-        [category, format_bytes(nbytes), percent(nbytes, capacity)]
-        for category, nbytes in breakdown.items()
+        [category, format_bytes(held[category]), percent(held[category], capacity)]
+        for category in shown(held)
     ]
     rows.append(["total", format_bytes(breakdown.total), percent(breakdown.total, capacity)])
     return rows
@@ -403,36 +405,27 @@ def not_enough_alone(fixes: list[FixResult]) -> list[str]:
     return lines
 
 
-MODULE_HEADERS = [
-    "module",
-    "class",
-    "blocks",
-    "activations",
-    "parameters",
-    "gradients",
-    "optimizer",
-    "total",
-]
-
-
-def module_rows(snapshot: Snapshot, limit: int = 8) -> list[list[str]]:
-    """The top modules (repeated blocks folded), bytes per category."""
+def module_table(snapshot: Snapshot, limit: int = 8) -> tuple[list[str], list[list[str]]]:
+    """The top modules (repeated blocks folded), bytes per category: the
+    module table's columns of oomdoc.categories, those not always shown only
+    where a module shown has some."""
+    modules = snapshot.modules[:limit]
+    names = shown(*(dict(module.bytes.items()) for module in modules))
+    columns = module_columns(names)
+    headers = ["module", "class", "blocks", *(c.module_header for c in columns), "total"]
     rows = []
-    for module in snapshot.modules[:limit]:
+    for module in modules:
         usage = module.bytes
         rows.append(
             [
                 module.path,
                 module.class_name if module.class_name != "?" else "",
                 str(module.blocks) if module.blocks > 1 else "",
-                format_bytes(usage.activations),
-                format_bytes(usage.parameters),
-                format_bytes(usage.gradients),
-                format_bytes(usage.optimizer_state),
+                *(format_bytes(usage.bytes_of(c.name)) for c in columns),
                 format_bytes(usage.total),
             ]
         )
-    return rows
+    return headers, rows
 
 
 def modules_lead(snapshot: Snapshot) -> bool:

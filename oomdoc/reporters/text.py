@@ -91,7 +91,7 @@ class TextReporter:
         return printable("\n".join(lines) + "\n")
 
     def _module_lines(self) -> list[str]:
-        rows = tables.module_rows(self.analysis.snapshot)
+        headers, rows = tables.module_table(self.analysis.snapshot)
         if not rows:
             return []
         moment = self.analysis.snapshot.moment_label
@@ -100,8 +100,8 @@ class TextReporter:
             f"Top {len(rows)} modules {moment} (repeated blocks folded)",
             tabulate(
                 rows,
-                headers=tables.MODULE_HEADERS,
-                colalign=("left", "left", "right", *("right",) * 5),
+                headers=headers,
+                colalign=("left", "left", *("right",) * (len(headers) - 2)),
             ),
         ]
 

@@ -10,6 +10,7 @@ import html
 import json
 import math
 
+from oomdoc.categories import TABLE
 from oomdoc.sizes import format_bytes
 
 DRAW_DOTS_UP_TO = 48  # phase-peak dots are drawn only up to this many points
@@ -23,13 +24,7 @@ PHASE_COLORS = {
     "evaluation": "#db2777",
     "communication": "#059669",
 }
-CATEGORY_COLORS = {
-    "parameters": "#3b82f6",
-    "gradients": "#14b8a6",
-    "optimizer_state": "#f59e0b",
-    "activations": "#8b5cf6",
-    "other": "#94a3b8",
-}
+CATEGORY_COLORS = {category.name: category.color for category in TABLE}
 
 
 esc = html.escape

@@ -3,7 +3,7 @@ modules, allocation sites, fixes, notes, and the navigation to them."""
 
 from __future__ import annotations
 
-from oomdoc.model import CATEGORIES
+from oomdoc.categories import shown
 from oomdoc.reporters.html.drawing import (
     CATEGORY_COLORS,
     Ids,
@@ -23,8 +23,11 @@ def breakdown_html(view: dict) -> str:
     total = breakdown["total_bytes"]
     requested = breakdown["requested_bytes"]
     scale = max(capacity or 0, total + requested, 1)
+    names = shown({item["name"]: item["bytes"] for item in breakdown["categories"]})
     rows = []
     for item in breakdown["categories"]:
+        if item["name"] not in names:
+            continue
         color = CATEGORY_COLORS.get(item["name"], "#64748b")
         share_of_total = 100.0 * item["bytes"] / total if total else 0.0
         rows.append(
@@ -64,6 +67,7 @@ def modules_html(view: dict) -> str:
         return ""
     items = modules["items"]
     scale = max((item["total_bytes"] for item in items), default=1) or 1
+    names = shown(*(item["bytes"] for item in items))
     rows = []
     for item in items:
         blocks = f"{item['blocks']} blocks" if item["blocks"] and item["blocks"] > 1 else ""
@@ -75,7 +79,7 @@ def modules_html(view: dict) -> str:
         )
         cells = "".join(
             f'<td class="num">{esc(fmt(item["bytes"][name])) if item["bytes"][name] else "-"}</td>'
-            for name in CATEGORIES
+            for name in names
         )
         blocks_badge = " " + badge(blocks, "neutral") if blocks else ""
         rows.append(
@@ -84,7 +88,7 @@ def modules_html(view: dict) -> str:
             f'<td class="num strong">{esc(fmt(item["total_bytes"]))}</td>{cells}'
             f'<td class="barcell"><div class="stack small">{segments}</div></td></tr>'
         )
-    headers = "".join(f'<th class="num">{esc(name)}</th>' for name in CATEGORIES)
+    headers = "".join(f'<th class="num">{esc(name)}</th>' for name in names)
     more = (
         f'<p class="hint">The {len(items)} largest of {modules["total"]} modules.</p>'
         if modules["total"] > len(items)
@@ -353,14 +357,12 @@ def ranks_html(view: dict) -> str:
             [f"<strong>{esc(fmt(item['total_bytes']))}</strong>" for item in items],
         ),
     ]
-    for category in CATEGORIES:
+    by_rank = [{c["name"]: c["bytes"] for c in item["breakdown"]} for item in items]
+    for category in shown(*by_rank):
         rows.append(
             row(
                 category,
-                [
-                    esc(fmt(next(c["bytes"] for c in item["breakdown"] if c["name"] == category)))
-                    for item in items
-                ],
+                [esc(fmt(held.get(category, 0))) for held in by_rank],
             )
         )
     rows.append(row("breakdown", bars))
