@@ -99,8 +99,11 @@ class DeviceUnavailable(Exception):
 def resolve_device(requested: str) -> str:
     """`auto`: CUDA when this machine has it, else the simulated device
     (`cpu`). Decided here rather than in the parent, which then never needs
-    to import torch."""
-    device = choose_device(requested, requested != "cpu" and torch.cuda.is_available())
+    to import torch. CUDA is counted through NVML (torch.cuda.device_count):
+    torch.cuda.is_available() asks the CUDA runtime, which marks this
+    process so that a process it forks cannot use CUDA, and a script that
+    forks its ranks before touching CUDA must work as without oomdoc."""
+    device = choose_device(requested, requested != "cpu" and torch.cuda.device_count() > 0)
     if device is None:
         raise DeviceUnavailable(CUDA_UNAVAILABLE)
     return device

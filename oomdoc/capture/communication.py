@@ -58,6 +58,8 @@ def install(tracker: Any) -> Callable[[], None]:
     for name in FSDP_MODULES:
         if name in sys.modules:
             _mark_fsdp(tracker, sys.modules[name], originals)
+    # A process forked from the script's own inherits its finder: one only.
+    sys.meta_path[:] = [entry for entry in sys.meta_path if not isinstance(entry, _AfterImport)]
     sys.meta_path.insert(0, finder)
 
     def undo() -> None:
@@ -107,16 +109,24 @@ class _AfterImport(MetaPathFinder):
         self.then = then
 
     def find_spec(self, fullname, path, target=None):
-        if fullname not in self.names:
+        if fullname not in self.names or fullname in _FINDING:
             return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None and spec.loader is not None:
-                spec.loader = _ThenLoader(spec.loader, self.then)
-                return spec
-        return None
+        _FINDING.add(fullname)  # the other finders are asked once, not this again
+        try:
+            for finder in sys.meta_path:
+                if isinstance(finder, _AfterImport) or not hasattr(finder, "find_spec"):
+                    continue
+                spec = finder.find_spec(fullname, path, target)
+                if spec is not None and spec.loader is not None:
+                    spec.loader = _ThenLoader(spec.loader, self.then)
+                    return spec
+            return None
+        finally:
+            _FINDING.discard(fullname)
+
+
+# The module names an _AfterImport is finding now (imports hold the import lock).
+_FINDING: set[str] = set()
 
 
 class _ThenLoader(Loader):

@@ -124,7 +124,9 @@ class EmptyCache(Fix):
         record["calls"] = 0
 
         def release(module: Any) -> None:
-            if torch.cuda.is_available() and torch.cuda.is_initialized():
+            # is_initialized alone: is_available would ask the CUDA runtime,
+            # which keeps a process the script forks from using CUDA.
+            if torch.cuda.is_initialized():
                 torch.cuda.empty_cache()
                 record["calls"] += 1
 

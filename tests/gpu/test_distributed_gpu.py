@@ -4,8 +4,9 @@
 
 tests/scripts/ddp_rank0_cache.py with --device cuda, 8 residual MLP blocks of
 width 4096 (about 2.1 GiB of fp32 parameters), AdamW: per rank the
-parameters, gradients, DDP's gradient buckets and the optimizer state need
-about 10.5 GiB, over the 8 GiB cap of each rank (--device-memory applies per
+parameters, gradients, DDP's gradient buckets (the `communication`
+category, one copy of the parameters) and the optimizer state need about
+10.5 GiB, over the 8 GiB cap of each rank (--device-memory applies per
 rank). FSDP2 over the 2 ranks halves parameters, gradients and state and has
 no buckets: it must be measured to fit, and the same FSDP written by hand
 (--fsdp) must peak within 5% of the measured replay. The job must end with
@@ -60,6 +61,12 @@ def test_ddp_job_that_does_not_fit_per_rank(tmp_path):
     assert document["device"]["kind"] == "cuda"
     assert sorted(entry["device"]["index"] for entry in document["ranks"]) == [0, 1]
     assert document["first_oom_rank"] in (0, 1)
+    for entry in document["ranks"]:
+        # DDP's gradient buckets (made in _ddp_init_helper, by allocation
+        # stack on CUDA) are communication buffers: one copy of the parameters.
+        peaks = entry["category_peaks"]
+        print(entry["rank"], {name: round(value / 2**30, 2) for name, value in peaks.items()})
+        assert peaks.get("communication", 0) == pytest.approx(peaks["parameters"], rel=0.05)
     fsdp = next(f for f in document["fixes"] if f["name"] == "fsdp")
     assert fsdp["measured"] is True and fsdp["fits"] is True, fsdp
 
