@@ -17,6 +17,22 @@ MiB = 1 << 20
 HF_VARLEN = Path(__file__).parents[1] / "benchmarks" / "scripts" / "hf_trainer_varlen.py"
 
 
+# A tiny HF Trainer (GPT-2, one layer, vocabulary 2000, samples up to 128
+# tokens), evaluating every 4 steps and keeping the evaluation's logits.
+TINY_TRAINER = (
+    "--n_layer 1 --n_embd 32 --vocab_size 2000 --max_len 128 --median_len 16 --train_samples 256 "
+    "--eval_samples 128 --max_steps 8 --eval_steps 4 --use_cpu True"
+).split()
+
+
+def diagnose(tmp_path: Path, training_batch: int, evaluation_batch: int) -> tuple:
+    """oomdoc's diagnosis of the tiny trainer on 48 MiB (the batch searches only)."""
+    pytest.importorskip("transformers")
+    args = [*TINY_TRAINER, "--per_device_train_batch_size", str(training_batch)]
+    args += ["--per_device_eval_batch_size", str(evaluation_batch)]
+    return run_capped(tmp_path / "hf.json", "48MiB", HF_VARLEN, args, ["--fixes", "smaller_batch"])
+
+
 def test_the_evaluation_batch_is_set_where_given_and_added_where_not():
     flag = "--per_device_eval_batch_size"
     assert with_evaluation_batch(["--a", "1", flag, "64"], flag, 24, None) == [
@@ -74,13 +90,7 @@ def test_an_hf_trainer_whose_evaluation_batch_is_too_large_gets_both_batches(tmp
     prescription prints both batches. By hand under the same cap, its flags
     run the whole run; the same with the evaluation batch of 64 runs out of
     memory in the evaluation."""
-    pytest.importorskip("transformers")
-    args = "--n_layer 1 --n_embd 32 --vocab_size 2000 --max_len 128 --median_len 16"
-    args += " --train_samples 256 --eval_samples 128 --max_steps 8 --eval_steps 4 --use_cpu True"
-    args += " --per_device_train_batch_size 24 --per_device_eval_batch_size 64"
-    completed, document = run_capped(
-        tmp_path / "hf.json", "48MiB", HF_VARLEN, args.split(), ["--fixes", "smaller_batch"]
-    )
+    completed, document = diagnose(tmp_path, training_batch=24, evaluation_batch=64)
     assert document["outcome"] == "oom" and document["oom"]["phase"] != "evaluation"
     search = document["replay"]["evaluation_batch_search"]
     assert search["source"] == "--per_device_eval_batch_size"
@@ -114,3 +124,30 @@ def test_an_hf_trainer_whose_evaluation_batch_is_too_large_gets_both_batches(tmp
         prescription["peak_allocated_bytes"], rel=0.05
     )
     assert original["outcome"] == "oom" and original["oom"]["phase"] == "evaluation"
+
+
+def test_an_evaluation_oom_whose_replays_run_out_in_training_searches_both(tmp_path):
+    """The mirror case: training batch 16 and evaluation 64 on 48 MiB. The
+    failing run runs out of memory in its first evaluation (its first steps
+    never met the longest batch); the replays train on the longest batch
+    first, and run out of memory there at any evaluation batch. So after one
+    replay the training batch is searched instead (the effective batch kept
+    by accumulation), and the evaluation batch once a replay trains: the
+    prescription holds both, and by hand its flags run the whole run."""
+    completed, document = diagnose(tmp_path, training_batch=16, evaluation_batch=64)
+    assert document["outcome"] == "oom" and document["oom"]["phase"] == "evaluation"
+    assert "ran out of memory in training, on its longest batch" in completed.stderr
+    search = document["replay"]["batch_search"]
+    assert search["source"] == "--per_device_train_batch_size" and search["exact"]
+    prescription = document["prescription"]
+    assert prescription["fits"] and prescription["batch_size"] < 16
+    assert prescription["batch_size"] * prescription["accumulation_steps"] == 16
+    assert not prescription.get("evaluation_batch_flag")  # the batch is the training's
+    chosen = prescription["evaluation_batch_size"]
+    assert 1 <= chosen < 64
+    flags = prescription["verified_by_flags"]["args"]
+    assert flags[flags.index("--per_device_eval_batch_size") + 1] == str(chosen)
+    _completed, by_hand = run_capped(
+        tmp_path / "by-hand.json", "48MiB", HF_VARLEN, flags, ["--no-replay"]
+    )
+    assert by_hand["outcome"] == "ok", json.dumps(by_hand.get("oom"))

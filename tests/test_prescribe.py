@@ -11,12 +11,12 @@ import pytest
 from oomdoc.model import Snapshot
 from oomdoc.replay.batch import SearchResult
 from oomdoc.replay.candidates import Candidate, choose, considered, plan_limits, planned_below
+from oomdoc.replay.own_flags import verify_with_flags
 from oomdoc.replay.plan import ReplayState, is_no_op
 from oomdoc.replay.prescription import (
     measured_choice,
     measured_points,
     untimed_savers,
-    verify_with_flags,
 )
 from oomdoc.replay.replayer import Replay, ReplaysInterrupted, replay_key
 

@@ -30,10 +30,8 @@ from oomdoc.script_flags import EVAL_BATCH_FLAGS, spelled
 
 
 def evaluation_option(snapshot: Snapshot) -> Optional[str]:
-    """The script's own evaluation batch option, when its training ran out
-    of memory (an OOM in evaluation is searched through it directly:
-    oomdoc.replay.search.find_search_batch)."""
-    if snapshot.oom is None or snapshot.oom.in_evaluation:
+    """The script's own evaluation batch option."""
+    if snapshot.oom is None:
         return None
     return next((flag for flag in EVAL_BATCH_FLAGS if flag in snapshot.script_options), None)
 
@@ -144,6 +142,14 @@ class EvaluationApart:
         self.chosen: Optional[int] = None
         self.original: Optional[int] = None
         self.trained_batch: Optional[str] = None  # the label of the replay that raised it
+        # An OOM in evaluation is searched through this option itself
+        # (oomdoc.replay.search.find_search_batch): not settled here, unless
+        # its replays showed the training out of memory first (search.training_instead).
+        self.armed = not (snapshot.oom is not None and snapshot.oom.in_evaluation)
+
+    def arm(self) -> None:
+        """Settle from now on (the search went to the training batch)."""
+        self.armed = True
 
     def rewrite(self, args: list[str]) -> list[str]:
         """A replay's arguments once the evaluation batch is chosen."""
@@ -166,7 +172,9 @@ class EvaluationApart:
         """`replay` itself, or, when it is the first whose evaluation alone
         ran out of memory, the same replay again with the evaluation batch
         searched for it."""
-        if self.searching or self.search is not None or not only_the_evaluation_ran_out(replay):
+        if not self.armed or self.searching or self.search is not None:
+            return replay
+        if not only_the_evaluation_ran_out(replay):
             return replay
         base = list(replayer.request.args if args is None else args)
         original = self._evaluation_batch(base, replay)

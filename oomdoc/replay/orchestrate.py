@@ -35,6 +35,7 @@ from oomdoc.model import (
 from oomdoc.replay import batch as batch_model
 from oomdoc.replay.certificate import measured_margin_fraction
 from oomdoc.replay.evaluation_batch import EvaluationApart, evaluation_option
+from oomdoc.replay.own_flags import parameter_update
 from oomdoc.replay.plan import (
     LEAK_NO_BATCH_SEARCH,
     ReplayState,
@@ -42,12 +43,10 @@ from oomdoc.replay.plan import (
     combination_to_measure,
     parse_fix_names,
     plan,
+    searches_evaluation_batch,
     start_ahead,
 )
-from oomdoc.replay.prescription import (
-    parameter_update,
-    prescription_for,
-)
+from oomdoc.replay.prescription import prescription_for
 from oomdoc.replay.progress import Progress
 from oomdoc.replay.replayer import (
     REPLAY_ENV,
@@ -304,7 +303,7 @@ def batch_search_result(
     maximum = search.max_batch_size
     assert maximum is not None
     micro, steps = batch_model.accumulation_plan(
-        original, maximum, accumulates=not snapshot.oom_in_evaluation
+        original, maximum, accumulates=not searches_evaluation_batch(snapshot, info)
     )
     how = info.get("source", "batch size")
     how_text = (
@@ -318,7 +317,7 @@ def batch_search_result(
         else f"not proven exact: {search.stopped}"
     )
     detail = f"largest batch that fits: {maximum} ({exactness}; {len(search.trials)} replays)"
-    if snapshot.oom_in_evaluation:
+    if searches_evaluation_batch(snapshot, info):
         detail += f"; an evaluation batch of {micro} ({how_text})"
     else:
         detail += (

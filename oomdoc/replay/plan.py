@@ -159,6 +159,15 @@ class ReplayState:
     not_searched: dict[tuple[str, ...], str] = field(default_factory=dict)
 
 
+def searches_evaluation_batch(snapshot: Snapshot, info: dict) -> bool:
+    """The batch searched is an evaluation's (an OOM in evaluation, searched
+    through the script's evaluation option or loader): nothing is
+    accumulated. Not once the replays showed the training itself out of
+    memory and the search went to the training batch (`training_instead`,
+    oomdoc.replay.search.search_batch)."""
+    return snapshot.oom_in_evaluation and not info.get("training_instead")
+
+
 def failing_signature(snapshot: Snapshot) -> Optional[tuple]:
     oom = snapshot.oom
     return (oom.step, oom.phase, oom.requested_bytes, oom.allocated_bytes) if oom else None

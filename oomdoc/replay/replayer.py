@@ -162,6 +162,8 @@ class ReplaySettler(Protocol):
 
     def rewrite(self, args: list[str]) -> list[str]: ...
 
+    def arm(self) -> None: ...
+
     def settle(
         self,
         replayer: Replayer,

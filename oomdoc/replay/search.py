@@ -18,6 +18,7 @@ from oomdoc.replay import batch as batch_model
 from oomdoc.replay.plan import (
     ReplayState,
     is_prescribable,
+    searches_evaluation_batch,
     worth_combining,
 )
 from oomdoc.replay.replayer import (
@@ -118,6 +119,13 @@ def search_batch(
             return to_batch_run(replay, batch_size)
 
         runs = []
+        if flag in EVAL_BATCH_FLAGS and snapshot.oom_in_evaluation and not options.batch_arg:
+            probe = batch_model.first_probe_for(snapshot, original)
+            first = trial(probe)
+            switched = training_instead(replayer, snapshot, args, first)
+            if switched is not None:
+                return switched
+            runs = [first]
     else:
         if options.batch_arg:
             replayer.progress.header(
@@ -162,6 +170,59 @@ def search_batch(
         probe=batch_model.first_probe_for(snapshot, original),
     )
     result.trials[:0] = runs  # the DataLoader probe was a trial too
+    return result, info, None
+
+
+def training_instead(
+    replayer: Replayer, snapshot: Snapshot, args: list[str], first: batch_model.BatchRun
+) -> Optional[tuple[batch_model.SearchResult, dict, None]]:
+    """An OOM in evaluation whose first replay, at a smaller evaluation batch,
+    ran out of memory in training: on the longest batch, which the replays
+    train on first and the failing run had not met before its evaluation.
+    No evaluation batch helps that: the training batch is searched instead
+    (with the user's effective batch kept by accumulation), and the
+    evaluation's once a replay trains (oomdoc.replay.evaluation_batch)."""
+    replay = first.replay
+    capture = replay.capture if replay is not None else None
+    if first.fits or first.inconclusive or capture is None or capture.oom is None:
+        return None
+    training = find_batch_arg(args, None, script_batch_flags(snapshot))
+    if capture.oom.in_evaluation or training is None:
+        return None
+    position, flag, original = training
+    if original <= 1:
+        return None
+    replayer.progress.header(
+        f"the replay at evaluation batch {first.batch_size} ran out of memory in training, "
+        f"on its longest batch: searching the training batch ({flag}) first"
+    )
+    if replayer.settler is not None:
+        replayer.settler.arm()
+    batch = batch_fix()
+
+    def trial(batch_size: int) -> batch_model.BatchRun:
+        replay = replayer.run(
+            {"name": batch.name, "batch_mode": "argv", "batch_size": batch_size},
+            f"{batch.name} ({spelled(flag, batch_size, snapshot.script_option_syntax)})",
+            args=with_batch_size(args, position, flag, batch_size),
+        )
+        return to_batch_run(replay, batch_size)
+
+    # The first replay trained at the user's training batch: it did not fit.
+    known = to_batch_run(replay, original) if replay is not None else first
+    result = batch_model.search_max_batch(
+        original,
+        snapshot.device.capacity_bytes,
+        [known],
+        trial,
+        probe=known.estimated_max or original // 2,
+    )
+    result.trials[:0] = [known]
+    info = {
+        "source": flag,
+        "original_batch_size": original,
+        "training_instead": True,
+    }
     return result, info, None
 
 
@@ -330,8 +391,12 @@ def search_under(
         # The search is for the prescription, whose gradient accumulation
         # makes up the user's batch: once every batch from the fit to below
         # the OOM gives the same micro-batch, no probe can change it.
-        plan = batch_model.accumulation_plan(original, fit, not snapshot.oom_in_evaluation)
-        if plan != batch_model.accumulation_plan(original, oom - 1, not snapshot.oom_in_evaluation):
+        plan = batch_model.accumulation_plan(
+            original, fit, not searches_evaluation_batch(snapshot, state.batch_info)
+        )
+        if plan != batch_model.accumulation_plan(
+            original, oom - 1, not searches_evaluation_batch(snapshot, state.batch_info)
+        ):
             return None
         return (
             f"any largest batch from {fit} to {oom - 1} gives the same prescription, "
@@ -385,11 +450,9 @@ def batch_size_in(
     args with that flag rewritten, the flag), or (None, None)."""
     args = list(replayer.request.args)
     source = state.batch_info.get("source") or ""
-    found = (
-        find_search_batch(args, replayer.options.batch_arg, replayer.snapshot)
-        if source.startswith("-")
-        else None
-    )
+    # The flag the batch search changed (the training's, when an OOM in
+    # evaluation turned out to be the training's first: training_instead).
+    found = find_batch_arg(args, source) if source.startswith("-") else None
     if found is None:
         payload.update(
             batch_mode="dataloader", original_batch_size=state.batch_info.get("original_batch_size")

@@ -1,0 +1,194 @@
+"""The prescription as the user will run it: enough steps for its
+accumulation to be measured, the record of that replay, its snippet in the
+framework's words, and one replay of the script with its own flags for the
+prescribed changes (where it declares them), so that the command printed is
+one that was run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from oomdoc.fixes import batch_fix
+from oomdoc.fixes.base import SnippetContext
+from oomdoc.frameworks import context_from_snapshot, framework_of
+from oomdoc.frameworks.base import FrameworkContext, accumulation_in_effect, with_enough_steps
+from oomdoc.model import FlagsCheck, Prescription, Snapshot, parse
+from oomdoc.replay import batch as batch_model
+from oomdoc.replay.lanes import SPECULATIVE
+from oomdoc.replay.plan import ReplayState
+from oomdoc.replay.replayer import Replay, Replayer
+
+
+def parameter_update(
+    snapshot: Snapshot, search: Optional[batch_model.SearchResult]
+) -> Optional[str]:
+    """How the script updates its parameters (Snapshot.parameter_update):
+    as the failing run showed, else as the largest fitting batch's replay
+    did (a run that failed in its first forward ran no backward)."""
+    best = search.best_run if search is not None else None
+    replay = getattr(best, "replay", None)
+    capture = replay.capture if replay is not None else None
+    return snapshot.parameter_update or (capture.parameter_update if capture else None)
+
+
+def enough_steps(
+    replayer: Replayer, snapshot: Snapshot, args: list[str], micro_batches: int
+) -> tuple[list[str], Optional[str]]:
+    """args with the script's steps flag raised so that a replay with
+    `micro_batches` micro-batches per optimizer step runs its steps, whether
+    the script counts optimizer steps or micro-batches."""
+    if micro_batches <= 1 or not snapshot.script_options:
+        return args, None
+    needed = replayer.max_steps * micro_batches
+    args, raised = with_enough_steps(
+        args, snapshot.script_options, context_from_snapshot(snapshot), needed
+    )
+    if raised:
+        raised += (
+            f" so that the replay runs {replayer.max_steps} optimizer steps of "
+            f"{micro_batches} micro-batches"
+        )
+    return args, raised
+
+
+def accumulation_covered(capture: Optional[Snapshot]) -> bool:
+    """Whether a replay ran an optimizer step and then at least two more
+    micro-batches (a forward with the gradients and the optimizer state alive)."""
+    if capture is None or capture.step_unit != "optimizer":
+        return False
+    return any(step.index >= 1 and step.forward_calls >= 2 for step in capture.steps)
+
+
+def replay_record(replay: Replay, args: list[str], raised: Optional[str]) -> dict:
+    """A replay of the prescription, for the snapshot: what ran and what it
+    measured, and how its steps were made long enough."""
+    record: dict[str, Any] = {
+        "args": args,
+        "outcome": replay.outcome,
+        "peak_allocated_bytes": replay.peak_allocated_bytes,
+        "accumulation_covered": accumulation_covered(replay.capture),
+    }
+    if raised:
+        record["note"] = raised
+    return record
+
+
+def prescription_context(
+    snapshot: Snapshot, prescription: Prescription, state: ReplayState
+) -> tuple[list[str], FrameworkContext]:
+    """The prescription's changes (the batch change as batch_fix's name) and
+    what their replays learned, for the framework units."""
+    changes = list(prescription.fixes)
+    context = context_from_snapshot(snapshot)
+    context["update"] = parameter_update(snapshot, state.search)
+    for name in prescription.fixes:
+        context.update(state.contexts.get(name) or SnippetContext())
+    if prescription.batch_size and prescription.accumulation_steps > 1:
+        how = state.batch_info.get("source") or "batch_size"
+        changes.append(batch_fix().name)
+        context["micro_batch"] = prescription.batch_size
+        context["accumulation_steps"] = prescription.accumulation_steps
+        context["how"] = how if how.startswith("-") else "batch_size"
+    return changes, context
+
+
+def prescription_snippet(snapshot: Snapshot, prescription: Prescription, state: ReplayState) -> str:
+    """The prescribed changes as one block in the framework's own terms."""
+    changes, context = prescription_context(snapshot, prescription, state)
+    if not changes:
+        return ""
+    return framework_of(snapshot).prescription_snippet(changes, context)
+
+
+@dataclass
+class FlagsReplay:
+    """The script run with its own flags for a prescription's changes."""
+
+    args: list[str]  # the script's argv with those flags
+    replayed_args: list[str]  # the same, its steps flag raised if need be
+    raised: Optional[str]  # how the steps flag was raised
+    covers: list[str]  # the changes the flags make
+    micro_batches: int  # micro-batches per optimizer step
+
+    @property
+    def label(self) -> str:
+        return "the script's own flags: " + " ".join(self.replayed_args)
+
+    @property
+    def micro_batches_per_step(self) -> Optional[int]:
+        return self.micro_batches if self.micro_batches > 1 else None
+
+
+def flags_replay(
+    replayer: Replayer, snapshot: Snapshot, state: ReplayState, prescription: Prescription
+) -> Optional[FlagsReplay]:
+    """The replay verify_with_flags runs for `prescription` (only its fixes,
+    batch size and accumulation steps are read), or None where the script
+    has no flag for one of its changes: one place, so that one started ahead
+    is the one later asked for."""
+    changes, context = prescription_context(snapshot, prescription, state)
+    if not changes or not snapshot.script_options:
+        return None
+    framework = framework_of(snapshot)
+    args = list(replayer.request.args)
+    covered: list[str] = []
+    for change in changes:
+        variant = framework.flag_variant(change, args, snapshot.script_options, context)
+        if variant is not None:
+            args, covered = variant, [*covered, change]
+    if len(covered) < len(changes):
+        # Without a flag for every change the run is not the prescription
+        # (it would lack the others): nothing to verify by the script's flags.
+        return None
+    micro_batches = 1
+    if batch_fix().name in covered:
+        micro_batches = accumulation_in_effect(
+            args, snapshot.script_options, snapshot.script_option_defaults
+        )
+    replayed_args, raised = enough_steps(replayer, snapshot, args, micro_batches)
+    return FlagsReplay(args, replayed_args, raised, covered, micro_batches)
+
+
+def start_flags_ahead(
+    replayer: Replayer, snapshot: Snapshot, state: ReplayState, prescription: Prescription
+) -> Optional[tuple]:
+    """Start the script's-own-flags replay of a prescription that is likely
+    (its replay with accumulation still to confirm it) in a free lane, so
+    that it runs beside that replay instead of after it; its key."""
+    flags = flags_replay(replayer, snapshot, state, prescription)
+    if flags is None:
+        return None
+    return replayer.ahead(
+        None,
+        flags.label,
+        flags.replayed_args,
+        priority=SPECULATIVE,
+        micro_batches_per_step=flags.micro_batches_per_step,
+    )
+
+
+def verify_with_flags(
+    replayer: Replayer, snapshot: Snapshot, prescription: Prescription, state: ReplayState
+) -> None:
+    """Where the script has its own command-line flags for the prescribed
+    changes (HfArgumentParser's --gradient_checkpointing, --bf16, ...), one
+    replay runs the script with those flags and no fix of oomdoc's: its peak
+    is reported next to the prescription's."""
+    flags = flags_replay(replayer, snapshot, state, prescription)
+    if flags is None:
+        return
+    replay = replayer.run(
+        None,
+        flags.label,
+        args=flags.replayed_args,
+        micro_batches_per_step=flags.micro_batches_per_step,
+    )
+    record = replay_record(replay, flags.args, flags.raised)
+    record["covers"] = flags.covers
+    if flags.micro_batches <= 1:
+        del record["accumulation_covered"]
+    checked = prescription.verified_by_flags = parse(FlagsCheck, record)
+    if replay.fits and replay.peak_allocated_bytes and prescription.peak_allocated_bytes:
+        ratio = replay.peak_allocated_bytes / prescription.peak_allocated_bytes
+        checked.peak_ratio = round(ratio, 3)
