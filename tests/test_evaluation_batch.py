@@ -33,6 +33,21 @@ def diagnose(tmp_path: Path, training_batch: int, evaluation_batch: int) -> tupl
     return run_capped(tmp_path / "hf.json", "48MiB", HF_VARLEN, args, ["--fixes", "smaller_batch"])
 
 
+def whole_epoch(flags: list[str]) -> list[str]:
+    """The prescription's flags with --max_steps raised to a whole epoch,
+    so that the run by hand meets the longest batch (the replays train on it
+    first; a few steps by hand may not)."""
+
+    def value(flag: str) -> int:
+        return int(flags[flags.index(flag) + 1]) if flag in flags else 1
+
+    per_step = value("--per_device_train_batch_size") * value("--gradient_accumulation_steps")
+    samples = int(TINY_TRAINER[TINY_TRAINER.index("--train_samples") + 1])
+    raised = list(flags)
+    raised[raised.index("--max_steps") + 1] = str(-(-samples // per_step))
+    return raised
+
+
 def test_the_evaluation_batch_is_set_where_given_and_added_where_not():
     flag = "--per_device_eval_batch_size"
     assert with_evaluation_batch(["--a", "1", flag, "64"], flag, 24, None) == [
@@ -87,9 +102,10 @@ def test_an_hf_trainer_whose_evaluation_batch_is_too_large_gets_both_batches(tmp
     memory; at a training batch that trains, the evaluation at 64 does. The
     evaluation batch is searched once and every later replay runs with it:
     the largest training batch is found (not "nothing fits"), and the
-    prescription prints both batches. By hand under the same cap, its flags
-    run the whole run; the same with the evaluation batch of 64 runs out of
-    memory in the evaluation."""
+    prescription prints both batches. By hand under the same cap over a whole
+    epoch, its flags hold, peaking no higher than the replays' worst case;
+    the same with the evaluation batch of 64 runs out of memory in the
+    evaluation."""
     completed, document = diagnose(tmp_path, training_batch=24, evaluation_batch=64)
     assert document["outcome"] == "oom" and document["oom"]["phase"] != "evaluation"
     search = document["replay"]["evaluation_batch_search"]
@@ -107,7 +123,7 @@ def test_an_hf_trainer_whose_evaluation_batch_is_too_large_gets_both_batches(tmp
     assert flags[flags.index("--per_device_eval_batch_size") + 1] == str(chosen)
 
     def by_hand(evaluation_batch: int) -> dict:
-        argv = list(flags)
+        argv = whole_epoch(flags)
         argv[argv.index("--per_device_eval_batch_size") + 1] = str(evaluation_batch)
         _completed, run = run_capped(
             tmp_path / f"by-hand-{evaluation_batch}.json",
@@ -120,9 +136,8 @@ def test_an_hf_trainer_whose_evaluation_batch_is_too_large_gets_both_batches(tmp
 
     prescribed, original = two_at_a_time(by_hand, [chosen, 64])
     assert prescribed["outcome"] == "ok", json.dumps(prescribed.get("oom"))
-    assert prescribed["peak"]["allocated_bytes"] == pytest.approx(
-        prescription["peak_allocated_bytes"], rel=0.05
-    )
+    # The replays' worst case bounds the run by hand (its order is the seed's).
+    assert prescribed["peak"]["allocated_bytes"] <= 1.05 * prescription["peak_allocated_bytes"]
     assert original["outcome"] == "oom" and original["oom"]["phase"] == "evaluation"
 
 
@@ -133,7 +148,7 @@ def test_an_evaluation_oom_whose_replays_run_out_in_training_searches_both(tmp_p
     first, and run out of memory there at any evaluation batch. So after one
     replay the training batch is searched instead (the effective batch kept
     by accumulation), and the evaluation batch once a replay trains: the
-    prescription holds both, and by hand its flags run the whole run."""
+    prescription holds both, and by hand its flags hold over a whole epoch."""
     completed, document = diagnose(tmp_path, training_batch=16, evaluation_batch=64)
     assert document["outcome"] == "oom" and document["oom"]["phase"] == "evaluation"
     assert "ran out of memory in training, on its longest batch" in completed.stderr
@@ -148,6 +163,6 @@ def test_an_evaluation_oom_whose_replays_run_out_in_training_searches_both(tmp_p
     flags = prescription["verified_by_flags"]["args"]
     assert flags[flags.index("--per_device_eval_batch_size") + 1] == str(chosen)
     _completed, by_hand = run_capped(
-        tmp_path / "by-hand.json", "48MiB", HF_VARLEN, flags, ["--no-replay"]
+        tmp_path / "by-hand.json", "48MiB", HF_VARLEN, whole_epoch(flags), ["--no-replay"]
     )
     assert by_hand["outcome"] == "ok", json.dumps(by_hand.get("oom"))
