@@ -45,8 +45,9 @@ def run_distributed_session(options: RunOptions, stderr: TextIO | None = None) -
     # The replays' first job starts importing while the failing run runs,
     # with the imports read from the script's file (never run).
     jobs = None
-    if options.replay and not request.is_module:
-        jobs = WarmJobs(dist, request.device, REPLAY_ENV, script_preimports(request.target))
+    if options.replay:
+        imports = [] if request.is_module else script_preimports(request.target)
+        jobs = WarmJobs(dist, request.device, REPLAY_ENV, imports)
         jobs.fill()
     try:
         return _run_and_replay(options, dist, request, path, artifact_dir, new_parent, jobs, stderr)
@@ -88,8 +89,7 @@ def _run_and_replay(options, dist, request, path, artifact_dir, new_parent, jobs
         # Never filled: a job's ranks are started by the launcher, in jobs
         # started ahead (warm_jobs), not by the pool.
         pool = WarmPool(request.device, REPLAY_ENV)
-        if jobs is None:
-            jobs = WarmJobs(dist, request.device, REPLAY_ENV, preimports(snapshot))
+        assert jobs is not None  # made with options.replay (closed by the caller)
         # Later jobs also import what the failing run's framework loads lazily.
         jobs.preimports = preimports(snapshot)
         try:
