@@ -30,6 +30,22 @@ SCRIPT_LINES = DDP.read_text().splitlines()
 JOB_TIMEOUT = 120
 
 
+def ddp_replay(tmp_path, log_name: str, *args: str, **fields):
+    """A 2-step replay of the DDP script as a 2-rank job (run_distributed_child's
+    request), its output in `log_name`."""
+    from oomdoc.runner import ChildRequest
+
+    return ChildRequest(
+        target=str(DDP),
+        args=["--steps", "2", *args, "--expect-world", "2"],
+        device="cpu",
+        max_steps=2,
+        output_path=str(tmp_path / log_name),
+        timeout_s=JOB_TIMEOUT,
+        **fields,
+    )
+
+
 def line_of(text: str) -> int:
     return next(i for i, line in enumerate(SCRIPT_LINES, 1) if text in line)
 
@@ -493,17 +509,8 @@ def test_run_distributed_child_measures_zero_optimizer_per_rank(tmp_path):
     replay of the 2-rank job keeps about half of AdamW's state per rank (two
     tensors per parameter over two ranks: one parameter's worth)."""
     from oomdoc.distributed.launch import run_distributed_child
-    from oomdoc.runner import ChildRequest
 
-    request = ChildRequest(
-        target=str(DDP),
-        args=["--steps", "2", "--width", "128", "--expect-world", "2"],
-        device="cpu",
-        max_steps=2,
-        fix={"name": "zero_optimizer"},
-        output_path=str(tmp_path / "zero.log"),
-        timeout_s=JOB_TIMEOUT,
-    )
+    request = ddp_replay(tmp_path, "zero.log", "--width", "128", fix={"name": "zero_optimizer"})
     result = run_distributed_child(request, DistOptions(nproc_per_node=2))
     assert result.exit_code == 0, (tmp_path / "zero.log").read_text()[-3000:]
     capture = result.capture
@@ -522,16 +529,8 @@ def test_a_replay_s_ranks_end_together(tmp_path):
     ends rank 0 within seconds, and the replay's result is read: both ranks
     finished the replay, with their steps, not a failure or a timeout."""
     from oomdoc.distributed.launch import PEER_GRACE_S, run_distributed_child
-    from oomdoc.runner import ChildRequest
 
-    request = ChildRequest(
-        target=str(DDP),
-        args=["--steps", "2", "--rank0-final-stall", "600", "--expect-world", "2"],
-        device="cpu",
-        max_steps=2,
-        output_path=str(tmp_path / "stall.log"),
-        timeout_s=JOB_TIMEOUT,
-    )
+    request = ddp_replay(tmp_path, "stall.log", "--rank0-final-stall", "600")
     result = run_distributed_child(request, DistOptions(nproc_per_node=2))
     log = (tmp_path / "stall.log").read_text()[-3000:]
     assert not result.timed_out and result.exit_code == 0, log
@@ -786,7 +785,6 @@ def test_a_replay_takes_the_job_started_ahead_and_a_new_one_waits(tmp_path):
 
     from oomdoc.distributed.launch import run_distributed_child
     from oomdoc.distributed.warm_jobs import WarmJobs
-    from oomdoc.runner import ChildRequest
 
     dist = DistOptions(nproc_per_node=2)
     jobs = WarmJobs(dist, "cpu", {"OOMDOC_REPLAY": "1"}, ["torch.nn"])
@@ -794,14 +792,8 @@ def test_a_replay_takes_the_job_started_ahead_and_a_new_one_waits(tmp_path):
         jobs.fill()
         first = jobs.spare
         assert first is not None and first.launcher.poll() is None
-        request = ChildRequest(
-            target=str(DDP),
-            args=["--steps", "2", "--width", "64", "--expect-world", "2"],
-            device="cpu",
-            max_steps=2,
-            extra_env={"OOMDOC_REPLAY": "1"},
-            output_path=str(tmp_path / "warm.log"),
-            timeout_s=JOB_TIMEOUT,
+        request = ddp_replay(
+            tmp_path, "warm.log", "--width", "64", extra_env={"OOMDOC_REPLAY": "1"}
         )
         other = dataclasses.replace(request, extra_env={"OOMDOC_REPLAY": "0"})
         assert not jobs.usable_for(other)

@@ -28,6 +28,11 @@ STARTED_ENV = "OOMDOC_CHILD_STARTED"
 # launcher started them (oomdoc.distributed.launch for torchrun's,
 # oomdoc.capture.spawned and oomdoc.capture.relaunch for the script's own).
 PEER_GRACE_S = 5.0
+# Attributes through which a wrapper holds the model: a (Distributed)DataParallel
+# module's `module`, a torch.compile'd model's `_orig_mod`. Module paths are
+# named without them (oomdoc.capture.modules); the parent strips them from a
+# path recorded on the wrapper (oomdoc.replay.batch). Torch-free, for both.
+WRAPPER_ATTRIBUTES = ("_orig_mod", "module")
 # The one-line usage error for `--device cuda` on a machine without CUDA,
 # raised by the child (which decides the device) or by the parent.
 CUDA_UNAVAILABLE = "--device cuda: CUDA is not available on this machine (use --device cpu for the simulated device)"

@@ -47,6 +47,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from oomdoc.capture import WRAPPER_ATTRIBUTES
 from oomdoc.categories import COMMUNICATION, is_communication_frame
 from oomdoc.snapshot import CATEGORIES
 
@@ -66,7 +67,6 @@ _get_sequence_nr = getattr(torch._C._autograd, "_get_sequence_nr", None) or (lam
 _current_node = getattr(torch._C, "_current_autograd_node", None)
 # Wrappers whose own path component is not the user's: torch.compile,
 # DistributedDataParallel, DataParallel.
-_WRAPPER_ATTRIBUTES = ("_orig_mod", "module")
 _WRAPPER_CLASSES = ("OptimizedModule", "DistributedDataParallel", "DataParallel")
 
 
@@ -499,7 +499,7 @@ def _wrapped_attribute(model: nn.Module) -> str | None:
     """`_orig_mod` of a torch.compile'd model, `module` of a (D)DP one."""
     if type(model).__name__ not in _WRAPPER_CLASSES:
         return None
-    for attribute in _WRAPPER_ATTRIBUTES:
+    for attribute in WRAPPER_ATTRIBUTES:
         if attribute in model._modules:
             return attribute
     return None

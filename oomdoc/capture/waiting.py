@@ -9,6 +9,8 @@ import json
 import os
 import time
 
+import psutil
+
 from oomdoc.capture import PREIMPORT_PREFIX
 from oomdoc.capture.imports import preimport
 
@@ -65,17 +67,7 @@ def wait_for_config_file(path: str, wait: str) -> tuple[bool, float, dict]:
     preimport([str(name) for name in order.get("preimports") or []], preimported)
     owner = int(order.get("parent_pid") or 0)
     while not os.path.exists(path):
-        if owner and not _alive(owner):
+        if owner and not psutil.pid_exists(owner):
             return False, imported_at, preimported
         time.sleep(0.01)
     return True, imported_at, preimported
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True  # another user's process by that pid: alive
-    return True

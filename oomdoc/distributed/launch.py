@@ -46,6 +46,7 @@ from oomdoc.child_config import ChildConfig, DistributedJob
 from oomdoc.distributed import DistOptions
 from oomdoc.distributed.merge import ended_only_with_peers, ended_with_the_replay, read_captures
 from oomdoc.runner import ChildRequest, ChildResult, child_config, child_env
+from oomdoc.snapshot import write_atomic
 
 KILL_GRACE_S = 10.0
 # Launches again when the port oomdoc chose was taken before torchrun bound it.
@@ -229,7 +230,7 @@ def start_job(
     workdir = tempfile.mkdtemp(prefix="oomdoc-job-")
     config_path = os.path.join(workdir, "config.json")
     if request is not None:
-        _write_config(config_path, job_config(request, workdir, dist), workdir)
+        write_atomic(config_path, job_config(request, workdir, dist).to_json())
     elif log_path is None:  # a warm job's output, until a replay takes it
         log_path = os.path.join(workdir, "launcher.log")
     env = dict(env)
@@ -256,17 +257,10 @@ def start_job(
     return StartedJob(workdir, config_path, launcher, log_path)
 
 
-def _write_config(config_path: str, config: ChildConfig, workdir: str) -> None:
-    """Whole or not at all: a warm job's ranks read it as soon as it exists."""
-    partial = os.path.join(workdir, "config.json.partial")
-    with open(partial, "w", encoding="utf-8") as handle:
-        handle.write(config.to_json())
-    os.replace(partial, config_path)
-
-
 def hand_over(job: StartedJob, request: ChildRequest, dist: DistOptions) -> None:
-    """Give a warm job its work: the ranks waiting for the file read it."""
-    _write_config(job.config_path, job_config(request, job.workdir, dist), job.workdir)
+    """Give a warm job its work: the ranks waiting for the file read it
+    (whole: they read it as soon as it exists)."""
+    write_atomic(job.config_path, job_config(request, job.workdir, dist).to_json())
 
 
 def end_job(job: StartedJob, grace_s: float = KILL_GRACE_S) -> None:

@@ -29,6 +29,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from oomdoc.capture import WRAPPER_ATTRIBUTES
 from oomdoc.fixes.optimizer import optimizer_state_estimate
 from oomdoc.model import Snapshot, Step
 from oomdoc.replay.leaks import StillLeaks
@@ -446,16 +447,11 @@ def forward_progress(snapshot: Snapshot, made_bytes: float) -> float:
     return 1.0
 
 
-# Attributes through which a wrapper holds the model: a (Distributed)DataParallel
-# module's `module`, a torch.compile'd model's `_orig_mod`. A model's repeated
-# blocks are found on the object the script called (`module.h`), while module
-# paths are named without the wrapper (`h.3.attn`: oomdoc.capture.modules).
-WRAPPER_ATTRIBUTES = ("module", "_orig_mod")
-
-
 def _as_named(block_path: str, module_path: str) -> str:
     """`block_path` as the module paths name it: without the wrappers'
-    attributes in front when `module_path` does not have them."""
+    attributes in front when `module_path` does not have them (a model's
+    repeated blocks are found on the object the script called, `module.h`;
+    module paths are named without the wrapper, `h.3.attn`)."""
     path = block_path
     while not module_path.startswith(path + ".") and "." in path:
         head, rest = path.split(".", 1)
