@@ -225,6 +225,9 @@ class Step:
     # Began after the replay's steps were done (batches a loop fetched
     # ahead, the steps after its evaluation): left out of its step time.
     after_timed_steps: bool = when_set(False)
+    # The shapes of the tensors the script passed (positionally) to its
+    # first training model call of the step.
+    input_shapes: Optional[List[List[int]]] = when_set()
     extra: Dict[str, Any] = field(default_factory=dict)
 
 
@@ -367,6 +370,12 @@ class BatchSearch:
     stopped: Optional[str] = None
     # The search under the combined savers: which (`a+b`).
     fixes: Optional[str] = when_set()
+    # The plain search's largest batch over the whole run
+    # (oomdoc.replay.largest_batch): the largest batch certified for it
+    # (None: none was), the allocator setting it needs (None: none), and why.
+    whole_run_batch_size: Optional[int] = when_set()
+    whole_run_setting: Optional[str] = when_set()
+    whole_run_note: Optional[str] = when_set()
     extra: Dict[str, Any] = field(default_factory=dict)
 
 

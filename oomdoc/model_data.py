@@ -89,9 +89,14 @@ class Certificate:
     median_input_elements: Optional[int] = None
     samples_read: Optional[int] = None
     samples: Optional[int] = None
-    # `longest_first`, `fixed` (every sample the same size), or
+    # `longest_first`, `fixed` (every sample the same size),
+    # `fixed_as_seen` (no DataLoader, every batch seen had one shape), or
     # `as_they_came` (an iterable dataset, no DataLoader).
     shapes: str = "as_they_came"
+    # fixed_as_seen: the shapes of the model's tensor arguments (the replay's
+    # batch), and in how many steps of the failing run and the replay.
+    input_shapes: Optional[List[List[int]]] = when_set()
+    shape_steps: Optional[int] = when_set()
     evaluation_batch_size: Optional[int] = None
     evaluation_peak_bytes: Optional[int] = None
     training_peak_bytes: Optional[int] = None

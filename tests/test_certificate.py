@@ -3,13 +3,17 @@ capture covers, each gap named, and a margin measured from the allocator."""
 
 from __future__ import annotations
 
+import pytest
+
 from oomdoc.model import Snapshot
 from oomdoc.replay.certificate import (
     MARGIN_CEILING,
     MARGIN_FLOOR,
+    allocator_drift,
     certificate_for,
     measured_margin_fraction,
 )
+from oomdoc.reporters.tables import certificate_lines
 
 MIB = 1 << 20
 CAPACITY = 100 * MIB
@@ -111,6 +115,63 @@ def test_batches_not_from_a_dataloader_are_a_gap():
     assert any("DataLoader" in gap for gap in certificate.gaps)
 
 
+def shaped(index: int, shapes: list[list[int]]) -> dict:
+    return {**step(index, 1 * MIB), "input_shapes": shapes}
+
+
+def test_batches_of_one_shape_without_a_dataloader_are_certified_as_seen():
+    # nanoGPT's get_batch: (x, y) of batch x block, the failing run at 12,
+    # the replay at 6 (only the batch's dimension differs).
+    failing = Snapshot.from_dict(
+        {
+            "outcome": "oom",
+            "optimizers": ["AdamW"],
+            "steps": [shaped(0, [[12, 64], [12, 64]])],
+        }
+    )
+    steps = [shaped(i, [[6, 64], [6, 64]]) for i in range(3)]
+    # Its evaluation at iteration 0, reached by the replay.
+    steps[0]["evaluation_calls"], steps[0]["phase_peaks"]["evaluation"] = 2, MIB // 2
+    replayed = capture(steps, [])
+    without_evaluation = certificate_for(
+        capture([shaped(i, [[6, 64], [6, 64]]) for i in range(3)], []), failing, CAPACITY
+    )
+    assert without_evaluation is not None and not without_evaluation.certified
+    assert without_evaluation.shapes == "fixed_as_seen"
+    assert "reached no evaluation" in without_evaluation.gaps[0]
+    certificate = certificate_for(replayed, failing, CAPACITY)
+    assert certificate is not None and certificate.certified, certificate.gaps
+    assert certificate.shapes == "fixed_as_seen"
+    assert (certificate.input_shapes, certificate.shape_steps) == ([[6, 64], [6, 64]], 4)
+    assert certificate.longest_input_elements == 64
+    lines = certificate_lines(certificate)
+    assert "batches of one shape (6x64, 6x64) in all 4 steps seen" in " ".join(lines)
+
+
+@pytest.mark.parametrize(
+    "failing_shapes, replay_shapes",
+    [
+        ([[12, 64]], [[6, 64], [6, 64], [6, 32]]),  # the replay's changed
+        ([], [[6, 64], [6, 64]]),  # too few steps seen
+    ],
+)
+def test_batches_whose_shapes_change_or_were_seen_too_little_stay_a_gap(
+    failing_shapes, replay_shapes
+):
+    failing = Snapshot.from_dict(
+        {
+            "outcome": "oom",
+            "optimizers": ["AdamW"],
+            "steps": [shaped(0, [shape]) for shape in failing_shapes],
+        }
+    )
+    replayed = capture([shaped(i, [shape]) for i, shape in enumerate(replay_shapes)], [])
+    certificate = certificate_for(replayed, failing, CAPACITY)
+    assert certificate is not None and not certificate.certified
+    assert certificate.shapes == "as_they_came"
+    assert any("shapes changed" in gap for gap in certificate.gaps)
+
+
 def test_the_margin_is_the_allocators_overhead_its_drift_and_the_spread_between_replays():
     # Reserved over allocated at the highest peak: 6 MiB; the reserved
     # high-water mark grows by 2 MiB a step after the first.
@@ -157,3 +218,15 @@ def test_the_search_margin_is_measured_from_the_failing_run_within_bounds():
         }
     )
     assert measured_margin_fraction(fragmented) == MARGIN_CEILING
+
+
+def test_of_two_steps_only_the_reserved_growth_beyond_the_allocated_is_drift():
+    # The second step holds the optimizer's state (10 MiB more allocated):
+    # that is in its peak; the reserved bytes grew 8 MiB beyond it.
+    steps = Snapshot.from_dict(
+        {"steps": [step(0, 60 * MIB, 62 * MIB), step(1, 70 * MIB, 80 * MIB)]}
+    ).steps
+    assert allocator_drift(steps) == (10 * MIB, 8 * MIB)
+    # The simulated device reserves what it allocates: no drift.
+    steady = Snapshot.from_dict({"steps": [step(0, 60 * MIB), step(1, 70 * MIB)]}).steps
+    assert allocator_drift(steady) == (0, 0)

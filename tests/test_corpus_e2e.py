@@ -93,6 +93,12 @@ def test_gpt_trainer_evaluating_at_iteration_0(tmp_path):
     assert over["outcome"] == "oom"
     assert by_hand["outcome"] == "ok", args
     assert peak_of(by_hand) == pytest.approx(prescription["peak_allocated_bytes"], rel=0.05)
+    # get_batch, no DataLoader: every batch seen had one shape, and the
+    # evaluation at iteration 0 was reached; nothing else may be missing.
+    certificate = prescription["certificate"]
+    assert certificate["shapes"] == "fixed_as_seen", certificate
+    assert certificate["evaluation_peak_bytes"], certificate
+    assert all("above the capacity" in gap for gap in certificate["gaps"]), certificate
 
 
 def by_hand_gpt_args(prescription: dict, batch_size: int) -> list[str]:
@@ -186,8 +192,10 @@ def test_word_lm_with_a_criterion_module_and_a_manual_update(tmp_path):
     )
     certificate = prescription["certificate"]
     assert not certificate["certified"]
-    assert certificate["shapes"] == "as_they_came"
-    assert any("DataLoader" in gap for gap in certificate["gaps"]), certificate
+    # Its batches (bptt x batch, sequence first) kept one shape in every step seen.
+    assert certificate["shapes"] == "fixed_as_seen"
+    assert certificate["input_shapes"] == [[35, prescription["batch_size"]]]
+    assert any("reached no evaluation" in gap for gap in certificate["gaps"]), certificate
 
 
 def test_imagenet_trainer_with_transform_modules_and_a_short_flag(tmp_path):

@@ -439,7 +439,7 @@ class Tracker(Attribution, LeakChecks, StepLimits):
         if self._module_depth == 0 and self._backward_depth == 0:
             self._outer_kind = self._call_kind(module)
             if self._outer_kind != _AUXILIARY:
-                self._outermost_forward_start(module)
+                self._outermost_forward_start(module, inputs)
         self._module_depth += 1
         self.scopes.push(module, inputs if self._module_depth == 1 else None)
 
@@ -475,7 +475,7 @@ class Tracker(Attribution, LeakChecks, StepLimits):
             return _TRAINING
         return _EVALUATION
 
-    def _outermost_forward_start(self, module) -> None:
+    def _outermost_forward_start(self, module, inputs=()) -> None:
         if self.on_first_step is not None:
             self._first_step()
         training = self._outer_kind == _TRAINING
@@ -530,6 +530,13 @@ class Tracker(Attribution, LeakChecks, StepLimits):
             if not self.backend.per_storage:
                 self._remember_forward_baseline()
         if training:
+            if not current["forward_calls"]:
+                # The shapes of the step's first batch as the script passed
+                # it: batches that come without a DataLoader (nanoGPT's
+                # get_batch) are certified by the shape they keep.
+                shapes = [list(value.shape) for value in inputs if isinstance(value, torch.Tensor)]
+                if shapes:
+                    current["input_shapes"] = shapes
             current["forward_calls"] += 1
             current["forward_calls_with_grad"] += 1
             if not module.training:

@@ -15,6 +15,7 @@ Pure: it reads snapshots, runs nothing.
 
 from __future__ import annotations
 
+import math
 from typing import Iterable, Optional
 
 from oomdoc.model import Certificate, DataLoaderRecord, Prescription, Snapshot, Step
@@ -30,6 +31,9 @@ MARGIN_CEILING = 0.10
 # Optimizer steps a certificate needs: the optimizer's state is allocated
 # at the first, and the second runs with it alive.
 CERTIFIED_OPTIMIZER_STEPS = 2
+# Steps whose batches (a script's own, no DataLoader) must all have had one
+# shape, over the failing run and the replay, for the shapes to count as fixed.
+FIXED_AS_SEEN_STEPS = 3
 
 
 def training_steps(capture: Snapshot) -> list[Step]:
@@ -49,7 +53,8 @@ def allocator_drift(steps: list[Step]) -> tuple[int, int]:
     """(the allocator's overhead at the highest peak, its growth per step):
     reserved over allocated at the step that allocated the most, and how
     much the reserved high-water mark grew per step after the first (the
-    first step's own growth is the run's start, the optimizer's state):
+    first step's own growth is the run's start, the optimizer's state; of
+    two steps only, the growth of reserved beyond allocated):
     batches of other sizes later in a run are served from what is cached,
     and what keeps growing is fragmentation."""
     measured = [step for step in steps if step.peak_reserved_bytes >= step.peak_allocated_bytes]
@@ -57,6 +62,13 @@ def allocator_drift(steps: list[Step]) -> tuple[int, int]:
         return 0, 0
     highest = max(measured, key=lambda step: step.peak_allocated_bytes)
     overhead = highest.peak_reserved_bytes - highest.peak_allocated_bytes
+    if len(measured) == 2:
+        # Two steps: the second's growth is mostly what the first step made
+        # (the optimizer's state, gradients alive), which its peak already
+        # holds; only the reserved bytes' growth beyond it is drift.
+        first, second = measured
+        grew = second.peak_reserved_bytes - first.peak_reserved_bytes
+        return overhead, max(0, grew - (second.peak_allocated_bytes - first.peak_allocated_bytes))
     settled = measured[1:] if len(measured) > 2 else measured
     reserved = [step.peak_reserved_bytes for step in settled]
     drift = 0
@@ -82,12 +94,47 @@ def measured_margin_fraction(failing: Snapshot) -> float:
     return min(MARGIN_CEILING, max(MARGIN_FLOOR, measured))
 
 
-def _shapes(certificate: Certificate, training: Optional[DataLoaderRecord]) -> None:
+def _fixed_as_seen(runs: Iterable[Snapshot]) -> Optional[tuple[list[list[int]], int]]:
+    """(the last run's shapes, how many steps showed them) when every
+    training step of each run passed its model tensors of one shape, and at
+    least FIXED_AS_SEEN_STEPS steps did. Runs are not compared with each
+    other: at another batch size, the batch's dimension (first, or second in
+    a sequence-first loop) differs."""
+    seen = 0
+    shapes: Optional[list[list[int]]] = None
+    for run in runs:
+        own = {
+            tuple(tuple(shape) for shape in step.input_shapes)
+            for step in run.steps
+            if step.input_shapes
+        }
+        if len(own) > 1:
+            return None
+        if own:
+            shapes = [list(shape) for shape in next(iter(own))]
+            seen += sum(1 for step in run.steps if step.input_shapes)
+    if shapes is None or seen < FIXED_AS_SEEN_STEPS:
+        return None
+    return shapes, seen
+
+
+def _shapes(
+    certificate: Certificate, training: Optional[DataLoaderRecord], runs: list[Snapshot]
+) -> None:
     if training is None:
+        fixed = _fixed_as_seen(runs)
+        if fixed is not None:
+            # No DataLoader (nanoGPT's get_batch), every batch one shape.
+            shapes, steps = fixed
+            certificate.shapes = "fixed_as_seen"
+            certificate.input_shapes, certificate.shape_steps = shapes, steps
+            certificate.longest_input_elements = math.prod(shapes[0][1:]) if shapes[0] else 1
+            return
         certificate.shapes = "as_they_came"
         certificate.gaps.append(
-            "the training batches do not come from a DataLoader over a map-style dataset: "
-            "the replay ran them as they came, not the longest first"
+            "the training batches do not come from a DataLoader over a map-style dataset "
+            "and their shapes changed from step to step: the replay ran them as they came, "
+            "not the longest first"
         )
         return
     certificate.samples, certificate.samples_read = training.samples, training.samples_read
@@ -157,9 +204,15 @@ def certificate_for(
     certificate = Certificate()
     loaders = capture.data_loaders
     training = next((loader for loader in loaders if loader.role == "training"), None)
-    _shapes(certificate, training)
+    _shapes(certificate, training, [failing, capture])
     certificate.trained_after_evaluation = bool(training and training.trained_after_evaluation)
     _evaluation(certificate, capture, failing, loaders)
+    if certificate.shapes == "fixed_as_seen" and certificate.evaluation_peak_bytes is None:
+        # Without DataLoaders, no unused one tells of an evaluation to come.
+        certificate.gaps.append(
+            "the batches come without a DataLoader and the replay reached no evaluation: "
+            "one later in the run (after an epoch, every N steps) is not covered"
+        )
     steps = training_steps(capture)
     certificate.training_peak_bytes = max(
         (step.peak_allocated_bytes for step in steps), default=None

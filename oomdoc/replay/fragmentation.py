@@ -23,7 +23,7 @@ from typing import Callable, Optional
 
 from oomdoc.fixes import fix_named
 from oomdoc.fixes.allocator import CONF_ENV, EXPANDABLE, ExpandableSegments
-from oomdoc.model import Prescription, Snapshot
+from oomdoc.model import Certificate, Prescription, Snapshot
 from oomdoc.replay.certificate import certificate_for
 from oomdoc.replay.replayer import Replay, ReplaysInterrupted
 from oomdoc.sizes import format_bytes
@@ -39,14 +39,19 @@ def _fix_names(fixes: list[str]) -> list[str]:
 
 
 def refused_for_drift(prescription: Prescription, snapshot: Snapshot) -> bool:
-    """Whether the certificate's only gap is the margin, on CUDA, with a
+    """Whether the prescription's certificate was refused for the
+    allocator's drift alone (drift_refusal)."""
+    return drift_refusal(prescription.certificate, prescription.fixes, snapshot)
+
+
+def drift_refusal(certificate: Optional[Certificate], fixes: list[str], snapshot: Snapshot) -> bool:
+    """Whether a certificate's only gap is the margin, on CUDA, with a
     measured growth of the allocator's reservations, and expandable
-    segments not yet in use (by the prescription, the script's environment,
-    or the failing run's allocator)."""
-    certificate = prescription.certificate
+    segments not yet in use (by `fixes`, the script's environment, or the
+    failing run's allocator)."""
     if certificate is None or certificate.certified or not snapshot.device.on_cuda:
         return False
-    parts = _fix_names(prescription.fixes)
+    parts = _fix_names(fixes)
     if EXPANDABLE_FIX in parts or fix_named("+".join([*parts, EXPANDABLE_FIX])) is None:
         return False
     if EXPANDABLE.lower() in os.environ.get(CONF_ENV, "").replace(" ", "").lower():

@@ -35,6 +35,7 @@ from oomdoc.model import (
 from oomdoc.replay import batch as batch_model
 from oomdoc.replay.certificate import measured_margin_fraction
 from oomdoc.replay.evaluation_batch import EvaluationApart, evaluation_option
+from oomdoc.replay.largest_batch import LargestBatchCheck, WholeRunLargest
 from oomdoc.replay.own_flags import parameter_update
 from oomdoc.replay.plan import (
     LEAK_NO_BATCH_SEARCH,
@@ -121,6 +122,7 @@ def replay_fixes(
             # Replays that train and then run out of memory in the
             # evaluation at the script's own evaluation batch (oomdoc.replay.evaluation_batch).
             replayer.settler = EvaluationApart(snapshot, option, options.margin_fraction)
+        largest: Optional[LargestBatchCheck] = None
         try:
             interrupted = False
             start_ahead(replayer, snapshot, singles, combinations, automatic=requested is None)
@@ -140,6 +142,8 @@ def replay_fixes(
                         )
                         if reason:
                             skipped.append(Skipped(name, reason))
+                        largest = LargestBatchCheck(replayer, snapshot, state)
+                        largest.start()
                         continue
                     replay_single(replayer, fix, snapshot, state)
                 except ReplaysInterrupted:
@@ -162,11 +166,17 @@ def replay_fixes(
                     search_configurations(replayer, snapshot, options, state)
                 except ReplaysInterrupted:
                     interrupted = True
+            whole_run_largest = None
+            if largest is not None and not interrupted:
+                try:
+                    whole_run_largest = largest.settle()
+                except ReplaysInterrupted:
+                    interrupted = True
             if interrupted or replayer.stopped:
                 snapshot.notes.append(
                     "Replays were interrupted: the fixes below are those measured before."
                 )
-            finish(snapshot, replayer, state, progress)
+            finish(snapshot, replayer, state, progress, whole_run_largest)
         except Exception as exc:  # the snapshot of the OOM must be written whatever happens here
             progress.header(f"replays failed: {type(exc).__name__}: {exc}")
             snapshot.notes.append(
@@ -287,6 +297,7 @@ def batch_search_result(
     search: batch_model.SearchResult,
     info: dict,
     reference_s: float | None,
+    largest: Optional[WholeRunLargest] = None,
 ) -> Optional[FixResult]:
     best = search.best_run
     if best is None:
@@ -317,6 +328,8 @@ def batch_search_result(
         else f"not proven exact: {search.stopped}"
     )
     detail = f"largest batch that fits: {maximum} ({exactness}; {len(search.trials)} replays)"
+    if largest is not None:
+        detail += f"; {whole_run_text(largest, maximum)}"
     if searches_evaluation_batch(snapshot, info):
         detail += f"; an evaluation batch of {micro} ({how_text})"
     else:
@@ -340,6 +353,17 @@ def batch_search_result(
         # Accumulation processes the original batch in `steps` micro-steps.
         result.step_time_ratio = round(steps * best.step_s * (micro / maximum) / reference_s, 3)
     return result
+
+
+def whole_run_text(largest: WholeRunLargest, maximum: int) -> str:
+    """What the largest batch's certificate found, in a phrase."""
+    if largest.batch_size is None:
+        return f"not certified for the whole run: {largest.note}"
+    if largest.setting is None:
+        return "certified for the whole run"
+    return (
+        f"for the whole run {largest.batch_size} with {largest.setting} (certified; {largest.note})"
+    )
 
 
 def static_breakdown(snapshot: Snapshot, replayer: Replayer) -> Breakdown:
@@ -366,9 +390,16 @@ def static_breakdown(snapshot: Snapshot, replayer: Replayer) -> Breakdown:
     return static
 
 
-def finish(snapshot: Snapshot, replayer: Replayer, state: ReplayState, progress: Progress) -> None:
+def finish(
+    snapshot: Snapshot,
+    replayer: Replayer,
+    state: ReplayState,
+    progress: Progress,
+    largest: Optional[WholeRunLargest] = None,
+) -> None:
     """Rank what the replays measured, choose the prescription, and record
-    both in the snapshot."""
+    both in the snapshot. `largest`: the largest batch certified for the
+    whole run (oomdoc.replay.largest_batch)."""
     search = state.search
     results = state.results
     lower_bound = snapshot.oom.needed_bytes if snapshot.oom else 0
@@ -381,7 +412,9 @@ def finish(snapshot: Snapshot, replayer: Replayer, state: ReplayState, progress:
     reference_s = reference.step_s if reference is not None else None
     if search is not None:
         searcher = next(fix for fix in FIXES if fix.searches_batch)
-        found = batch_search_result(snapshot, searcher, search, state.batch_info, reference_s)
+        found = batch_search_result(
+            snapshot, searcher, search, state.batch_info, reference_s, largest
+        )
         if found is not None:
             results.insert(0, found)
     static = static_breakdown(snapshot, replayer)
@@ -429,6 +462,10 @@ def finish(snapshot: Snapshot, replayer: Replayer, state: ReplayState, progress:
         summary.unused_runs = unused
     if search is not None:
         summary.batch_search = batch_search_record(search, state.batch_info.get("source"))
+        if largest is not None:
+            summary.batch_search.whole_run_batch_size = largest.batch_size
+            summary.batch_search.whole_run_setting = largest.setting
+            summary.batch_search.whole_run_note = largest.note or None
     saver_searches = []
     for fixes, saver_search in state.saver_searches.items():
         record = batch_search_record(saver_search, state.batch_info.get("source"))

@@ -166,7 +166,20 @@ def replay_summary_lines(analysis: Analysis) -> list[str]:
             f"Largest batch size that fits: {maximum} (measured: {maximum + 1} ran out of memory)"
         )
         prescription = snapshot.prescription
-        if prescription and prescription.certificate and prescription.certificate.allocator_setting:
+        search = replay.batch_search if replay is not None else None
+        if search is not None and search.whole_run_setting and search.whole_run_batch_size:
+            # Certified with expandable segments (oomdoc.replay.largest_batch).
+            text += (
+                f"; for the whole run: {search.whole_run_batch_size} with "
+                f"{search.whole_run_setting} (certified; {search.whole_run_note})"
+            )
+        elif search is not None and search.whole_run_batch_size == maximum:
+            text += ", certified for the whole run"
+        elif search is not None and search.whole_run_note:
+            text += f"; not certified for the whole run: {search.whole_run_note}"
+        elif (
+            prescription and prescription.certificate and prescription.certificate.allocator_setting
+        ):
             # The replays saw the allocator's reservations drift: an edge with no margin.
             text += (
                 ", in the replayed steps with the allocator's defaults; later in the run "
@@ -313,6 +326,12 @@ def certificate_lines(certificate: Optional[Certificate]) -> list[str]:
         )
     elif certificate.shapes == "fixed":
         covered.append(f"every input {certificate.longest_input_elements} elements")
+    elif certificate.shapes == "fixed_as_seen" and certificate.input_shapes:
+        shapes = ", ".join("x".join(map(str, shape)) for shape in certificate.input_shapes)
+        covered.append(
+            f"batches of one shape ({shapes}) in all {certificate.shape_steps} steps seen "
+            "(the script's own batches, no DataLoader)"
+        )
     if certificate.evaluation_peak_bytes is not None:
         batch = (
             f" at batch {certificate.evaluation_batch_size}"
