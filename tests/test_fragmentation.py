@@ -8,9 +8,9 @@ import pytest
 from test_certificate import LONGEST, MIB, loader, step
 
 from oomdoc.analysis import analyse
-from oomdoc.model import Prescription, Snapshot
+from oomdoc.model import Allocator, Prescription, Snapshot
 from oomdoc.replay.certificate import certificate_for
-from oomdoc.replay.fragmentation import certify_with_expandable_segments
+from oomdoc.replay.fragmentation import certify_with_expandable_segments, refused_for_drift
 from oomdoc.replay.replayer import Replay, ReplaysInterrupted
 from oomdoc.reporters.tables import replay_summary_lines
 
@@ -154,6 +154,36 @@ def test_the_largest_batch_line_says_it_is_an_edge_when_the_prescription_needed_
         line for line in replay_summary_lines(analyse(snapshot)) if line.startswith("Largest")
     )
     assert "fragmentation can break it" in line
+
+
+def test_reserved_growth_at_the_defaults_is_not_carried_a_few_steps():
+    # 1 MiB a step (1% of the capacity): refused though the carried margin
+    # (2 MiB) would fit, and the refusal sends it to expandable segments.
+    steps = [step(0, 60 * MIB, 60 * MIB), step(1, 60 * MIB, 61 * MIB), step(2, 60 * MIB, 62 * MIB)]
+    certificate = certificate_for(cuda_capture(steps), FAILING, CAPACITY)
+    assert certificate is not None and not certificate.certified
+    assert [gap for gap in certificate.gaps if "where it stops" in gap] == certificate.gaps
+    prescription = Prescription(fixes=[], batch_size=8, fits=True)
+    prescription.certificate = certificate
+    assert refused_for_drift(prescription, FAILING)
+    # A tenth of a MiB a step is under the tolerance: carried, certified.
+    tenth = MIB // 10
+    steps = [step(i, 60 * MIB, 60 * MIB + i * tenth) for i in range(3)]
+    certificate = certificate_for(cuda_capture(steps), FAILING, CAPACITY)
+    assert certificate is not None and certificate.certified, certificate.gaps
+
+
+def test_under_expandable_segments_what_they_hold_unallocated_is_no_overhead():
+    # 17 MiB reserved over allocated at the peak, and a spread of 10 MiB
+    # between two replays: at the defaults 82 + 17 + 10 is above the 100.
+    capture = cuda_capture([step(i, 82 * MIB, 99 * MIB) for i in range(3)])
+    at_defaults = certificate_for(capture, FAILING, CAPACITY, [82 * MIB, 72 * MIB])
+    assert at_defaults is not None and not at_defaults.certified
+    assert at_defaults.allocator_overhead_bytes == 17 * MIB
+    capture.allocator = Allocator(expandable_segments=True)
+    expandable = certificate_for(capture, FAILING, CAPACITY, [82 * MIB, 72 * MIB])
+    assert expandable is not None and expandable.certified, expandable.gaps
+    assert expandable.allocator_overhead_bytes == 0
 
 
 def test_an_interrupted_replay_leaves_the_refusal_as_measured():

@@ -130,7 +130,10 @@ def test_without_the_setting_among_the_fixes_asked_for_nothing_is_replayed():
     check = LargestBatchCheck(replayer, FAILING, state_with_largest(7, DRIFTING))  # type: ignore[arg-type]
     check.start()
     assert replayer.ahead_asked == []
-    assert check.settle() is None  # only the margin refused it: nothing to say
+    result = check.settle()
+    assert result is not None and result.batch_size is None
+    assert "grew 8.00 MiB a step" in result.note and "where it stops" in result.note
+    assert "above the capacity" not in result.note  # the edge's own margin goes unsaid
 
 
 def test_the_report_and_the_record_carry_the_whole_run_batch():

@@ -24,7 +24,7 @@ from typing import Callable, Optional
 from oomdoc.fixes import fix_named
 from oomdoc.fixes.allocator import CONF_ENV, EXPANDABLE, ExpandableSegments
 from oomdoc.model import Certificate, Prescription, Snapshot
-from oomdoc.replay.certificate import certificate_for
+from oomdoc.replay.certificate import DRIFT_GAP, certificate_for
 from oomdoc.replay.replayer import Replay, ReplaysInterrupted
 from oomdoc.sizes import format_bytes
 
@@ -45,8 +45,8 @@ def refused_for_drift(prescription: Prescription, snapshot: Snapshot) -> bool:
 
 
 def drift_refusal(certificate: Optional[Certificate], fixes: list[str], snapshot: Snapshot) -> bool:
-    """Whether a certificate's only gap is the margin, on CUDA, with a
-    measured growth of the allocator's reservations, and expandable
+    """Whether a certificate's only gaps are the margin and the drift, on
+    CUDA, with a measured growth of the allocator's reservations, and expandable
     segments not yet in use (by `fixes`, the script's environment, or the
     failing run's allocator)."""
     if certificate is None or certificate.certified or not snapshot.device.on_cuda:
@@ -60,7 +60,7 @@ def drift_refusal(certificate: Optional[Certificate], fixes: list[str], snapshot
         return False
     if certificate.drift_bytes_per_step <= 0:
         return False
-    return all(MARGIN_GAP in gap for gap in certificate.gaps)
+    return all(MARGIN_GAP in gap or DRIFT_GAP in gap for gap in certificate.gaps)
 
 
 def certify_with_expandable_segments(
@@ -101,8 +101,8 @@ def certify_with_expandable_segments(
         refused = prescription.certificate
         certificate.allocator_setting = (
             f"{CONF_ENV}={EXPANDABLE}: replayed without it, the reserved memory grew "
-            f"{format_bytes(refused.drift_bytes_per_step)} a step (fragmentation), a margin of "
-            f"{format_bytes(refused.margin_bytes)} that the capacity did not leave"
+            f"{format_bytes(refused.drift_bytes_per_step)} a step (fragmentation): "
+            + "; ".join(refused.gaps)
         )
         prescription.fixes = trial.fixes
         prescription.certificate = certificate

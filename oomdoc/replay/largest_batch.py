@@ -53,6 +53,8 @@ class LargestBatchCheck:
         self.refused: Optional[Certificate] = None
         self.result: Optional[WholeRunLargest] = None
         self.fix = fix_named(EXPANDABLE_FIX)
+        # What each replay with expandable segments that did not certify found.
+        self.findings: list[str] = []
 
     def start(self) -> None:
         """Certify the largest batch's replay; when the drift alone refused
@@ -100,11 +102,16 @@ class LargestBatchCheck:
         replay = self.replayer.run(payload, label, args=args, extra_env=env)
         run = to_batch_run(replay, batch_size)
         if not run.fits:
+            self.findings.append(f"batch {batch_size} with it: {replay.outcome} {replay.message}")
             return False
         certificate = certificate_for(
             replay.capture, self.snapshot, self.capacity, [replay.peak_allocated_bytes or 0]
         )
-        return certificate is not None and certificate.certified
+        if certificate is None or not certificate.certified:
+            gaps = "; ".join(certificate.gaps) if certificate is not None else "no steps"
+            self.findings.append(f"batch {batch_size} with it fit, not certified: {gaps}")
+            return False
+        return True
 
     def settle(self) -> Optional[WholeRunLargest]:
         """The answer, running the replays with expandable segments it still
@@ -117,8 +124,7 @@ class LargestBatchCheck:
         setting = f"{CONF_ENV}={EXPANDABLE}"
         why = (
             f"at the allocator's defaults batch {largest}'s reserved memory grew "
-            f"{format_bytes(self.refused.drift_bytes_per_step)} a step, a margin of "
-            f"{format_bytes(self.refused.margin_bytes)} that the capacity did not leave"
+            f"{format_bytes(self.refused.drift_bytes_per_step)} a step (fragmentation)"
         )
         found = None
         candidate = largest + 1
@@ -137,11 +143,13 @@ class LargestBatchCheck:
             candidate += 1
         if found is None and self._certified(largest):
             found = largest
+        found_above = "".join(f"; {finding}" for finding in self.findings)
         if found is None:
             self.result = WholeRunLargest(
                 None,
-                note=f"{why}; replayed with {setting}, batch {largest} was not certified either",
+                note=f"{why}; replayed with {setting}, batch {largest} was not certified either"
+                + found_above,
             )
         else:
-            self.result = WholeRunLargest(found, setting, note=why)
+            self.result = WholeRunLargest(found, setting, note=why + found_above)
         return self.result
