@@ -230,3 +230,23 @@ def test_of_two_steps_only_the_reserved_growth_beyond_the_allocated_is_drift():
     # The simulated device reserves what it allocates: no drift.
     steady = Snapshot.from_dict({"steps": [step(0, 60 * MIB), step(1, 70 * MIB)]}).steps
     assert allocator_drift(steady) == (0, 0)
+
+
+def test_under_expandable_segments_reserved_growth_with_the_allocations_is_no_drift():
+    # A later step (the evaluation's) allocates 6 MiB more and reserves it:
+    # at the defaults that is drift; expandable segments lose none of it.
+    steps = Snapshot.from_dict(
+        {
+            "steps": [
+                step(0, 60 * MIB, 61 * MIB),
+                step(1, 60 * MIB, 61 * MIB),
+                step(2, 66 * MIB, 67 * MIB),
+                step(3, 60 * MIB, 67 * MIB),
+            ]
+        }
+    ).steps
+    assert allocator_drift(steps)[1] == 3 * MIB
+    assert allocator_drift(steps, expandable=True) == (0, 0)
+    # Reserved growing beyond the allocations is drift with them too.
+    steps[3].peak_reserved_bytes = 73 * MIB
+    assert allocator_drift(steps, expandable=True) == (0, 3 * MIB)

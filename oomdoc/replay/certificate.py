@@ -57,7 +57,7 @@ def evaluation_peak(capture: Snapshot) -> Optional[int]:
     return max(peaks) if peaks else None
 
 
-def allocator_drift(steps: list[Step]) -> tuple[int, int]:
+def allocator_drift(steps: list[Step], expandable: bool = False) -> tuple[int, int]:
     """(the allocator's overhead at the highest peak, its growth per step):
     reserved over allocated at the step that allocated the most, and how
     much the reserved high-water mark grew per step after the first (the
@@ -70,6 +70,17 @@ def allocator_drift(steps: list[Step]) -> tuple[int, int]:
         return 0, 0
     highest = max(measured, key=lambda step: step.peak_allocated_bytes)
     overhead = highest.peak_reserved_bytes - highest.peak_allocated_bytes
+    if expandable:
+        # Expandable segments reserve what the allocations reach and serve
+        # any size from what they hold: only reserved growth beyond the
+        # allocated high-water mark (already in the peak) is lost.
+        settled = measured[1:] if len(measured) > 2 else measured
+        first, last = settled[0], settled[-1]
+        high = max(step.peak_allocated_bytes for step in settled)
+        beyond = (last.peak_reserved_bytes - first.peak_reserved_bytes) - (
+            high - first.peak_allocated_bytes
+        )
+        return 0, max(0, beyond // max(1, len(settled) - 1))
     if len(measured) == 2:
         # Two steps: the second's growth is mostly what the first step made
         # (the optimizer's state, gradients alive), which its peak already
@@ -233,12 +244,13 @@ def certificate_for(
                 "second step was not seen"
             )
     certificate.ranks = max(1, len(capture.ranks) or int(capture.world_size or 1))
-    overhead, drift = allocator_drift([step for step in steps if step.optimizer_steps] or steps)
+    # Under expandable segments what they hold unallocated serves a request
+    # of any size (they grow and shrink in pages): no overhead, and only
+    # reserved growth beyond the allocations' is drift.
     expandable = capture.allocator is not None and bool(capture.allocator.expandable_segments)
-    if expandable:
-        # What expandable segments hold unallocated serves a request of any
-        # size (they grow and shrink in pages): no capacity lost to it.
-        overhead = 0
+    overhead, drift = allocator_drift(
+        [step for step in steps if step.optimizer_steps] or steps, expandable
+    )
     on_cuda = capture.device.on_cuda or failing.device.on_cuda
     if on_cuda and not expandable and drift > UNBOUNDED_DRIFT_SHARE * capacity_bytes:
         certificate.gaps.append(
