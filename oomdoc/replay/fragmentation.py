@@ -9,8 +9,10 @@ evaluation, left no block large enough (batch 10 held on 3 of 10 seeds, 9 on
 7, the prescription 8 x 4 on 8). With
 `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` every one of them held on
 10 of 10. A replay sees that drift as reserved memory growing from step to
-step, and the certificate carries it over the rest of the run; when that is
-what refused it, the same configuration is replayed with expandable segments,
+step; the certificate names it a gap when it is more than a tolerance a step
+(oomdoc.replay.certificate.UNBOUNDED_DRIFT_SHARE), else carries it in the
+margin; when that is what refused it, the same configuration is replayed
+with expandable segments,
 and certified with them (its snippet then sets the variable) if that replay's
 own certificate has no gap. Otherwise the refusal stands, and says what the
 extra replay found.
