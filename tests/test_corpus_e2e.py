@@ -339,14 +339,10 @@ def test_a_spawned_job_is_captured_per_rank_and_its_largest_batch_is_exact(tmp_p
     prescription = document["prescription"]
     by_hand_args = ["-b", str(prescription["batch_size"]), *args]
     by_hand_args += ["--grad-accum-steps", str(prescription["accumulation_steps"])]
-    fits, over, by_hand = plains(
-        tmp_path,
-        capacity,
-        IMAGENET,
-        ["-b", str(maximum), *args],
-        ["-b", str(maximum + 1), *args],
-        by_hand_args,
-    )
+    # One job at a time: the script rendezvous on its own fixed --dist-url port.
+    fits = plain(tmp_path, capacity, IMAGENET, ["-b", str(maximum), *args])
+    over = plain(tmp_path, capacity, IMAGENET, ["-b", str(maximum + 1), *args])
+    by_hand = plain(tmp_path, capacity, IMAGENET, by_hand_args)
     assert fits["outcome"] == "ok"
     assert over["outcome"] == "oom" and len(over["ranks"]) == 2
     assert by_hand["outcome"] == "ok", by_hand_args
