@@ -283,7 +283,9 @@ def evaluate(
         )
     certificate = None
     if options.whole_run and measured:
-        certificate = certificate_for(snapshot, snapshot, snapshot.capacity_bytes)
+        certificate = certificate_for(
+            snapshot, snapshot, snapshot.capacity_bytes, part_of_the_run=False
+        )
     return CheckResult(
         certificate=certificate,
         snapshot=snapshot,

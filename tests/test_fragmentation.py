@@ -166,6 +166,9 @@ def test_reserved_growth_at_the_defaults_is_not_carried_a_few_steps():
     prescription = Prescription(fixes=[], batch_size=8, fits=True)
     prescription.certificate = certificate
     assert refused_for_drift(prescription, FAILING)
+    # A whole run measured (oomdoc check --whole-run) carries its drift.
+    whole = certificate_for(cuda_capture(steps), FAILING, CAPACITY, part_of_the_run=False)
+    assert whole is not None and whole.certified, whole.gaps
     # A tenth of a MiB a step is under the tolerance: carried, certified.
     tenth = MIB // 10
     steps = [step(i, 60 * MIB, 60 * MIB + i * tenth) for i in range(3)]

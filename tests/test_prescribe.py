@@ -471,3 +471,18 @@ def test_a_planned_micro_batch_whose_replay_ended_too_soon_is_not_prescribed():
     chosen, _ = measured_choice(replayer, snapshot, state, [nine, planned], 64, None)
     assert not chosen.fits and chosen.peak_allocated_bytes == 96 * MiB  # the closest measured
     assert "its peak is not known" in chosen.detail
+
+
+def test_the_runner_up_is_replayed_as_prescribed_beside_the_first_choice():
+    """Both bounds need a replay with accumulation; should the first be
+    measured slower, the next is asked for next: it was started beside it,
+    under the very key the choice then asks for."""
+    plain = Candidate([], 7, 70 * MiB, 7 / 26.2, "b7")
+    autocast = Candidate(["autocast"], 12, 60 * MiB, 12 / 25.0, "a12")
+    replayer = LanedReplayer([("fits", 50 * MiB, 4 * 4 / 21.9), ("fits", 55 * MiB, 2 * 8 / 24.5)])
+    snapshot, state = prescription_inputs(replayer, original=16)
+    chosen, _ = measured_choice(replayer, snapshot, state, [plain, autocast], 16, None)
+    assert chosen.fixes == ["autocast"] and (chosen.batch_size, chosen.accumulation_steps) == (8, 2)
+    assert len(replayer.asked) == 2
+    assert replayer.asked[1] in replayer.started_ahead  # started beside the first
+    assert replayer.asked[0] not in replayer.started_ahead

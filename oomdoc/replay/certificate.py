@@ -214,10 +214,13 @@ def certificate_for(
     failing: Snapshot,
     capacity_bytes: int,
     same_configuration_peaks: Iterable[int] = (),
+    part_of_the_run: bool = True,
 ) -> Optional[Certificate]:
     """The certificate of the configuration whose replay wrote `capture`
     (None without one); `same_configuration_peaks`: the peaks of every
-    replay of that same configuration, whose spread the margin covers."""
+    replay of that same configuration, whose spread the margin covers;
+    `part_of_the_run`: the capture is a replay's few steps (False: a whole
+    run, `oomdoc check --whole-run`, whose drift is carried, not a gap)."""
     if capture is None or not capture.steps:
         return None
     certificate = Certificate()
@@ -252,7 +255,12 @@ def certificate_for(
         [step for step in steps if step.optimizer_steps] or steps, expandable
     )
     on_cuda = capture.device.on_cuda or failing.device.on_cuda
-    if on_cuda and not expandable and drift > UNBOUNDED_DRIFT_SHARE * capacity_bytes:
+    if (
+        part_of_the_run
+        and on_cuda
+        and not expandable
+        and drift > UNBOUNDED_DRIFT_SHARE * capacity_bytes
+    ):
         certificate.gaps.append(
             f"the allocator's reserved memory grew {format_bytes(drift)} a step over the "
             f"replay's {len(steps)} steps (fragmentation at its defaults): {DRIFT_GAP}"

@@ -142,8 +142,6 @@ def replay_fixes(
                         )
                         if reason:
                             skipped.append(Skipped(name, reason))
-                        largest = LargestBatchCheck(replayer, snapshot, state)
-                        largest.start()
                         continue
                     replay_single(replayer, fix, snapshot, state)
                 except ReplaysInterrupted:
@@ -161,6 +159,10 @@ def replay_fixes(
                     interrupted = True
             # A speculative combination no decision wanted goes.
             replayer.discard_ahead()
+            if state.search is not None and not interrupted:
+                # Its replays with expandable segments run beside the savers' searches.
+                largest = LargestBatchCheck(replayer, snapshot, state)
+                largest.start()
             if requested is None and not leak and not interrupted:
                 try:
                     search_configurations(replayer, snapshot, options, state)

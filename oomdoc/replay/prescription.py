@@ -44,6 +44,7 @@ from oomdoc.replay.candidates import (
 )
 from oomdoc.replay.certificate import certify_choice
 from oomdoc.replay.fragmentation import certify_with_expandable_segments
+from oomdoc.replay.lanes import SPECULATIVE
 from oomdoc.replay.own_flags import (
     enough_steps,
     prescription_snippet,
@@ -354,6 +355,16 @@ def measured_choice(
         # Should the replay with accumulation confirm it, verify_with_flags
         # asks for this one next: it runs beside it.
         start_flags_ahead(replayer, snapshot, state, chosen)
+        if replays < PRESCRIPTION_REPLAYS:
+            # Should this one be measured slower, or not fit, the next choice
+            # is asked for next: it runs beside it (its timed steps alone).
+            runner_up = pick(
+                [other for other in remaining if other is not candidate], capacity, margin
+            )
+            if runner_up is not None and not runner_up[0].exact and runner_up[1]:
+                start_prescription_ahead(
+                    replayer, snapshot, state, runner_up[0], prescription_of(*runner_up)
+                )
         try:
             replay = replay_prescription(replayer, snapshot, state, chosen)
         except ReplaysInterrupted:
@@ -550,6 +561,35 @@ def claimed_peak(bound: Candidate, prescription: Prescription, replay: Replay) -
     if prescription.accumulation_steps > 1 and covered is False:
         return max(replay.peak_allocated_bytes, bound.peak_allocated_bytes)
     return replay.peak_allocated_bytes
+
+
+def start_prescription_ahead(
+    replayer: Replayer,
+    snapshot: Snapshot,
+    state: ReplayState,
+    candidate: Candidate,
+    prescription: Prescription,
+) -> None:
+    """Start, in a free lane, the replay of `prescription` that
+    measured_choice would ask for next (the candidate not measured as it is
+    prescribed: with accumulation, or at another micro-batch)."""
+    micro = prescription.batch_size
+    if micro is None or micro > candidate.batch_size:
+        return  # planned above what ran: only measured once asked for
+    if prescription.accumulation_steps <= 1 and micro == candidate.batch_size:
+        if not candidate.untimed:
+            return  # measured as it is prescribed already
+    payload, label, args, env, micro_batches, _raised = prescription_replay(
+        replayer, snapshot, state, prescription.fixes, micro, prescription.accumulation_steps
+    )
+    replayer.ahead(
+        payload,
+        label,
+        args=args,
+        extra_env=env,
+        priority=SPECULATIVE,
+        micro_batches_per_step=micro_batches,
+    )
 
 
 def replay_prescription(
