@@ -445,6 +445,15 @@ class FlagsCheck:
     peak_allocated_bytes: Optional[int] = None
     # How the replay's steps flag was raised to run enough steps.
     note: Optional[str] = when_set()
+    # The environment it ran with, for a change no flag makes (an allocator
+    # setting: PYTORCH_CUDA_ALLOC_CONF).
+    env: Optional[Dict[str, str]] = when_set()
+
+    @property
+    def settings(self) -> list[str]:
+        """The environment as `NAME=value` words, to go before the command."""
+        return [f"{key}={value}" for key, value in sorted((self.env or {}).items())]
+
     # False: the replay ended before an optimizer step and two more micro-batches.
     accumulation_covered: Optional[bool] = when_set()
     # The prescribed changes the flags make.

@@ -8,7 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from oomdoc.model import Snapshot
+from oomdoc.analysis import analyse
+from oomdoc.model import Prescription, Snapshot
 from oomdoc.replay.batch import SearchResult
 from oomdoc.replay.candidates import Candidate, choose, considered, plan_limits, planned_below
 from oomdoc.replay.own_flags import verify_with_flags
@@ -19,6 +20,7 @@ from oomdoc.replay.prescription import (
     untimed_savers,
 )
 from oomdoc.replay.replayer import Replay, ReplaysInterrupted, replay_key
+from oomdoc.reporters.tables import prescription_lines
 
 MiB = 1024**2
 # A replay's capture that ran an optimizer step and two more micro-batches.
@@ -77,6 +79,9 @@ class ScriptedReplayer:
         self.options = SimpleNamespace(margin_fraction=0.05, batch_arg=None)
         self.request = SimpleNamespace(args=["--batch-size", "64"])
         self.snapshot = Snapshot()  # the failing run's, as the Replayer keeps it
+
+    def ahead(self, payload, label, args=None, extra_env=None, priority=0, **kwargs):
+        return None  # no lanes: nothing starts ahead, as the Replayer without them
 
     def run(self, payload, label, args=None, extra_env=None, micro_batches_per_step=None):
         self.calls.append((payload, args, micro_batches_per_step))
@@ -486,3 +491,29 @@ def test_the_runner_up_is_replayed_as_prescribed_beside_the_first_choice():
     assert len(replayer.asked) == 2
     assert replayer.asked[1] in replayer.started_ahead  # started beside the first
     assert replayer.asked[0] not in replayer.started_ahead
+
+
+def test_an_allocator_setting_is_verified_with_the_script_s_own_flags_in_its_environment():
+    """expandable_segments has no flag: the script's own flags for the rest
+    run with PYTORCH_CUDA_ALLOC_CONF set (before, no check ran at all), and
+    the report prints the setting before the flags."""
+    snapshot, state, replayer = hugging_face_case()
+    prescription = Prescription(
+        fixes=["expandable_segments"],
+        batch_size=16,
+        accumulation_steps=4,
+        peak_allocated_bytes=80 * MiB,
+        fits=True,
+    )
+    verify_with_flags(replayer, snapshot, prescription, state)
+    checked = prescription.verified_by_flags
+    assert checked is not None and checked.outcome == "fits"
+    assert checked.covers == ["expandable_segments", "smaller_batch"]
+    assert checked.env == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    # Asked for with the environment set.
+    assert replayer.asked[0][3] == (("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"),)
+    snapshot.prescription = prescription
+    line = next(line for line in prescription_lines(analyse(snapshot)) if "own flags" in line)
+    assert (
+        "(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True --per_device_train_batch_size 16" in line
+    )

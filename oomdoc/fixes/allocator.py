@@ -48,6 +48,7 @@ class ExpandableSegments(Fix):
     combines_with = ("autocast", "checkpointing", "lighter_optimizer")
     cuda_only = True
     replay_priority = 4
+    by_environment = True
 
     def skip_reason(self, snapshot: Snapshot, explicit: bool) -> Optional[str]:
         reason = super().skip_reason(snapshot, explicit)

@@ -93,6 +93,9 @@ class Fix:
     changes_batch: bool = False
     # Replays try fixes in this order (lowest first).
     replay_priority: int = 9
+    # Takes effect through the environment its request sets, with no code
+    # change (an allocator setting): the script's own flags run with it set.
+    by_environment: bool = False
     # Saves memory at any batch size, so the prescription may combine it with
     # other such fixes and a batch size (allocator settings are not).
     prescribable: bool = False

@@ -6,10 +6,10 @@ one that was run."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from oomdoc.fixes import batch_fix
+from oomdoc.fixes import batch_fix, fix_named
 from oomdoc.fixes.base import SnippetContext
 from oomdoc.frameworks import context_from_snapshot, framework_of
 from oomdoc.frameworks.base import FrameworkContext, accumulation_in_effect, with_enough_steps
@@ -110,10 +110,13 @@ class FlagsReplay:
     raised: Optional[str]  # how the steps flag was raised
     covers: list[str]  # the changes the flags make
     micro_batches: int  # micro-batches per optimizer step
+    # The environment of the changes made by it (an allocator setting).
+    env: dict = field(default_factory=dict)
 
     @property
     def label(self) -> str:
-        return "the script's own flags: " + " ".join(self.replayed_args)
+        setting = "".join(f" with {key}={value}" for key, value in sorted(self.env.items()))
+        return "the script's own flags: " + " ".join(self.replayed_args) + setting
 
     @property
     def micro_batches_per_step(self) -> Optional[int]:
@@ -133,7 +136,13 @@ def flags_replay(
     framework = framework_of(snapshot)
     args = list(replayer.request.args)
     covered: list[str] = []
+    env: dict = {}
     for change in changes:
+        fix = fix_named(change)
+        if fix is not None and fix.by_environment:
+            env.update(fix.request(snapshot).env)
+            covered.append(change)
+            continue
         variant = framework.flag_variant(change, args, snapshot.script_options, context)
         if variant is not None:
             args, covered = variant, [*covered, change]
@@ -147,7 +156,7 @@ def flags_replay(
             args, snapshot.script_options, snapshot.script_option_defaults
         )
     replayed_args, raised = enough_steps(replayer, snapshot, args, micro_batches)
-    return FlagsReplay(args, replayed_args, raised, covered, micro_batches)
+    return FlagsReplay(args, replayed_args, raised, covered, micro_batches, env)
 
 
 def start_flags_ahead(
@@ -163,6 +172,7 @@ def start_flags_ahead(
         None,
         flags.label,
         flags.replayed_args,
+        extra_env=flags.env or None,
         priority=SPECULATIVE,
         micro_batches_per_step=flags.micro_batches_per_step,
     )
@@ -182,10 +192,13 @@ def verify_with_flags(
         None,
         flags.label,
         args=flags.replayed_args,
+        extra_env=flags.env or None,
         micro_batches_per_step=flags.micro_batches_per_step,
     )
     record = replay_record(replay, flags.args, flags.raised)
     record["covers"] = flags.covers
+    if flags.env:
+        record["env"] = flags.env
     if flags.micro_batches <= 1:
         del record["accumulation_covered"]
     checked = prescription.verified_by_flags = parse(FlagsCheck, record)

@@ -277,7 +277,7 @@ def prescription_lines(analysis: Analysis) -> list[str]:
         )
     checked = prescription.verified_by_flags
     if checked is not None and checked.args is not None:
-        args = " ".join(checked.args)
+        args = " ".join([*checked.settings, *checked.args])
         peak = checked.peak_allocated_bytes
         if checked.outcome == "fits" and peak is not None:
             verdict = f"fits, peak {format_bytes(peak)}"

@@ -285,7 +285,9 @@ def _flags_replay(record: Optional[FlagsCheck]) -> Optional[dict]:
     if record is None or record.args is None:
         return None
     return {
-        "args": " ".join(text for text in (clip(arg) for arg in record.args[:40]) if text),
+        "args": " ".join(
+            text for text in (clip(arg) for arg in [*record.settings, *record.args][:40]) if text
+        ),
         "outcome": clip(record.outcome, 40),
         "peak_allocated_bytes": record.peak_allocated_bytes,
         "note": clip(record.note, 500),
