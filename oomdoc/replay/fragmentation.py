@@ -35,7 +35,7 @@ EXPANDABLE_FIX = ExpandableSegments.name
 MARGIN_GAP = "are above the capacity"
 
 
-def _fix_names(fixes: list[str]) -> list[str]:
+def fix_parts(fixes: list[str]) -> list[str]:
     """Single fix names, combinations (`a+b`) taken apart."""
     return [part for fix in fixes for part in fix.split("+")]
 
@@ -53,7 +53,7 @@ def drift_refusal(certificate: Optional[Certificate], fixes: list[str], snapshot
     failing run's allocator)."""
     if certificate is None or certificate.certified or not snapshot.device.on_cuda:
         return False
-    parts = _fix_names(fixes)
+    parts = fix_parts(fixes)
     if EXPANDABLE_FIX in parts or fix_named("+".join([*parts, EXPANDABLE_FIX])) is None:
         return False
     if EXPANDABLE.lower() in os.environ.get(CONF_ENV, "").replace(" ", "").lower():
@@ -79,7 +79,7 @@ def certify_with_expandable_segments(
     if not refused_for_drift(prescription, snapshot):
         return None
     assert prescription.certificate is not None
-    if requested and EXPANDABLE_FIX not in _fix_names(requested):
+    if requested and EXPANDABLE_FIX not in fix_parts(requested):
         prescription.certificate.gaps.append(
             f"{CONF_ENV}={EXPANDABLE} may take the drift away: --fixes left it out"
         )

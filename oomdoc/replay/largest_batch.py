@@ -23,7 +23,7 @@ from oomdoc.fixes import fix_named
 from oomdoc.fixes.allocator import CONF_ENV, EXPANDABLE
 from oomdoc.model import Certificate, Snapshot
 from oomdoc.replay.certificate import certificate_for
-from oomdoc.replay.fragmentation import EXPANDABLE_FIX, MARGIN_GAP, drift_refusal
+from oomdoc.replay.fragmentation import EXPANDABLE_FIX, MARGIN_GAP, drift_refusal, fix_parts
 from oomdoc.replay.plan import ReplayState
 from oomdoc.replay.replayer import Replayer
 from oomdoc.replay.search import saver_trial, to_batch_run
@@ -81,7 +81,7 @@ class LargestBatchCheck:
         if (
             self.fix is None
             or not drift_refusal(certificate, [], self.snapshot)
-            or (requested and EXPANDABLE_FIX not in [p for n in requested for p in n.split("+")])
+            or (requested and EXPANDABLE_FIX not in fix_parts(requested))
         ):
             # The largest batch leaves no margin by its nature: only what
             # else its replay did not cover is said.
@@ -90,8 +90,9 @@ class LargestBatchCheck:
                 self.result = WholeRunLargest(None, note="; ".join(gaps))
             return
         self.refused = certificate
-        payload, label, args, env = self._trial(best.batch_size + 1)
-        self.replayer.ahead(payload, label, args=args, extra_env=env)
+        if best.batch_size + 1 < search.original_batch_size:
+            payload, label, args, env = self._trial(best.batch_size + 1)
+            self.replayer.ahead(payload, label, args=args, extra_env=env)
 
     def _trial(self, batch_size: int) -> tuple[dict, str, Optional[list[str]], dict]:
         assert self.fix is not None
