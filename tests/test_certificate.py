@@ -145,7 +145,7 @@ def test_batches_of_one_shape_without_a_dataloader_are_certified_as_seen():
     assert (certificate.input_shapes, certificate.shape_steps) == ([[6, 64], [6, 64]], 4)
     assert certificate.longest_input_elements == 64
     lines = certificate_lines(certificate)
-    assert "batches of one shape (6x64, 6x64) in all 4 steps seen" in " ".join(lines)
+    assert "batches of one shape (6x64, 6x64) in all 4 steps seen (taken as" in " ".join(lines)
 
 
 @pytest.mark.parametrize(
@@ -250,3 +250,18 @@ def test_under_expandable_segments_reserved_growth_with_the_allocations_is_no_dr
     # Reserved growing beyond the allocations is drift with them too.
     steps[3].peak_reserved_bytes = 73 * MIB
     assert allocator_drift(steps, expandable=True) == (0, 3 * MIB)
+
+
+def test_an_iterable_dataset_of_one_shape_is_certified_as_seen():
+    # Packed token streams (an IterableDataset): nothing to order, but
+    # every batch the replay took had one shape; its evaluation was reached.
+    steps = [shaped(i, [[8, 128]]) for i in range(3)]
+    steps[2]["evaluation_calls"], steps[2]["phase_peaks"]["evaluation"] = 2, MIB // 2
+    streamed = loader("training", not_ordered="an iterable dataset")
+    certificate = certificate_for(capture(steps, [streamed]), FAILING, CAPACITY)
+    assert certificate is not None and certificate.certified, certificate.gaps
+    assert certificate.shapes == "fixed_as_seen" and certificate.input_shapes == [[8, 128]]
+    varying = [shaped(i, [[8, 64 * (i + 1)]]) for i in range(3)]
+    certificate = certificate_for(capture(varying, [streamed]), FAILING, CAPACITY)
+    assert certificate is not None and certificate.shapes == "as_they_came"
+    assert any("an iterable dataset" in gap for gap in certificate.gaps)

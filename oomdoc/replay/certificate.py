@@ -141,14 +141,8 @@ def _shapes(
     certificate: Certificate, training: Optional[DataLoaderRecord], runs: list[Snapshot]
 ) -> None:
     if training is None:
-        fixed = _fixed_as_seen(runs)
-        if fixed is not None:
-            # No DataLoader (nanoGPT's get_batch), every batch one shape.
-            shapes, steps = fixed
-            certificate.shapes = "fixed_as_seen"
-            certificate.input_shapes, certificate.shape_steps = shapes, steps
-            certificate.longest_input_elements = math.prod(shapes[0][1:]) if shapes[0] else 1
-            return
+        if _as_seen(certificate, runs):
+            return  # no DataLoader (nanoGPT's get_batch), every batch one shape
         certificate.shapes = "as_they_came"
         certificate.gaps.append(
             "the training batches do not come from a DataLoader over a map-style dataset "
@@ -175,11 +169,24 @@ def _shapes(
                 f"every sample read had {training.fixed_elements} elements, but only "
                 f"{training.samples_read} of {training.samples} were read"
             )
-    else:
+    elif not _as_seen(certificate, runs):  # an iterable dataset of one shape is covered
         certificate.shapes = "as_they_came"
         certificate.gaps.append(
             f"the training batches came as the data gave them: {training.not_ordered or 'not ordered'}"
         )
+
+
+def _as_seen(certificate: Certificate, runs: list[Snapshot]) -> bool:
+    """Certify the shapes as seen (`fixed_as_seen`) when every step's batch
+    had one shape (_fixed_as_seen); whether it did."""
+    fixed = _fixed_as_seen(runs)
+    if fixed is None:
+        return False
+    shapes, steps = fixed
+    certificate.shapes = "fixed_as_seen"
+    certificate.input_shapes, certificate.shape_steps = shapes, steps
+    certificate.longest_input_elements = math.prod(shapes[0][1:]) if shapes[0] else 1
+    return True
 
 
 def _evaluation(
@@ -229,7 +236,11 @@ def certificate_for(
     _shapes(certificate, training, [failing, capture])
     certificate.trained_after_evaluation = bool(training and training.trained_after_evaluation)
     _evaluation(certificate, capture, failing, loaders)
-    if certificate.shapes == "fixed_as_seen" and certificate.evaluation_peak_bytes is None:
+    if (
+        certificate.shapes == "fixed_as_seen"
+        and training is None
+        and certificate.evaluation_peak_bytes is None
+    ):
         # Without DataLoaders, no unused one tells of an evaluation to come.
         certificate.gaps.append(
             "the batches come without a DataLoader and the replay reached no evaluation: "

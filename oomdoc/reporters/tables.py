@@ -330,7 +330,7 @@ def certificate_lines(certificate: Optional[Certificate]) -> list[str]:
         shapes = ", ".join("x".join(map(str, shape)) for shape in certificate.input_shapes)
         covered.append(
             f"batches of one shape ({shapes}) in all {certificate.shape_steps} steps seen "
-            "(the script's own batches, no DataLoader)"
+            "(taken as they came: no sizes to read)"
         )
     if certificate.evaluation_peak_bytes is not None:
         batch = (
