@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from oomdoc.categories import CATEGORIES  # noqa: F401  (oomdoc.model's API)
-from oomdoc.model_data import Certificate, DataLoaderRecord, FirstBatch  # noqa: F401
+from oomdoc.model_data import Certificate, DataLoaderRecord, FirstBatch, FlagsCheck  # noqa: F401
 from oomdoc.records import parse, to_dict, when_set  # noqa: F401  (oomdoc.model's API)
 
 OUTCOMES = ("oom", "ok", "error", "interrupted")
@@ -432,34 +432,6 @@ class Framework:
     # was first seen (`forward`, `backward`, `optimizer_step`, `oom`).
     module: Optional[str] = when_set()
     seen_at: Optional[str] = when_set()
-    extra: Dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class FlagsCheck:
-    """The prescription replayed with the script's own flags and no fix of
-    oomdoc's (`prescription.verified_by_flags`)."""
-
-    args: Optional[List[str]] = None
-    outcome: Optional[str] = None
-    peak_allocated_bytes: Optional[int] = None
-    # How the replay's steps flag was raised to run enough steps.
-    note: Optional[str] = when_set()
-    # The environment it ran with, for a change no flag makes (an allocator
-    # setting: PYTORCH_CUDA_ALLOC_CONF).
-    env: Optional[Dict[str, str]] = when_set()
-
-    @property
-    def settings(self) -> list[str]:
-        """The environment as `NAME=value` words, to go before the command."""
-        return [f"{key}={value}" for key, value in sorted((self.env or {}).items())]
-
-    # False: the replay ended before an optimizer step and two more micro-batches.
-    accumulation_covered: Optional[bool] = when_set()
-    # The prescribed changes the flags make.
-    covers: List[str] = when_set(factory=list)
-    # Its peak over the prescription's.
-    peak_ratio: Optional[float] = when_set()
     extra: Dict[str, Any] = field(default_factory=dict)
 
 

@@ -5,8 +5,9 @@ A replay orders every DataLoader's batches longest first and reaches the
 script's own evaluation (oomdoc.capture.whole_run); what it did is a
 `DataLoaderRecord` each. The prescription's `Certificate` says what its
 measurement covers: the longest input, the evaluation batch, the optimizer
-steps, the ranks, and the margin measured from the allocator's drift. Part
-of oomdoc.model (which imports them): parsed the same way, by field.
+steps, the ranks, and the margin measured from the allocator's drift; the
+prescription's own-flags replay is a `FlagsCheck`. Part of oomdoc.model
+(which imports them): parsed the same way, by field.
 """
 
 from __future__ import annotations
@@ -119,3 +120,30 @@ class Certificate:
     allocator_setting: Optional[str] = when_set()
     gaps: List[str] = field(default_factory=list)
     extra: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class FlagsCheck:
+    """The prescription replayed with the script's own flags and no fix of
+    oomdoc's (`prescription.verified_by_flags`)."""
+
+    args: Optional[List[str]] = None
+    outcome: Optional[str] = None
+    peak_allocated_bytes: Optional[int] = None
+    # How the replay's steps flag was raised to run enough steps.
+    note: Optional[str] = when_set()
+    # The environment it ran with, for a change no flag makes (an allocator
+    # setting: PYTORCH_CUDA_ALLOC_CONF).
+    env: Optional[Dict[str, str]] = when_set()
+    # False: the replay ended before an optimizer step and two more micro-batches.
+    accumulation_covered: Optional[bool] = when_set()
+    # The prescribed changes the flags make.
+    covers: List[str] = when_set(factory=list)
+    # Its peak over the prescription's.
+    peak_ratio: Optional[float] = when_set()
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def settings(self) -> list[str]:
+        """The environment as `NAME=value` words, to go before the command."""
+        return [f"{key}={value}" for key, value in sorted((self.env or {}).items())]
