@@ -39,8 +39,9 @@ CERTIFIED_OPTIMIZER_STEPS = 2
 # 10 seeds, with no more allocated than the replay had measured.
 UNBOUNDED_DRIFT_SHARE = 0.0025
 DRIFT_GAP = "nothing measured says where it stops"
-# Steps whose batches (a script's own, no DataLoader) must all have had one
-# shape, over the failing run and the replay, for the shapes to count as fixed.
+# Steps of the failing run and the replay whose batches (a script's own, no
+# DataLoader, or an iterable dataset's) must have had one shape (each run its
+# own: their batch sizes differ) for the shapes to count as fixed.
 FIXED_AS_SEEN_STEPS = 3
 
 
@@ -146,8 +147,8 @@ def _shapes(
         certificate.shapes = "as_they_came"
         certificate.gaps.append(
             "the training batches do not come from a DataLoader over a map-style dataset "
-            "and their shapes changed from step to step: the replay ran them as they came, "
-            "not the longest first"
+            f"and not every step seen (at least {FIXED_AS_SEEN_STEPS}) passed the model "
+            "tensors of one shape: the replay ran them as they came, not the longest first"
         )
         return
     certificate.samples, certificate.samples_read = training.samples, training.samples_read

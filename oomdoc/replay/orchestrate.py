@@ -331,7 +331,7 @@ def batch_search_result(
     )
     detail = f"largest batch that fits: {maximum} ({exactness}; {len(search.trials)} replays)"
     if largest is not None:
-        detail += f"; {whole_run_text(largest, maximum)}"
+        detail += f"; {whole_run_text(largest)}"
     if searches_evaluation_batch(snapshot, info):
         detail += f"; an evaluation batch of {micro} ({how_text})"
     else:
@@ -357,7 +357,7 @@ def batch_search_result(
     return result
 
 
-def whole_run_text(largest: WholeRunLargest, maximum: int) -> str:
+def whole_run_text(largest: WholeRunLargest) -> str:
     """What the largest batch's certificate found, in a phrase."""
     if largest.batch_size is None:
         return f"not certified for the whole run: {largest.note}"
