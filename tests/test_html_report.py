@@ -738,3 +738,31 @@ def test_real_run_report(chromium, tmp_path, tiny_gpt_oom_run):
     assert len(sites) == len(document["top_allocations"])
     assert re.search(r"examples/gpt_train\.py:\d+ in ", sites[0].text())
     assert copy.deepcopy(document) == load_json(snapshot)  # rendering does not touch the document
+
+
+def test_the_largest_batch_for_the_whole_run_has_its_own_card():
+    document = rich_document()
+    document["replay"]["batch_search"] = {
+        "source": "--batch-size",
+        "original_batch_size": 32,
+        "max_batch_size": 20,
+        "exact": True,
+        "trials": [[20, True], [21, False]],
+        "whole_run_batch_size": 21,
+        "whole_run_setting": "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
+        "whole_run_note": "at the allocator's defaults batch 20's reserved memory grew 400 MiB a step",
+    }
+    view = build_view(analysed(document))
+    assert view["whole_run_batch"]["batch_size"] == 21
+    page = render_html(view)
+    assert "largest batch for the whole run" in page
+    assert "with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (certified)" in page
+    # Certified as it is: said on the largest batch's own card.
+    document["replay"]["batch_search"].update(
+        whole_run_batch_size=20,
+        whole_run_setting=None,
+        whole_run_note="certified for the whole run",
+    )
+    page = render_html(build_view(analysed(document)))
+    assert "21 ran out of memory; certified for the whole run" in page
+    assert "largest batch for the whole run" not in page

@@ -102,14 +102,23 @@ def stats_html(view: dict) -> str:
             cards.append(_stat("peak in", f"step {peak['step']} {peak.get('phase') or ''}".strip()))
     cards.append(_stat("capacity", fmt(capacity), f"{device.get('kind') or 'device'} memory"))
     if view.get("max_batch_size"):
-        cards.append(
-            _stat(
-                "largest batch that fits",
-                str(view["max_batch_size"]),
-                f"{view['max_batch_size'] + 1} ran out of memory",
-                "good",
+        whole_run = view.get("whole_run_batch") or {}
+        certified = whole_run.get("batch_size")
+        sub = f"{view['max_batch_size'] + 1} ran out of memory"
+        if certified == view["max_batch_size"] and not whole_run.get("setting"):
+            sub += "; certified for the whole run"
+        elif whole_run and certified is None:
+            sub += "; not certified for the whole run"
+        cards.append(_stat("largest batch that fits", str(view["max_batch_size"]), sub, "good"))
+        if certified and whole_run.get("setting"):
+            cards.append(
+                _stat(
+                    "largest batch for the whole run",
+                    str(certified),
+                    f"with {whole_run['setting']} (certified)",
+                    "good",
+                )
             )
-        )
     fitting = [fix for fix in view["fixes"]["items"] if fix["fits"] is True]
     if view["fixes"]["items"]:
         cards.append(

@@ -16,6 +16,9 @@ View keys (bytes are ints; absent values are None):
   relative to the run's cwd), `message`.
 - `peak`: None, or `allocated_bytes`, `reserved_bytes`, `step`, `phase`.
 - `max_batch_size`: int or None.
+- `whole_run_batch`: None, or `batch_size` (the largest batch certified for
+  the whole run, None when none was), `setting` (the allocator setting it
+  needs, or None), `note` (why).
 - `prescription`: None, or `fixes` (names), `batch_size`, `accumulation_steps`,
   `peak_allocated_bytes`, `headroom_bytes`, `fits`, `samples_per_second`,
   `measured`, `snippet` (the document's, else the snippets of its fixes),
@@ -190,6 +193,7 @@ def _build_view(analysis: Analysis) -> dict:
         "oom": _oom(snapshot.oom, cwd) if snapshot.outcome == "oom" else None,
         "peak": _peak(snapshot.peak),
         "max_batch_size": snapshot.max_batch_size,
+        "whole_run_batch": _whole_run_batch(snapshot),
         "prescription": _prescription(snapshot, capacity),
         "top_fixes": sorted(fixes["items"], key=lambda fix: fix["fits"] is not True)[:3],
         "timeline": _timeline(snapshot, capacity),
@@ -277,6 +281,18 @@ def _prescription(snapshot: Snapshot, capacity: int) -> Optional[dict]:
         "certificate": [
             clip(line.strip(), 400) for line in certificate_lines(prescription.certificate)
         ],
+    }
+
+
+def _whole_run_batch(snapshot: Snapshot) -> Optional[dict]:
+    """The largest batch's whole-run certificate (oomdoc.replay.largest_batch)."""
+    search = snapshot.replay.batch_search if snapshot.replay is not None else None
+    if search is None or (search.whole_run_batch_size is None and not search.whole_run_note):
+        return None
+    return {
+        "batch_size": search.whole_run_batch_size,
+        "setting": clip(search.whole_run_setting, 200),
+        "note": clip(search.whole_run_note, 500),
     }
 
 
