@@ -104,7 +104,7 @@ def certify_with_expandable_segments(
         certificate.allocator_setting = (
             f"{CONF_ENV}={EXPANDABLE}: replayed without it, the reserved memory grew "
             f"{format_bytes(refused.drift_bytes_per_step)} a step (fragmentation): "
-            + "; ".join(refused.gaps)
+            + "; ".join(DRIFT_GAP if DRIFT_GAP in gap else gap for gap in refused.gaps)
         )
         prescription.fixes = trial.fixes
         prescription.certificate = certificate
