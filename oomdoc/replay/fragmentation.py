@@ -65,6 +65,25 @@ def drift_refusal(certificate: Optional[Certificate], fixes: list[str], snapshot
     return all(MARGIN_GAP in gap or DRIFT_GAP in gap for gap in certificate.gaps)
 
 
+def replay_certificate(replay: Replay, snapshot: Snapshot) -> tuple[Optional[Certificate], str]:
+    """The certificate of one replay of a configuration (None when it did
+    not fit), and what kept it from being certified ('' when it is)."""
+    certificate = (
+        certificate_for(
+            replay.capture,
+            snapshot,
+            snapshot.device.capacity_bytes,
+            [replay.peak_allocated_bytes or 0],
+        )
+        if replay.fits
+        else None
+    )
+    if certificate is None:
+        oom = replay.outcome == "oom"
+        return None, f"ran out of memory ({replay.message})" if oom else replay.outcome
+    return certificate, "" if certificate.certified else "; ".join(certificate.gaps)
+
+
 def certify_with_expandable_segments(
     prescription: Prescription,
     snapshot: Snapshot,
@@ -94,11 +113,7 @@ def certify_with_expandable_segments(
     except ReplaysInterrupted:
         return None  # Ctrl-C or stopped: the refusal stands as measured
     capacity = snapshot.device.capacity_bytes
-    certificate = (
-        certificate_for(replay.capture, snapshot, capacity, [replay.peak_allocated_bytes or 0])
-        if replay.fits
-        else None
-    )
+    certificate, found = replay_certificate(replay, snapshot)
     if certificate is not None and certificate.certified:
         refused = prescription.certificate
         certificate.allocator_setting = (
@@ -114,12 +129,6 @@ def certify_with_expandable_segments(
             if prescription.headroom_bytes is not None:
                 prescription.headroom_bytes = capacity - replay.peak_allocated_bytes
         return replay
-    if certificate is None:
-        found = (
-            f"ran out of memory ({replay.message})" if replay.outcome == "oom" else replay.outcome
-        )
-    else:
-        found = "; ".join(certificate.gaps)
     prescription.certificate.gaps.append(
         f"replayed with {CONF_ENV}={EXPANDABLE} to take the drift away: {found}"
     )

@@ -23,10 +23,16 @@ from oomdoc.fixes import fix_named
 from oomdoc.fixes.allocator import CONF_ENV, EXPANDABLE
 from oomdoc.model import Certificate, Snapshot
 from oomdoc.replay.certificate import certificate_for
-from oomdoc.replay.fragmentation import EXPANDABLE_FIX, MARGIN_GAP, drift_refusal, fix_parts
+from oomdoc.replay.fragmentation import (
+    EXPANDABLE_FIX,
+    MARGIN_GAP,
+    drift_refusal,
+    fix_parts,
+    replay_certificate,
+)
 from oomdoc.replay.plan import ReplayState
 from oomdoc.replay.replayer import Replayer
-from oomdoc.replay.search import saver_trial, to_batch_run
+from oomdoc.replay.search import saver_trial
 from oomdoc.sizes import format_bytes
 
 # Replays with expandable segments above the largest batch, at most.
@@ -101,16 +107,9 @@ class LargestBatchCheck:
     def _certified(self, batch_size: int) -> bool:
         payload, label, args, env = self._trial(batch_size)
         replay = self.replayer.run(payload, label, args=args, extra_env=env)
-        run = to_batch_run(replay, batch_size)
-        if not run.fits:
-            self.findings.append(f"batch {batch_size} with it: {replay.outcome} {replay.message}")
-            return False
-        certificate = certificate_for(
-            replay.capture, self.snapshot, self.capacity, [replay.peak_allocated_bytes or 0]
-        )
+        certificate, found = replay_certificate(replay, self.snapshot)
         if certificate is None or not certificate.certified:
-            gaps = "; ".join(certificate.gaps) if certificate is not None else "no steps"
-            self.findings.append(f"batch {batch_size} with it fit, not certified: {gaps}")
+            self.findings.append(f"batch {batch_size} with it: {found}")
             return False
         return True
 
