@@ -158,3 +158,53 @@ def test_steps_after_the_replays_steps_are_left_out_of_its_step_time():
     for step in timed[4:]:
         step.after_timed_steps = True
     assert step_timing(timed) == StepTiming(1.0, 0.2, 3)
+
+
+def test_a_saver_search_started_ahead_is_the_one_its_search_asks_for_first():
+    """The savers' searches start their first replays at once, beside each
+    other (start_saver_searches_ahead): on the H100 the HF Trainer's autocast
+    and autocast + checkpointing searches ran one after another. Started
+    ahead, a replay is used only when its key is the one the search asks for:
+    first_saver_trial picks the batch search_max_batch picks first."""
+    from oomdoc.replay.batch import BatchRun, SearchResult, search_max_batch
+    from oomdoc.replay.search import first_saver_trial, saver_probe, settled_by_accumulation
+
+    snapshot = Snapshot.from_dict({"device": {"capacity_bytes": 16 * 1024 * MiB}})
+    cases = [
+        (32, 9, 20),  # the H100 run: plain largest 9, the saver's estimate 20
+        (32, 9, None),  # no estimate: halfway from 9 to 32
+        (32, 9, 5),  # an estimate below the plain largest: one above it
+        (64, 0, None),  # nothing fit without a fix
+        (256, 24, 57),
+    ]
+    for original, plain, estimate in cases:
+        state = ReplayState(
+            skipped=[],
+            batch_info={"source": "--batch-size"},
+            search=SearchResult(original, plain or None, True, [], []),
+        )
+        at_original = BatchRun(batch_size=original, fits=False, estimated_max=estimate)
+        at_original.lower_bounds[("first", "forward")] = 20 * 1024 * MiB
+        asked = []
+
+        def trial(batch_size, asked=asked):
+            asked.append(batch_size)
+            return BatchRun(batch_size=batch_size, fits=True, peak_allocated_bytes=MiB)
+
+        search_max_batch(
+            original,
+            16 * 1024 * MiB,
+            [at_original],
+            trial,
+            probe=saver_probe(state.search, at_original),
+            max_trials=1,
+            enough=settled_by_accumulation(snapshot, state),
+            floor=plain,
+        )
+        assert first_saver_trial(snapshot, state, at_original) == (asked[0] if asked else None)
+    # Between 16 and 31 every largest batch gives micro-batches of 16 x 2:
+    # the search asks for none, and none starts ahead.
+    state = ReplayState(
+        skipped=[], batch_info={"source": "--batch-size"}, search=SearchResult(32, 16, True, [], [])
+    )
+    assert first_saver_trial(snapshot, state, BatchRun(batch_size=32, fits=False)) is None

@@ -517,3 +517,52 @@ def test_an_allocator_setting_is_verified_with_the_script_s_own_flags_in_its_env
     assert (
         "(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True --per_device_train_batch_size 16" in line
     )
+
+
+def test_a_prescription_near_a_drifting_largest_batch_starts_its_expandable_checks_ahead():
+    """On the H100 the HF Trainer's largest batch drifted at the allocator's
+    defaults; its prescription 8 x 4 then drifted too, and its replay with
+    expandable segments and that one's own-flags check ran one after another
+    at the end of the diagnosis. Now both start beside the replay with
+    accumulation, with exactly the keys the drift's refusal and the flags
+    check ask for; without the drift, only the own-flags check starts."""
+    from oomdoc.replay.fragmentation import with_expandable_segments
+    from oomdoc.replay.own_flags import flags_replay
+    from oomdoc.replay.prescription import prescription_replay, start_checks_ahead
+
+    def flags_key(flags):
+        return replay_key(
+            None, flags.label, flags.replayed_args, flags.env or None, flags.micro_batches_per_step
+        )
+
+    snapshot, state, replayer = hugging_face_case()
+    snapshot.device.kind = "cuda"
+    chosen = Prescription(fixes=[], batch_size=16, accumulation_steps=4)
+    start_checks_ahead(replayer, snapshot, state, chosen)
+    assert replayer.started_ahead == [flags_key(flags_replay(replayer, snapshot, state, chosen))]
+
+    replayer.started_ahead.clear()
+    state.defaults_drift_bytes = 454 * MiB
+    start_checks_ahead(replayer, snapshot, state, chosen)
+    trial = with_expandable_segments(chosen)
+    payload, label, args, env, micro_batches, _raised = prescription_replay(
+        replayer, snapshot, state, trial.fixes, 16, 4
+    )
+    assert env == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    flags = flags_replay(replayer, snapshot, state, trial)
+    assert flags.env == env
+    assert replayer.started_ahead == [
+        replay_key(payload, label, args, env, micro_batches),
+        flags_key(flags),
+    ]
+    # Not when --fixes leaves the setting out, nor off CUDA.
+    own_flags_only = [flags_key(flags_replay(replayer, snapshot, state, chosen))]
+    replayer.started_ahead.clear()
+    replayer.options.fixes = ["autocast"]
+    start_checks_ahead(replayer, snapshot, state, chosen)
+    assert replayer.started_ahead == own_flags_only
+    replayer.started_ahead.clear()
+    replayer.options.fixes = None
+    snapshot.device.kind = "simulated"
+    start_checks_ahead(replayer, snapshot, state, chosen)
+    assert replayer.started_ahead == own_flags_only

@@ -51,18 +51,34 @@ def drift_refusal(certificate: Optional[Certificate], fixes: list[str], snapshot
     CUDA, with a measured growth of the allocator's reservations, and expandable
     segments not yet in use (by `fixes`, the script's environment, or the
     failing run's allocator)."""
-    if certificate is None or certificate.certified or not snapshot.device.on_cuda:
+    if certificate is None or certificate.certified or not expandable_applies(fixes, snapshot):
+        return False
+    if certificate.drift_bytes_per_step <= 0:
+        return False
+    return all(MARGIN_GAP in gap or DRIFT_GAP in gap for gap in certificate.gaps)
+
+
+def expandable_applies(fixes: list[str], snapshot: Snapshot) -> bool:
+    """Whether expandable segments could be added to `fixes`: on CUDA, not
+    yet in use (by `fixes`, the script's environment, or the failing run's
+    allocator), with a fix that combines them."""
+    if not snapshot.device.on_cuda:
         return False
     parts = fix_parts(fixes)
     if EXPANDABLE_FIX in parts or fix_named("+".join([*parts, EXPANDABLE_FIX])) is None:
         return False
     if EXPANDABLE.lower() in os.environ.get(CONF_ENV, "").replace(" ", "").lower():
         return False
-    if snapshot.allocator is not None and snapshot.allocator.expandable_segments:
-        return False
-    if certificate.drift_bytes_per_step <= 0:
-        return False
-    return all(MARGIN_GAP in gap or DRIFT_GAP in gap for gap in certificate.gaps)
+    return not (snapshot.allocator is not None and snapshot.allocator.expandable_segments)
+
+
+def with_expandable_segments(prescription: Prescription) -> Prescription:
+    """The same configuration with expandable segments added."""
+    return Prescription(
+        fixes=[*prescription.fixes, EXPANDABLE_FIX],
+        batch_size=prescription.batch_size,
+        accumulation_steps=prescription.accumulation_steps,
+    )
 
 
 def replay_certificate(replay: Replay, snapshot: Snapshot) -> tuple[Optional[Certificate], str]:
@@ -89,12 +105,15 @@ def certify_with_expandable_segments(
     snapshot: Snapshot,
     replay_with: Callable[[Prescription], Replay],
     requested: Optional[list[str]] = None,
+    ahead: Optional[Callable[[Prescription], object]] = None,
 ) -> Optional[Replay]:
     """Replay `prescription` with expandable segments when its certificate
     was refused for the allocator's drift (refused_for_drift), and adopt
     them when that replay is certified; the replay, or None when none ran.
     `requested`: the user's `--fixes`; without expandable_segments among
-    them, the refusal stands and says what would take the drift away."""
+    them, the refusal stands and says what would take the drift away.
+    `ahead(trial)`: starts what a certified trial is checked with next (the
+    script's own flags) beside its replay."""
     if not refused_for_drift(prescription, snapshot):
         return None
     assert prescription.certificate is not None
@@ -103,11 +122,9 @@ def certify_with_expandable_segments(
             f"{CONF_ENV}={EXPANDABLE} may take the drift away: --fixes left it out"
         )
         return None
-    trial = Prescription(
-        fixes=[*prescription.fixes, EXPANDABLE_FIX],
-        batch_size=prescription.batch_size,
-        accumulation_steps=prescription.accumulation_steps,
-    )
+    trial = with_expandable_segments(prescription)
+    if ahead is not None:
+        ahead(trial)
     try:
         replay = replay_with(trial)
     except ReplaysInterrupted:

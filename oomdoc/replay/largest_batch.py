@@ -96,6 +96,7 @@ class LargestBatchCheck:
                 self.result = WholeRunLargest(None, note="; ".join(gaps))
             return
         self.refused = certificate
+        self.state.defaults_drift_bytes = certificate.drift_bytes_per_step
         if best.batch_size + 1 < search.original_batch_size:
             payload, label, args, env = self._trial(best.batch_size + 1)
             self.replayer.ahead(payload, label, args=args, extra_env=env)

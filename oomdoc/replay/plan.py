@@ -157,6 +157,10 @@ class ReplayState:
     # by its fixes; and the configurations not searched, with the reason.
     saver_searches: dict[tuple[str, ...], batch_model.SearchResult] = field(default_factory=dict)
     not_searched: dict[tuple[str, ...], str] = field(default_factory=dict)
+    # How much the plain largest batch's reserved memory grew a step at the
+    # allocator's defaults, when that drift alone refused its certificate
+    # (oomdoc.replay.largest_batch): a configuration near it likely drifts too.
+    defaults_drift_bytes: int = 0
 
 
 def searches_evaluation_batch(snapshot: Snapshot, info: dict) -> bool:

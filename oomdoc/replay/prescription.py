@@ -43,7 +43,13 @@ from oomdoc.replay.candidates import (
     prescription_from,
 )
 from oomdoc.replay.certificate import certify_choice
-from oomdoc.replay.fragmentation import certify_with_expandable_segments
+from oomdoc.replay.fragmentation import (
+    EXPANDABLE_FIX,
+    certify_with_expandable_segments,
+    expandable_applies,
+    fix_parts,
+    with_expandable_segments,
+)
 from oomdoc.replay.lanes import SPECULATIVE
 from oomdoc.replay.own_flags import (
     enough_steps,
@@ -176,6 +182,7 @@ def prescription_for(
             snapshot,
             lambda trial: replay_prescription(replayer, snapshot, state, trial),
             getattr(replayer.options, "fixes", None),
+            ahead=lambda trial: start_flags_ahead(replayer, snapshot, state, trial),
         )
     source = state.batch_info.get("source") or ""
     if (
@@ -354,7 +361,7 @@ def measured_choice(
         replays += 1
         # Should the replay with accumulation confirm it, verify_with_flags
         # asks for this one next: it runs beside it.
-        start_flags_ahead(replayer, snapshot, state, chosen)
+        start_checks_ahead(replayer, snapshot, state, chosen)
         if replays < PRESCRIPTION_REPLAYS:
             # Should this one be measured slower, or not fit, the next choice
             # is asked for next: it runs beside it (its timed steps alone).
@@ -590,6 +597,46 @@ def start_prescription_ahead(
         priority=SPECULATIVE,
         micro_batches_per_step=micro_batches,
     )
+
+
+def start_checks_ahead(
+    replayer: Replayer, snapshot: Snapshot, state: ReplayState, prescription: Prescription
+) -> None:
+    """Start, beside the replay of `prescription` with accumulation, the
+    replays that will check it if it is confirmed: its script's-own-flags
+    replay; or, when the plain largest batch's drift at the allocator's
+    defaults refused it (ReplayState.defaults_drift_bytes) and this one may
+    drift as well, the replay with expandable segments that the drift's
+    refusal asks for (certify_with_expandable_segments) and that one's own
+    flags. On the H100 those were otherwise two replays one after another at
+    the end of the diagnosis."""
+    requested = getattr(replayer.options, "fixes", None)
+    if (
+        state.defaults_drift_bytes > 0
+        and prescription.batch_size
+        and expandable_applies(prescription.fixes, snapshot)
+        and not (requested and EXPANDABLE_FIX not in fix_parts(requested))
+    ):
+        trial = with_expandable_segments(prescription)
+        payload, label, args, env, micro_batches, _raised = prescription_replay(
+            replayer,
+            snapshot,
+            state,
+            trial.fixes,
+            int(prescription.batch_size),
+            trial.accumulation_steps,
+        )
+        replayer.ahead(
+            payload,
+            label,
+            args=args,
+            extra_env=env,
+            priority=SPECULATIVE,
+            micro_batches_per_step=micro_batches,
+        )
+        start_flags_ahead(replayer, snapshot, state, trial)
+        return
+    start_flags_ahead(replayer, snapshot, state, prescription)
 
 
 def replay_prescription(

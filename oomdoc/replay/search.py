@@ -7,7 +7,7 @@ runs its trials as replays.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from oomdoc.fixes import Fix, batch_fix, fix_named
 from oomdoc.model import (
@@ -15,6 +15,7 @@ from oomdoc.model import (
     Snapshot,
 )
 from oomdoc.replay import batch as batch_model
+from oomdoc.replay.lanes import SPECULATIVE
 from oomdoc.replay.plan import (
     ReplayState,
     is_prescribable,
@@ -297,6 +298,7 @@ def search_configurations(
     capacity = snapshot.device.capacity_bytes
     limit = capacity - int(getattr(options, "margin_fraction", 0.05) * capacity)
     by_parts = {tuple(result.parts): result for result in state.results}
+    start_saver_searches_ahead(replayer, snapshot, state, by_parts, limit)
     fitting: list[tuple[str, ...]] = []
     for fixes in saver_configurations(snapshot, state):
         result = by_parts.get(fixes)
@@ -322,6 +324,40 @@ def search_configurations(
         search = search_under(replayer, snapshot, state, fix, at_original)
         if search is not None:
             state.saver_searches[fixes] = search
+
+
+def start_saver_searches_ahead(
+    replayer: Replayer,
+    snapshot: Snapshot,
+    state: ReplayState,
+    by_parts: dict[tuple[str, ...], FixResult],
+    limit: int,
+) -> None:
+    """Start every saver search's first replay at once, in free lanes
+    (speculative), instead of each after the search before it: on the H100
+    the HF Trainer's two searches ran one after another. A configuration
+    that an earlier search turns out to rule out (estimated_no_larger) asks
+    for none: its replay is wasted, the decisions are the same."""
+    assert state.search is not None
+    original = state.search.original_batch_size
+    fitting: list[tuple[str, ...]] = []
+    for fixes in saver_configurations(snapshot, state):
+        if fits_within(by_parts.get(fixes), limit):
+            fitting.append(fixes)
+            continue
+        fix = fix_named("+".join(fixes))
+        replay = state.replays.get("+".join(fixes))
+        if dominated(fixes, fitting) or fix is None or replay is None or replay.capture is None:
+            continue
+        at_original = to_batch_run(replay, original)
+        if at_original.inconclusive or estimated_no_larger(
+            fixes, at_original, micro_batches(state), original
+        ):
+            continue
+        batch_size = first_saver_trial(snapshot, state, at_original)
+        if batch_size is not None:
+            payload, label, args, env = saver_trial(replayer, snapshot, state, fix, batch_size)
+            replayer.ahead(payload, label, args=args, extra_env=env, priority=SPECULATIVE)
 
 
 # An estimated largest batch is taken this much larger before it is trusted
@@ -387,22 +423,6 @@ def search_under(
         payload, label, args, env = saver_trial(replayer, snapshot, state, fix, batch_size)
         return to_batch_run(replayer.run(payload, label, args=args, extra_env=env), batch_size)
 
-    def enough(fit: int, oom: int) -> str | None:
-        # The search is for the prescription, whose gradient accumulation
-        # makes up the user's batch: once every batch from the fit to below
-        # the OOM gives the same micro-batch, no probe can change it.
-        plan = batch_model.accumulation_plan(
-            original, fit, not searches_evaluation_batch(snapshot, state.batch_info)
-        )
-        if plan != batch_model.accumulation_plan(
-            original, oom - 1, not searches_evaluation_batch(snapshot, state.batch_info)
-        ):
-            return None
-        return (
-            f"any largest batch from {fit} to {oom - 1} gives the same prescription, "
-            f"{plan[0]} x {plan[1]} accumulation steps"
-        )
-
     probe = saver_probe(state.search, at_original)
     if probe < 1:
         return None
@@ -415,9 +435,51 @@ def search_under(
         trial,
         probe=probe,
         max_trials=4,
-        enough=enough,
+        enough=settled_by_accumulation(snapshot, state),
         floor=state.search.max_batch_size or 0,
     )
+
+
+def settled_by_accumulation(
+    snapshot: Snapshot, state: ReplayState
+) -> Callable[[int, int], Optional[str]]:
+    """The savers' searches' `enough`: the search is for the prescription,
+    whose gradient accumulation makes up the user's batch, so once every
+    batch from the fit to below the OOM gives the same micro-batch, no probe
+    can change it."""
+    assert state.search is not None
+    original = state.search.original_batch_size
+    accumulates = not searches_evaluation_batch(snapshot, state.batch_info)
+
+    def enough(fit: int, oom: int) -> Optional[str]:
+        plan = batch_model.accumulation_plan(original, fit, accumulates)
+        if plan != batch_model.accumulation_plan(original, oom - 1, accumulates):
+            return None
+        return (
+            f"any largest batch from {fit} to {oom - 1} gives the same prescription, "
+            f"{plan[0]} x {plan[1]} accumulation steps"
+        )
+
+    return enough
+
+
+def first_saver_trial(
+    snapshot: Snapshot, state: ReplayState, at_original: batch_model.BatchRun
+) -> Optional[int]:
+    """The batch search_under replays first for a configuration whose
+    replay at the user's batch is `at_original` (None: it replays none), as
+    search_max_batch picks it: so that it can start ahead."""
+    assert state.search is not None
+    original = state.search.original_batch_size
+    floor = state.search.max_batch_size or 0
+    probe = saver_probe(state.search, at_original)
+    if probe < 1 or at_original.fits or at_original.still_leaks is not None:
+        return None
+    if original - floor <= 1:
+        return None
+    if floor > 0 and settled_by_accumulation(snapshot, state)(floor, original):
+        return None
+    return min(probe, original - 1)
 
 
 def saver_probe(search: batch_model.SearchResult, at_original: batch_model.BatchRun) -> int:
