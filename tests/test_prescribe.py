@@ -83,6 +83,9 @@ class ScriptedReplayer:
     def ahead(self, payload, label, args=None, extra_env=None, priority=0, **kwargs):
         return None  # no lanes: nothing starts ahead, as the Replayer without them
 
+    def discard(self, keys):
+        assert not keys  # nothing was started ahead
+
     def run(self, payload, label, args=None, extra_env=None, micro_batches_per_step=None):
         self.calls.append((payload, args, micro_batches_per_step))
         outcome, peak, *step_s = self.outcomes.pop(0)
@@ -214,11 +217,15 @@ class LanedReplayer(ScriptedReplayer):
         super().__init__(outcomes)
         self.started_ahead = []
         self.asked = []
+        self.discarded = []
 
     def ahead(self, payload, label, args=None, extra_env=None, priority=0, **kwargs):
         key = replay_key(payload, label, args, extra_env, kwargs.get("micro_batches_per_step"))
         self.started_ahead.append(key)
         return key
+
+    def discard(self, keys):
+        self.discarded += keys
 
     def run(self, payload, label, args=None, extra_env=None, micro_batches_per_step=None):
         self.asked.append(replay_key(payload, label, args, extra_env, micro_batches_per_step))
@@ -566,3 +573,35 @@ def test_a_prescription_near_a_drifting_largest_batch_starts_its_expandable_chec
     snapshot.device.kind = "simulated"
     start_checks_ahead(replayer, snapshot, state, chosen)
     assert replayer.started_ahead == own_flags_only
+
+
+def test_the_runner_up_starts_before_the_checks_and_a_choice_that_moves_on_drops_its_checks():
+    """The H100 run after start_checks_ahead: the first choice's expandable
+    checks took the free lanes, so the runner-up (the one the choice asked
+    for next) did not run beside it, and the checks of a choice that was
+    measured slower ran on for nothing. The runner-up starts first; a choice
+    that moves on discards its checks and starts those of the new one."""
+    from oomdoc.replay.prescription import start_checks_ahead
+
+    snapshot, state, replayer = hugging_face_case()
+    snapshot.device.kind = "cuda"
+    state.defaults_drift_bytes = 454 * MiB
+    replayer.outcomes = [("fits", 80 * MiB, 64 / 21.9), ("fits", 80 * MiB, 64 / 24.5)]
+    plain = Candidate([], 16, 70 * MiB, 16 / 26.2, "b16")
+    autocast = Candidate(["autocast"], 32, 60 * MiB, 32 / 25.0, "a32")
+    chosen, _ = measured_choice(replayer, snapshot, state, [plain, autocast], 64, None)
+    assert chosen.fixes == ["autocast"] and (chosen.batch_size, chosen.accumulation_steps) == (
+        32,
+        2,
+    )
+    runner_up, *first_checks = replayer.started_ahead[:3]
+    assert replayer.asked[1] == runner_up
+    assert [key[0] for key in first_checks] == [
+        "the prescription (expandable_segments, batch 16 x 4 accumulation steps)",
+        "the script's own flags: --per_device_train_batch_size 16 --gradient_accumulation_steps 4 "
+        "--max_steps 8 with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
+    ]
+    assert replayer.discarded == first_checks
+    probe = LanedReplayer([])
+    probe.request, probe.options = replayer.request, replayer.options
+    assert replayer.started_ahead[3:] == start_checks_ahead(probe, snapshot, state, chosen)

@@ -301,6 +301,9 @@ def measured_choice(
     points = measured_points(state)
     interrupted = False
     unmeasured_note = ""
+    # The replays started ahead to check the choice being measured.
+    checks: list = []
+    checked: Optional[tuple] = None
 
     def prescription_of(candidate: Candidate, fits: bool) -> Prescription:
         return prescription_from(
@@ -359,12 +362,10 @@ def measured_choice(
             chosen.detail = f"{chosen.detail}; {unmeasured_note or without}"
             break
         replays += 1
-        # Should the replay with accumulation confirm it, verify_with_flags
-        # asks for this one next: it runs beside it.
-        start_checks_ahead(replayer, snapshot, state, chosen)
         if replays < PRESCRIPTION_REPLAYS:
             # Should this one be measured slower, or not fit, the next choice
-            # is asked for next: it runs beside it (its timed steps alone).
+            # is asked for next: it runs beside it (its timed steps alone),
+            # before the checks below take the free lanes.
             runner_up = pick(
                 [other for other in remaining if other is not candidate], capacity, margin
             )
@@ -372,6 +373,11 @@ def measured_choice(
                 start_prescription_ahead(
                     replayer, snapshot, state, runner_up[0], prescription_of(*runner_up)
                 )
+        # Should the replay with accumulation confirm it, these are asked
+        # for next: they run beside it. Those of an earlier choice go.
+        replayer.discard(checks)
+        checks = start_checks_ahead(replayer, snapshot, state, chosen)
+        checked = configuration_of(chosen)
         try:
             replay = replay_prescription(replayer, snapshot, state, chosen)
         except ReplaysInterrupted:
@@ -465,7 +471,13 @@ def measured_choice(
             f"{chosen.detail}; replayed with accumulation and not prescribed: "
             + "; ".join(rejected)
         )
+    if checked != configuration_of(chosen):
+        replayer.discard(checks)  # another configuration's: no check asks for them
     return chosen, interrupted
+
+
+def configuration_of(prescription: Prescription) -> tuple:
+    return (tuple(prescription.fixes), prescription.batch_size, prescription.accumulation_steps)
 
 
 # At most this many candidates are timed again (oomdoc.replay.timing.RETIME_NOISE).
@@ -601,7 +613,7 @@ def start_prescription_ahead(
 
 def start_checks_ahead(
     replayer: Replayer, snapshot: Snapshot, state: ReplayState, prescription: Prescription
-) -> None:
+) -> list:
     """Start, beside the replay of `prescription` with accumulation, the
     replays that will check it if it is confirmed: its script's-own-flags
     replay; or, when the plain largest batch's drift at the allocator's
@@ -609,7 +621,8 @@ def start_checks_ahead(
     drift as well, the replay with expandable segments that the drift's
     refusal asks for (certify_with_expandable_segments) and that one's own
     flags. On the H100 those were otherwise two replays one after another at
-    the end of the diagnosis."""
+    the end of the diagnosis. Their keys, for Replayer.discard should the
+    choice move on."""
     requested = getattr(replayer.options, "fixes", None)
     if (
         state.defaults_drift_bytes > 0
@@ -626,17 +639,20 @@ def start_checks_ahead(
             int(prescription.batch_size),
             trial.accumulation_steps,
         )
-        replayer.ahead(
-            payload,
-            label,
-            args=args,
-            extra_env=env,
-            priority=SPECULATIVE,
-            micro_batches_per_step=micro_batches,
-        )
-        start_flags_ahead(replayer, snapshot, state, trial)
-        return
-    start_flags_ahead(replayer, snapshot, state, prescription)
+        keys = [
+            replayer.ahead(
+                payload,
+                label,
+                args=args,
+                extra_env=env,
+                priority=SPECULATIVE,
+                micro_batches_per_step=micro_batches,
+            ),
+            start_flags_ahead(replayer, snapshot, state, trial),
+        ]
+    else:
+        keys = [start_flags_ahead(replayer, snapshot, state, prescription)]
+    return [key for key in keys if key is not None]
 
 
 def replay_prescription(

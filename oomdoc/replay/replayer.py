@@ -412,8 +412,16 @@ class Replayer:
     def discard_ahead(self) -> None:
         """The decisions will ask for none of the replays started ahead that
         are left: those not started never start, those running are stopped."""
-        for key, job in list(self._ahead.items()):
-            del self._ahead[key]
+        self.discard(list(self._ahead))
+
+    def discard(self, keys: list) -> None:
+        """The decisions will ask for none of these replays started ahead
+        (keys from `ahead`; one already asked for, or never started, is
+        passed over): as discard_ahead, for these only."""
+        for key in keys:
+            job = self._ahead.pop(key, None)
+            if job is None:
+                continue
             job.cancel.set()
             if job in self._unsubmitted:
                 self._unsubmitted.remove(job)
