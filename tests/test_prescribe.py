@@ -549,7 +549,12 @@ def test_a_prescription_near_a_drifting_largest_batch_starts_its_expandable_chec
     assert replayer.started_ahead == [flags_key(flags_replay(replayer, snapshot, state, chosen))]
 
     replayer.started_ahead.clear()
-    state.defaults_drift_bytes = 454 * MiB
+    state.defaults_drift_bytes, state.defaults_drift_peak_bytes = 454 * MiB, 90 * MiB
+    chosen.peak_allocated_bytes = 50 * MiB  # far below the drifting peak: not expected to drift
+    start_checks_ahead(replayer, snapshot, state, chosen)
+    assert replayer.started_ahead == [flags_key(flags_replay(replayer, snapshot, state, chosen))]
+    replayer.started_ahead.clear()
+    chosen.peak_allocated_bytes = 80 * MiB
     start_checks_ahead(replayer, snapshot, state, chosen)
     trial = with_expandable_segments(chosen)
     payload, label, args, env, micro_batches, _raised = prescription_replay(
@@ -585,10 +590,10 @@ def test_the_runner_up_starts_before_the_checks_and_a_choice_that_moves_on_drops
 
     snapshot, state, replayer = hugging_face_case()
     snapshot.device.kind = "cuda"
-    state.defaults_drift_bytes = 454 * MiB
+    state.defaults_drift_bytes, state.defaults_drift_peak_bytes = 454 * MiB, 75 * MiB
     replayer.outcomes = [("fits", 80 * MiB, 64 / 21.9), ("fits", 80 * MiB, 64 / 24.5)]
     plain = Candidate([], 16, 70 * MiB, 16 / 26.2, "b16")
-    autocast = Candidate(["autocast"], 32, 60 * MiB, 32 / 25.0, "a32")
+    autocast = Candidate(["autocast"], 32, 66 * MiB, 32 / 25.0, "a32")
     chosen, _ = measured_choice(replayer, snapshot, state, [plain, autocast], 64, None)
     assert chosen.fixes == ["autocast"] and (chosen.batch_size, chosen.accumulation_steps) == (
         32,

@@ -97,6 +97,7 @@ class LargestBatchCheck:
             return
         self.refused = certificate
         self.state.defaults_drift_bytes = certificate.drift_bytes_per_step
+        self.state.defaults_drift_peak_bytes = best.peak_allocated_bytes or 0
         if best.batch_size + 1 < search.original_batch_size:
             payload, label, args, env = self._trial(best.batch_size + 1)
             self.replayer.ahead(payload, label, args=args, extra_env=env)

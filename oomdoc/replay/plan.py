@@ -161,6 +161,8 @@ class ReplayState:
     # allocator's defaults, when that drift alone refused its certificate
     # (oomdoc.replay.largest_batch): a configuration near it likely drifts too.
     defaults_drift_bytes: int = 0
+    # That largest batch's peak.
+    defaults_drift_peak_bytes: int = 0
 
 
 def searches_evaluation_batch(snapshot: Snapshot, info: dict) -> bool:
