@@ -580,12 +580,14 @@ def test_a_prescription_near_a_drifting_largest_batch_starts_its_expandable_chec
     assert replayer.started_ahead == own_flags_only
 
 
-def test_the_runner_up_starts_before_the_checks_and_a_choice_that_moves_on_drops_its_checks():
+def test_the_runner_up_starts_before_the_checks_and_those_not_prescribed_are_dropped():
     """The H100 run after start_checks_ahead: the first choice's expandable
     checks took the free lanes, so the runner-up (the one the choice asked
     for next) did not run beside it, and the checks of a choice that was
-    measured slower ran on for nothing. The runner-up starts first; a choice
-    that moves on discards its checks and starts those of the new one."""
+    measured slower ran on for nothing. The runner-up starts first; once the
+    choice is made, the checks of the other configurations are discarded
+    (not as the choice moves on: a first choice measured again after a noisy
+    runner-up was prescribed on the H100, and needed its checks)."""
     from oomdoc.replay.prescription import start_checks_ahead
 
     snapshot, state, replayer = hugging_face_case()
@@ -610,3 +612,24 @@ def test_the_runner_up_starts_before_the_checks_and_a_choice_that_moves_on_drops
     probe = LanedReplayer([])
     probe.request, probe.options = replayer.request, replayer.options
     assert replayer.started_ahead[3:] == start_checks_ahead(probe, snapshot, state, chosen)
+
+
+def test_a_first_choice_prescribed_after_its_runner_up_keeps_the_checks_it_started():
+    """No fix at 16 x 4 is measured first (25 samples/s); autocast's bound
+    (30) is measured next and runs slower (20): no fix is prescribed, and
+    its checks started beside its replay are the ones kept; autocast's go."""
+    snapshot, state, replayer = hugging_face_case()
+    snapshot.device.kind = "cuda"
+    state.defaults_drift_bytes, state.defaults_drift_peak_bytes = 454 * MiB, 75 * MiB
+    replayer.outcomes = [("fits", 80 * MiB, 64 / 25.0), ("fits", 80 * MiB, 64 / 20.0)]
+    plain = Candidate([], 16, 70 * MiB, 16 / 32.0, "b16")
+    autocast = Candidate(["autocast"], 32, 66 * MiB, 32 / 30.0, "a32")
+    chosen, _ = measured_choice(replayer, snapshot, state, [plain, autocast], 64, None)
+    assert chosen.fixes == [] and (chosen.batch_size, chosen.accumulation_steps) == (16, 4)
+    _runner_up, *plain_checks = replayer.started_ahead[:3]
+    autocast_checks = replayer.started_ahead[3:]
+    assert [key[0] for key in autocast_checks][0].startswith(
+        "the prescription (autocast + expandable_segments, batch 32 x 2"
+    )
+    assert replayer.discarded == autocast_checks
+    assert not set(plain_checks) & set(replayer.discarded)

@@ -301,9 +301,8 @@ def measured_choice(
     points = measured_points(state)
     interrupted = False
     unmeasured_note = ""
-    # The replays started ahead to check the choice being measured.
-    checks: list = []
-    checked: Optional[tuple] = None
+    # The replays started ahead to check each choice measured, by its configuration.
+    checks: dict[tuple, list] = {}
 
     def prescription_of(candidate: Candidate, fits: bool) -> Prescription:
         return prescription_from(
@@ -374,10 +373,12 @@ def measured_choice(
                     replayer, snapshot, state, runner_up[0], prescription_of(*runner_up)
                 )
         # Should the replay with accumulation confirm it, these are asked
-        # for next: they run beside it. Those of an earlier choice go.
-        replayer.discard(checks)
-        checks = start_checks_ahead(replayer, snapshot, state, chosen)
-        checked = configuration_of(chosen)
+        # for next: they run beside it. Those of an earlier choice stay:
+        # measured again after this one, it may still be prescribed (on the
+        # H100 the first choice was, after a noisy runner-up).
+        checks.setdefault(
+            configuration_of(chosen), start_checks_ahead(replayer, snapshot, state, chosen)
+        )
         try:
             replay = replay_prescription(replayer, snapshot, state, chosen)
         except ReplaysInterrupted:
@@ -471,8 +472,9 @@ def measured_choice(
             f"{chosen.detail}; replayed with accumulation and not prescribed: "
             + "; ".join(rejected)
         )
-    if checked != configuration_of(chosen):
-        replayer.discard(checks)  # another configuration's: no check asks for them
+    for configuration, keys in checks.items():
+        if configuration != configuration_of(chosen):
+            replayer.discard(keys)  # another configuration's: no check asks for them
     return chosen, interrupted
 
 
