@@ -376,9 +376,8 @@ def measured_choice(
         # for next: they run beside it. Those of an earlier choice stay:
         # measured again after this one, it may still be prescribed (on the
         # H100 the first choice was, after a noisy runner-up).
-        checks.setdefault(
-            configuration_of(chosen), start_checks_ahead(replayer, snapshot, state, chosen)
-        )
+        if configuration_of(chosen) not in checks:
+            checks[configuration_of(chosen)] = start_checks_ahead(replayer, snapshot, state, chosen)
         try:
             replay = replay_prescription(replayer, snapshot, state, chosen)
         except ReplaysInterrupted:
@@ -479,6 +478,7 @@ def measured_choice(
 
 
 def configuration_of(prescription: Prescription) -> tuple:
+    """What makes two prescriptions the same configuration to replay."""
     return (tuple(prescription.fixes), prescription.batch_size, prescription.accumulation_steps)
 
 
