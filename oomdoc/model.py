@@ -225,8 +225,8 @@ class Step:
     # Began after the replay's steps were done (batches a loop fetched
     # ahead, the steps after its evaluation): left out of its step time.
     after_timed_steps: bool = when_set(False)
-    # The shapes of the tensors the script passed (positionally) to its
-    # first training model call of the step.
+    # The shapes of the tensors the script passed to its first training
+    # model call of the step: positional, then by keyword.
     input_shapes: Optional[List[List[int]]] = when_set()
     extra: Dict[str, Any] = field(default_factory=dict)
 

@@ -404,3 +404,31 @@ def test_cli_hugging_face_gpt2_names_transformer_h(tmp_path):
     assert not any(module and ".h.0" in module for module in site_modules)
     # Tied input and output embeddings count once, with the first owner.
     assert folded["transformer.wte"]["bytes"]["parameters"] > 0
+
+
+def test_a_model_called_with_keyword_tensors_records_their_shapes(simulated):
+    """`model(**batch)` (the HF Trainer's call) passes the batch by keyword:
+    the step's input shapes list those tensors after the positional ones, for
+    the step's first training call only, so that batches of one shape made
+    without a DataLoader are certified as seen, whichever way they are passed."""
+    tracker, _backend = simulated()
+
+    class Keyed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(16, 16)
+
+        def forward(self, scale, input_ids=None, labels=None, note=None):
+            return ((self.linear(input_ids) - labels) * scale).square().mean()
+
+    model = Keyed()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(3):
+        for micro in (8, 4):  # a second, smaller micro-batch: not recorded
+            batch = {"input_ids": torch.randn(micro, 16), "labels": torch.randn(micro, 16)}
+            model(torch.ones(1), **batch, note="text").backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    tracker.finish()
+    shapes = [step.get("input_shapes") for step in tracker.steps]
+    assert shapes == [[[1], [8, 16], [8, 16]]] * 3

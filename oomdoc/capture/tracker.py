@@ -29,7 +29,7 @@ import os
 import sys
 import time
 import weakref
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 import torch.nn as nn
@@ -104,6 +104,8 @@ class Tracker(Attribution, LeakChecks, StepLimits):
         self.phase = "setup"
         self.unit = "module"  # moves up to "backward", "optimizer" (UNITS)
         self.steps: list[dict] = []
+        # The step whose first training call's keyword tensors were recorded.
+        self._keyword_shapes_step: Optional[int] = None
         # Only the steps that matter are kept, however long the run
         # (step_records); step_index still counts every step closed.
         self._bounded_steps = BoundedSteps()
@@ -333,11 +335,15 @@ class Tracker(Attribution, LeakChecks, StepLimits):
         module_hooks = nn.modules.module
         self._handles.append(module_hooks.register_module_forward_pre_hook(self._on_forward_pre))
         try:
+            # With the call's keyword arguments: a model called as
+            # `model(**batch)` (the HF Trainer) passes its tensors there.
             handle = module_hooks.register_module_forward_hook(
-                self._on_forward_post, always_call=True
+                self._on_forward_post, always_call=True, with_kwargs=True
             )
-        except TypeError:  # torch without always_call
-            handle = module_hooks.register_module_forward_hook(self._on_forward_post)
+        except TypeError:  # torch without always_call or with_kwargs
+            handle = module_hooks.register_module_forward_hook(
+                lambda module, inputs, output: self._on_forward_post(module, inputs, {}, output)
+            )
         self._handles.append(handle)
         import torch.optim.optimizer as optim
 
@@ -443,12 +449,14 @@ class Tracker(Attribution, LeakChecks, StepLimits):
         self._module_depth += 1
         self.scopes.push(module, inputs if self._module_depth == 1 else None)
 
-    def _on_forward_post(self, module, inputs, output):
+    def _on_forward_post(self, module, inputs, kwargs, output):
         self.scopes.pop(output)
         self._module_depth = max(0, self._module_depth - 1)
         if self._module_depth == 0 and self._backward_depth == 0:
             if self._outer_kind == _AUXILIARY:
                 return  # a transform or a loss module: not a model call
+            if self._outer_kind == _TRAINING and kwargs:
+                self._keyword_shapes(kwargs)
             stamp_graph(output, self.step_index)
             if self._outer_kind == _EVALUATION:
                 self._evaluation_outputs = [
@@ -458,6 +466,18 @@ class Tracker(Attribution, LeakChecks, StepLimits):
             self._sample_peak()
             if self.unit == "module":
                 self._current["end_allocated_bytes"] = self.backend.allocated_bytes()
+
+    def _keyword_shapes(self, kwargs: dict) -> None:
+        """Add the tensors a step's first training call got by keyword to
+        its input shapes (_outermost_forward_start recorded the positional
+        ones), in the order they were passed."""
+        current = self._current
+        if current["forward_calls"] != 1 or self._keyword_shapes_step == current["index"]:
+            return
+        self._keyword_shapes_step = current["index"]
+        shapes = [list(value.shape) for value in kwargs.values() if isinstance(value, torch.Tensor)]
+        if shapes:
+            current["input_shapes"] = [*current.get("input_shapes", []), *shapes]
 
     def _call_kind(self, module) -> int:
         """What an outermost module call is to the step model: a module
