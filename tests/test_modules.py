@@ -432,3 +432,50 @@ def test_a_model_called_with_keyword_tensors_records_their_shapes(simulated):
     tracker.finish()
     shapes = [step.get("input_shapes") for step in tracker.steps]
     assert shapes == [[[1], [8, 16], [8, 16]]] * 3
+
+
+def test_a_forward_that_raises_leaves_the_tracking_as_it_was(simulated):
+    """torch calls an always-called forward hook without the call's keyword
+    arguments when the forward raised (an OOM a script catches, the HF
+    batch-size finder): the hook takes both forms, so nothing warns and the
+    steps after it are counted as before."""
+    import warnings
+
+    tracker, _backend = simulated()
+
+    class Failing(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(16, 16)
+            self.fail = False
+
+        def forward(self, x):
+            if self.fail:
+                raise RuntimeError("out of memory (simulated by the test)")
+            return self.linear(x)
+
+    class Outer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = Failing()
+
+        def forward(self, x, scale=None):
+            return self.inner(x) * scale
+
+    model = Outer()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.inner.fail = True
+        with pytest.raises(RuntimeError, match="simulated"):
+            model(torch.randn(4, 16), scale=torch.ones(1))
+        model.inner.fail = False
+        for _ in range(2):
+            model(torch.randn(4, 16), scale=torch.ones(1)).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    tracker.finish()
+    assert not [str(warning.message) for warning in caught if "hook" in str(warning.message)]
+    # The call that raised is the first step's, beside the one that trained.
+    assert [step["forward_calls"] for step in tracker.steps] == [2, 1]
+    assert tracker.steps[-1].get("input_shapes") == [[4, 16], [1]]

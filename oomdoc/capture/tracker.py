@@ -341,9 +341,7 @@ class Tracker(Attribution, LeakChecks, StepLimits):
                 self._on_forward_post, always_call=True, with_kwargs=True
             )
         except TypeError:  # torch without always_call or with_kwargs
-            handle = module_hooks.register_module_forward_hook(
-                lambda module, inputs, output: self._on_forward_post(module, inputs, {}, output)
-            )
+            handle = module_hooks.register_module_forward_hook(self._on_forward_post)
         self._handles.append(handle)
         import torch.optim.optimizer as optim
 
@@ -449,7 +447,10 @@ class Tracker(Attribution, LeakChecks, StepLimits):
         self._module_depth += 1
         self.scopes.push(module, inputs if self._module_depth == 1 else None)
 
-    def _on_forward_post(self, module, inputs, kwargs, output):
+    def _on_forward_post(self, module, inputs, *rest):
+        # (kwargs, output); torch calls an always-called hook without the
+        # kwargs when the forward raised (an OOM, StopRun): (output,).
+        kwargs, output = rest if len(rest) == 2 else ({}, rest[-1])
         self.scopes.pop(output)
         self._module_depth = max(0, self._module_depth - 1)
         if self._module_depth == 0 and self._backward_depth == 0:
