@@ -580,6 +580,21 @@ def test_a_prescription_near_a_drifting_largest_batch_starts_its_expandable_chec
     assert replayer.started_ahead == own_flags_only
 
 
+def choice_near_a_drifting_batch(plain_bound, autocast_bound, measured):
+    """The choice between no fix at 16 (x 4) and autocast at 32 (x 2), both
+    bounds in samples/s, on CUDA after the plain largest batch (75 MiB) drifted
+    at the allocator's defaults; `measured`: each one's samples/s with its
+    accumulation, in the order measured."""
+    snapshot, state, replayer = hugging_face_case()
+    snapshot.device.kind = "cuda"
+    state.defaults_drift_bytes, state.defaults_drift_peak_bytes = 454 * MiB, 75 * MiB
+    replayer.outcomes = [("fits", 80 * MiB, 64 / rate) for rate in measured]
+    plain = Candidate([], 16, 70 * MiB, 16 / plain_bound, "b16")
+    autocast = Candidate(["autocast"], 32, 66 * MiB, 32 / autocast_bound, "a32")
+    chosen, _ = measured_choice(replayer, snapshot, state, [plain, autocast], 64, None)
+    return snapshot, state, replayer, chosen
+
+
 def test_the_runner_up_starts_before_the_checks_and_those_not_prescribed_are_dropped():
     """The H100 run after start_checks_ahead: the first choice's expandable
     checks took the free lanes, so the runner-up (the one the choice asked
@@ -590,13 +605,9 @@ def test_the_runner_up_starts_before_the_checks_and_those_not_prescribed_are_dro
     runner-up was prescribed on the H100, and needed its checks)."""
     from oomdoc.replay.prescription import start_checks_ahead
 
-    snapshot, state, replayer = hugging_face_case()
-    snapshot.device.kind = "cuda"
-    state.defaults_drift_bytes, state.defaults_drift_peak_bytes = 454 * MiB, 75 * MiB
-    replayer.outcomes = [("fits", 80 * MiB, 64 / 21.9), ("fits", 80 * MiB, 64 / 24.5)]
-    plain = Candidate([], 16, 70 * MiB, 16 / 26.2, "b16")
-    autocast = Candidate(["autocast"], 32, 66 * MiB, 32 / 25.0, "a32")
-    chosen, _ = measured_choice(replayer, snapshot, state, [plain, autocast], 64, None)
+    snapshot, state, replayer, chosen = choice_near_a_drifting_batch(
+        plain_bound=26.2, autocast_bound=25.0, measured=(21.9, 24.5)
+    )
     assert chosen.fixes == ["autocast"] and (chosen.batch_size, chosen.accumulation_steps) == (
         32,
         2,
@@ -618,13 +629,9 @@ def test_a_first_choice_prescribed_after_its_runner_up_keeps_the_checks_it_start
     """No fix at 16 x 4 is measured first (25 samples/s); autocast's bound
     (30) is measured next and runs slower (20): no fix is prescribed, and
     its checks started beside its replay are the ones kept; autocast's go."""
-    snapshot, state, replayer = hugging_face_case()
-    snapshot.device.kind = "cuda"
-    state.defaults_drift_bytes, state.defaults_drift_peak_bytes = 454 * MiB, 75 * MiB
-    replayer.outcomes = [("fits", 80 * MiB, 64 / 25.0), ("fits", 80 * MiB, 64 / 20.0)]
-    plain = Candidate([], 16, 70 * MiB, 16 / 32.0, "b16")
-    autocast = Candidate(["autocast"], 32, 66 * MiB, 32 / 30.0, "a32")
-    chosen, _ = measured_choice(replayer, snapshot, state, [plain, autocast], 64, None)
+    _snapshot, _state, replayer, chosen = choice_near_a_drifting_batch(
+        plain_bound=32.0, autocast_bound=30.0, measured=(25.0, 20.0)
+    )
     assert chosen.fixes == [] and (chosen.batch_size, chosen.accumulation_steps) == (16, 4)
     _runner_up, *plain_checks = replayer.started_ahead[:3]
     autocast_checks = replayer.started_ahead[3:]

@@ -29,7 +29,7 @@ import os
 import sys
 import time
 import weakref
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 import torch.nn as nn
@@ -104,8 +104,6 @@ class Tracker(Attribution, LeakChecks, StepLimits):
         self.phase = "setup"
         self.unit = "module"  # moves up to "backward", "optimizer" (UNITS)
         self.steps: list[dict] = []
-        # The step whose first training call's keyword tensors were recorded.
-        self._keyword_shapes_step: Optional[int] = None
         # Only the steps that matter are kept, however long the run
         # (step_records); step_index still counts every step closed.
         self._bounded_steps = BoundedSteps()
@@ -473,9 +471,8 @@ class Tracker(Attribution, LeakChecks, StepLimits):
         its input shapes (_outermost_forward_start recorded the positional
         ones), in the order they were passed."""
         current = self._current
-        if current["forward_calls"] != 1 or self._keyword_shapes_step == current["index"]:
+        if current["forward_calls"] != 1:  # a later call of the step
             return
-        self._keyword_shapes_step = current["index"]
         shapes = [list(value.shape) for value in kwargs.values() if isinstance(value, torch.Tensor)]
         if shapes:
             current["input_shapes"] = [*current.get("input_shapes", []), *shapes]

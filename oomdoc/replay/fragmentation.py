@@ -72,6 +72,12 @@ def expandable_applies(fixes: list[str], snapshot: Snapshot) -> bool:
     return not (snapshot.allocator is not None and snapshot.allocator.expandable_segments)
 
 
+def expandable_left_out(requested: Optional[list[str]]) -> bool:
+    """Whether the user's `--fixes` leave expandable segments out (none
+    given: every fix may be replayed)."""
+    return bool(requested) and EXPANDABLE_FIX not in fix_parts(requested or [])
+
+
 def with_expandable_segments(prescription: Prescription) -> Prescription:
     """The same configuration with expandable segments added."""
     return Prescription(
@@ -117,7 +123,7 @@ def certify_with_expandable_segments(
     if not refused_for_drift(prescription, snapshot):
         return None
     assert prescription.certificate is not None
-    if requested and EXPANDABLE_FIX not in fix_parts(requested):
+    if expandable_left_out(requested):
         prescription.certificate.gaps.append(
             f"{CONF_ENV}={EXPANDABLE} may take the drift away: --fixes left it out"
         )

@@ -27,7 +27,7 @@ from oomdoc.replay.fragmentation import (
     EXPANDABLE_FIX,
     MARGIN_GAP,
     drift_refusal,
-    fix_parts,
+    expandable_left_out,
     replay_certificate,
 )
 from oomdoc.replay.plan import ReplayState
@@ -87,7 +87,7 @@ class LargestBatchCheck:
         if (
             self.fix is None
             or not drift_refusal(certificate, [], self.snapshot)
-            or (requested and EXPANDABLE_FIX not in fix_parts(requested))
+            or expandable_left_out(requested)
         ):
             # The largest batch leaves no margin by its nature: only what
             # else its replay did not cover is said.

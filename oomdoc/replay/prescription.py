@@ -44,10 +44,9 @@ from oomdoc.replay.candidates import (
 )
 from oomdoc.replay.certificate import certify_choice
 from oomdoc.replay.fragmentation import (
-    EXPANDABLE_FIX,
     certify_with_expandable_segments,
     expandable_applies,
-    fix_parts,
+    expandable_left_out,
     with_expandable_segments,
 )
 from oomdoc.replay.lanes import SPECULATIVE
@@ -600,10 +599,25 @@ def start_prescription_ahead(
     if prescription.accumulation_steps <= 1 and micro == candidate.batch_size:
         if not candidate.untimed:
             return  # measured as it is prescribed already
-    payload, label, args, env, micro_batches, _raised = prescription_replay(
+    replay_ahead(
         replayer, snapshot, state, prescription.fixes, micro, prescription.accumulation_steps
     )
-    replayer.ahead(
+
+
+def replay_ahead(
+    replayer: Replayer,
+    snapshot: Snapshot,
+    state: ReplayState,
+    fixes: list[str],
+    micro: int,
+    steps: int,
+) -> Optional[tuple]:
+    """Start, speculatively, the replay replay_prescription would run for
+    `fixes` at micro-batch `micro` with `steps` accumulation steps; its key."""
+    payload, label, args, env, micro_batches, _raised = prescription_replay(
+        replayer, snapshot, state, fixes, micro, steps
+    )
+    return replayer.ahead(
         payload,
         label,
         args=args,
@@ -632,33 +646,24 @@ def start_checks_ahead(
     the end of the diagnosis. Only for a configuration whose peak comes
     near that largest batch's (NEAR_DRIFT_SHARE): there autocast +
     checkpointing at half its peak did not drift. Their keys, for
-    Replayer.discard should the choice move on."""
-    requested = getattr(replayer.options, "fixes", None)
+    Replayer.discard should another configuration be prescribed."""
     near = NEAR_DRIFT_SHARE * state.defaults_drift_peak_bytes
     if (
         state.defaults_drift_bytes > 0
         and (prescription.peak_allocated_bytes or 0) >= near
         and prescription.batch_size
         and expandable_applies(prescription.fixes, snapshot)
-        and not (requested and EXPANDABLE_FIX not in fix_parts(requested))
+        and not expandable_left_out(getattr(replayer.options, "fixes", None))
     ):
         trial = with_expandable_segments(prescription)
-        payload, label, args, env, micro_batches, _raised = prescription_replay(
-            replayer,
-            snapshot,
-            state,
-            trial.fixes,
-            int(prescription.batch_size),
-            trial.accumulation_steps,
-        )
         keys = [
-            replayer.ahead(
-                payload,
-                label,
-                args=args,
-                extra_env=env,
-                priority=SPECULATIVE,
-                micro_batches_per_step=micro_batches,
+            replay_ahead(
+                replayer,
+                snapshot,
+                state,
+                trial.fixes,
+                int(prescription.batch_size),
+                trial.accumulation_steps,
             ),
             start_flags_ahead(replayer, snapshot, state, trial),
         ]
@@ -705,7 +710,7 @@ def prescription_replay(
     """(payload, label, args, env, micro-batches per optimizer step, the
     steps flag raised) of the replay of `fixes` at micro-batch `micro` with
     `steps` accumulation steps: one place, so that one started ahead
-    (start_savers_ahead) is the one replay_prescription asks for."""
+    (replay_ahead) is the one replay_prescription asks for."""
     payload: dict = {"name": batch_fix().name}
     env: dict = {}
     if fixes:
