@@ -97,6 +97,10 @@ class ChildConfig:
     asked_at: float | None = None
     device_lock: DeviceLock | None = None
     distributed: DistributedJob | None = None
+    # Environment variables a warm child sets before the script starts (it
+    # started without them: oomdoc.warm.LATE_ENV), e.g. the allocator's
+    # PYTORCH_CUDA_ALLOC_CONF of a replay with expandable segments.
+    late_env: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

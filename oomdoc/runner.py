@@ -283,6 +283,8 @@ def run_child(
         config = child_config(request, result_path, request.artifact_dir or workdir)
         config.serial_dataloaders = request.serial_dataloaders
         config.device_lock = lock
+        if warm is not None:
+            config.late_env = warm.late_env_for(request)
         config.asked_at = time.time()
         with open(config_path, "w", encoding="utf-8") as handle:
             handle.write(config.to_json())

@@ -141,3 +141,57 @@ def test_once_replays_take_children_one_more_waits(tmp_path):
         taken.discard()
     finally:
         pool.close()
+
+
+def test_a_warm_child_takes_the_allocators_settings_when_it_is_handed_its_work(
+    tmp_path, monkeypatch
+):
+    """A replay with expandable segments starts warm: the child started
+    without PYTORCH_CUDA_ALLOC_CONF and sets it before the script runs; the
+    script sees it as a child started with it would. A child that started
+    with a value other than the one asked for is not used."""
+    from oomdoc.runner import ChildRequest, run_child
+    from oomdoc.warm import WarmPool
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    script = tmp_path / "script.py"
+    script.write_text(
+        "import os, sys\n"
+        "open(sys.argv[1], 'w').write(os.environ.get('PYTORCH_CUDA_ALLOC_CONF', 'unset'))\n"
+    )
+    replay_env = {"OOMDOC_REPLAY": "1"}
+    seen = tmp_path / "seen.txt"
+
+    def request(extra: dict) -> ChildRequest:
+        return ChildRequest(
+            target=str(script),
+            args=[str(seen)],
+            device="cpu",
+            capacity_bytes=64 * 1024 * 1024,
+            extra_env={**replay_env, **extra},
+            output_path=str(tmp_path / "replay.log"),
+            timeout_s=120,
+        )
+
+    expandable = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    pool = WarmPool("cpu", replay_env, size=1)
+    try:
+        pool.fill()
+        result = run_child(request(expandable), pool=pool)
+        assert result.warm and result.exit_code == 0, (tmp_path / "replay.log").read_text()
+        assert seen.read_text() == "expandable_segments:True"
+        result = run_child(request({}), pool=pool)
+        assert result.warm and seen.read_text() == "unset"
+    finally:
+        pool.close()
+
+    collect = {"PYTORCH_CUDA_ALLOC_CONF": "garbage_collection_threshold:0.6"}
+    started_with = WarmPool("cpu", {**replay_env, **collect})
+    try:
+        started_with.fill()
+        assert started_with.take(request(expandable)) is None
+        same = started_with.take(request(collect))
+        assert same is not None and same.late_env_for(request(collect)) == {}
+        same.discard()
+    finally:
+        started_with.close()

@@ -55,6 +55,32 @@ from oomdoc.fixes import fix_named
 from oomdoc.snapshot import dumps, write_atomic
 
 
+def apply_late_env(late_env: dict[str, str], device: str) -> None:
+    """Set what a warm child was handed late (oomdoc.warm.LATE_ENV): in the
+    environment, where the script looks, and, for the CUDA allocator's
+    settings, in the allocator too: torch may have read the variable already,
+    when it was imported (2.9 and later parse it then)."""
+    if not late_env:
+        return
+    os.environ.update(late_env)
+    settings = late_env.get("PYTORCH_CUDA_ALLOC_CONF")
+    if settings is None or device == "cpu":
+        return
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or getattr(
+        torch._C, "_cuda_cudaCachingAllocator_set_allocator_settings", None
+    )
+    if setter is None:
+        print("oomdoc: this torch cannot set PYTORCH_CUDA_ALLOC_CONF late", file=sys.stderr)
+        return
+    try:
+        setter(settings)
+    except Exception as exc:
+        # Not in the environment either: the capture then says (and the
+        # certificate reads) that the replay ran at the allocator's defaults.
+        os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+        print(f"oomdoc: PYTORCH_CUDA_ALLOC_CONF={settings} was not applied: {exc}", file=sys.stderr)
+
+
 def apply_fix(payload: dict, tracker: Tracker) -> None:
     """Apply every part of the replayed fix (`a+b` applies both) before the
     script starts; what each did goes into the capture (`fix_applied`)."""
@@ -232,6 +258,7 @@ def run(
         timings["asked"] = config.asked_at
     if preimported:
         timings["preimport_s"] = preimported.get("seconds", 0.0)
+    apply_late_env(config.late_env, config.device)
     parallel = ParallelCapture(config)  # distributed: rank paths, the rank's GPU
     try:
         backend = make_backend(config)

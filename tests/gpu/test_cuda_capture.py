@@ -114,3 +114,47 @@ def test_max_steps_stops_cleanly_on_cuda(tmp_path):
     document = load_json(snapshot_path)
     assert len(document["steps"]) == 2
     assert "step 2:" not in result.stdout
+
+
+def test_a_warm_child_handed_expandable_segments_allocates_expandable_segments(tmp_path):
+    """The replays with expandable segments run in warm children that started
+    (and imported torch) without PYTORCH_CUDA_ALLOC_CONF: the allocator itself,
+    not only the environment, must then make expandable segments."""
+    from oomdoc.runner import ChildRequest, run_child
+    from oomdoc.warm import WarmPool
+
+    script = tmp_path / "segments.py"
+    script.write_text(
+        "import json, sys, torch\n"
+        "x = torch.empty(64 * 1024 * 1024, device='cuda')\n"
+        "segments = torch.cuda.memory_snapshot()\n"
+        "json.dump([bool(s.get('is_expandable')) for s in segments], open(sys.argv[1], 'w'))\n"
+    )
+    found = tmp_path / "segments.json"
+    env = {"OOMDOC_REPLAY": "1", "OOMDOC_ALLOCATION_HISTORY": "0"}
+    pool = WarmPool("cuda", env, size=1)
+    try:
+        pool.fill()
+        for extra, expected in (
+            ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, True),
+            ({}, False),
+        ):
+            result = run_child(
+                ChildRequest(
+                    target=str(script),
+                    args=[str(found)],
+                    device="cuda",
+                    capacity_bytes=4 * GIB,
+                    extra_env={**env, **extra},
+                    output_path=str(tmp_path / "child.log"),
+                    timeout_s=300,
+                ),
+                pool=pool,
+            )
+            assert result.warm and result.exit_code == 0, (tmp_path / "child.log").read_text()[
+                -3000:
+            ]
+            segments = load_json(found)
+            assert segments and all(flag is expected for flag in segments), segments
+    finally:
+        pool.close()
