@@ -52,6 +52,7 @@ from oomdoc.capture.whole_run import WholeRun
 from oomdoc.capture.whole_run import install as install_whole_run
 from oomdoc.child_config import ChildConfig
 from oomdoc.fixes import fix_named
+from oomdoc.fixes.allocator import CONF_ENV
 from oomdoc.snapshot import dumps, write_atomic
 
 
@@ -63,22 +64,22 @@ def apply_late_env(late_env: dict[str, str], device: str) -> None:
     if not late_env:
         return
     os.environ.update(late_env)
-    settings = late_env.get("PYTORCH_CUDA_ALLOC_CONF")
+    settings = late_env.get(CONF_ENV)
     if settings is None or device == "cpu":
         return
     setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or getattr(
         torch._C, "_cuda_cudaCachingAllocator_set_allocator_settings", None
     )
     if setter is None:
-        print("oomdoc: this torch cannot set PYTORCH_CUDA_ALLOC_CONF late", file=sys.stderr)
+        print(f"oomdoc: this torch cannot set {CONF_ENV} late", file=sys.stderr)
         return
     try:
         setter(settings)
     except Exception as exc:
         # Not in the environment either: the capture then says (and the
         # certificate reads) that the replay ran at the allocator's defaults.
-        os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)
-        print(f"oomdoc: PYTORCH_CUDA_ALLOC_CONF={settings} was not applied: {exc}", file=sys.stderr)
+        os.environ.pop(CONF_ENV, None)
+        print(f"oomdoc: {CONF_ENV}={settings} was not applied: {exc}", file=sys.stderr)
 
 
 def apply_fix(payload: dict, tracker: Tracker) -> None:

@@ -294,36 +294,48 @@ def search_configurations(
     the fastest (`dominated`, recorded in state.not_searched)."""
     if state.search is None or not state.batch_info.get("source"):
         return
-    original = state.search.original_batch_size
     capacity = snapshot.device.capacity_bytes
     limit = capacity - int(getattr(options, "margin_fraction", 0.05) * capacity)
     by_parts = {tuple(result.parts): result for result in state.results}
     start_saver_searches_ahead(replayer, snapshot, state, by_parts, limit)
     fitting: list[tuple[str, ...]] = []
     for fixes in saver_configurations(snapshot, state):
-        result = by_parts.get(fixes)
-        if fits_within(result, limit):
+        if fits_within(by_parts.get(fixes), limit):
             fitting.append(fixes)
             continue
-        reason = dominated(fixes, fitting)
-        if reason:
-            state.not_searched[fixes] = reason
-            continue
-        fix = fix_named("+".join(fixes))
-        replay = state.replays.get("+".join(fixes))
-        if fix is None or replay is None or replay.capture is None:
-            continue
-        at_original = to_batch_run(replay, original)
-        if at_original.inconclusive:
-            state.not_searched[fixes] = f"its replay at the user's batch failed: {replay.message}"
-            continue
-        reason = estimated_no_larger(fixes, at_original, micro_batches(state), original)
-        if reason:
-            state.not_searched[fixes] = reason
-            continue
-        search = search_under(replayer, snapshot, state, fix, at_original)
-        if search is not None:
-            state.saver_searches[fixes] = search
+        found = searchable(fixes, state, fitting)
+        if isinstance(found, str):
+            state.not_searched[fixes] = found
+        elif found is not None:
+            search = search_under(replayer, snapshot, state, *found)
+            if search is not None:
+                state.saver_searches[fixes] = search
+
+
+def searchable(
+    fixes: tuple[str, ...], state: ReplayState, fitting: list[tuple[str, ...]]
+) -> tuple[Fix, batch_model.BatchRun] | str | None:
+    """Whether the configuration `fixes`, which does not fit at the user's
+    batch, is searched (`fitting`: those that do, so far): its fix and its
+    replay at the user's batch when it is; why not, when that is worth
+    recording (state.not_searched); None when it has nothing to search from
+    (no such fix, or no replay of it). One test for search_configurations and
+    for start_saver_searches_ahead, so that the replays started ahead are the
+    searches' own."""
+    assert state.search is not None
+    original = state.search.original_batch_size
+    reason = dominated(fixes, fitting)
+    if reason:
+        return reason
+    fix = fix_named("+".join(fixes))
+    replay = state.replays.get("+".join(fixes))
+    if fix is None or replay is None or replay.capture is None:
+        return None
+    at_original = to_batch_run(replay, original)
+    if at_original.inconclusive:
+        return f"its replay at the user's batch failed: {replay.message}"
+    reason = estimated_no_larger(fixes, at_original, micro_batches(state), original)
+    return reason or (fix, at_original)
 
 
 def start_saver_searches_ahead(
@@ -338,22 +350,15 @@ def start_saver_searches_ahead(
     the HF Trainer's two searches ran one after another. A configuration
     that an earlier search turns out to rule out (estimated_no_larger) asks
     for none: its replay is wasted, the decisions are the same."""
-    assert state.search is not None
-    original = state.search.original_batch_size
     fitting: list[tuple[str, ...]] = []
     for fixes in saver_configurations(snapshot, state):
         if fits_within(by_parts.get(fixes), limit):
             fitting.append(fixes)
             continue
-        fix = fix_named("+".join(fixes))
-        replay = state.replays.get("+".join(fixes))
-        if dominated(fixes, fitting) or fix is None or replay is None or replay.capture is None:
+        found = searchable(fixes, state, fitting)
+        if not isinstance(found, tuple):
             continue
-        at_original = to_batch_run(replay, original)
-        if at_original.inconclusive or estimated_no_larger(
-            fixes, at_original, micro_batches(state), original
-        ):
-            continue
+        fix, at_original = found
         batch_size = first_saver_trial(snapshot, state, at_original)
         if batch_size is not None:
             payload, label, args, env = saver_trial(replayer, snapshot, state, fix, batch_size)
