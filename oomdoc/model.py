@@ -225,6 +225,9 @@ class Step:
     # Began after the replay's steps were done (batches a loop fetched
     # ahead, the steps after its evaluation): left out of its step time.
     after_timed_steps: bool = when_set(False)
+    # A training call of the step had input shapes the process had not met:
+    # its time holds per-shape warm-up (kernels planned or compiled for them).
+    new_shapes: bool = when_set(False)
     # The shapes of the tensors the script passed to its first training
     # model call of the step: positional, then by keyword.
     input_shapes: Optional[List[List[int]]] = when_set()

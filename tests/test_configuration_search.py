@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from oomdoc.fixes import fix_named
 from oomdoc.model import FixResult, Snapshot, Step
-from oomdoc.replay.orchestrate import time_ratio
+from oomdoc.replay.orchestrate import shape_warmup_note, time_ratio
 from oomdoc.replay.plan import ReplayState, combination_to_measure
 from oomdoc.replay.replayer import Replay
 from oomdoc.replay.search import dominated, only_adds_work
@@ -158,6 +158,45 @@ def test_steps_after_the_replays_steps_are_left_out_of_its_step_time():
     for step in timed[4:]:
         step.after_timed_steps = True
     assert step_timing(timed) == StepTiming(1.0, 0.2, 3)
+
+
+def test_steps_on_shapes_met_for_the_first_time_are_left_out_when_others_were_met_before():
+    # The HF Trainer's replay on variable-length text, longest batch first:
+    # step 1 repeats the longest batch's length, steps 2 and 3 meet new
+    # lengths (cuDNN attention builds a plan for each: seconds in bf16).
+    timed = steps(4.5, 0.43, 3.56, 2.9)
+    for step in (timed[0], timed[2], timed[3]):
+        step.new_shapes = True
+    assert step_timing(timed) == StepTiming(0.43, None, 1)
+    # Every timed step on new shapes (no length ever repeats): all of them,
+    # as before, rather than none.
+    timed[1].new_shapes = True
+    assert step_timing(timed) == StepTiming(2.9, 0.2276, 3)
+
+
+def test_a_large_warm_up_per_new_shape_is_told_to_the_user():
+    """Left out of the step times, a per-shape warm-up is still paid by the
+    user's run once per shape: the report says how much, and on CUDA what
+    the likely cause (cuDNN attention's plan per length) and its switch are."""
+    from types import SimpleNamespace
+
+    timed = steps(4.5, 0.43, 3.56, 2.9)
+    for step in (timed[0], timed[2], timed[3]):
+        step.new_shapes = True
+    replay = Replay(
+        label="autocast (--per_device_train_batch_size 8)",
+        outcome="fits",
+        capture=Snapshot(steps=timed),
+    )
+    cuda = Snapshot.from_dict({"device": {"kind": "cuda", "capacity_bytes": 100 * MiB}})
+    note = shape_warmup_note(cuda, SimpleNamespace(replays=[replay]))
+    assert note is not None and "took 3.56 s against 0.43 s" in note
+    assert "enable_cudnn_sdp(False)" in note
+    simulated = Snapshot.from_dict({"device": {"kind": "simulated", "capacity_bytes": 100 * MiB}})
+    assert "cuDNN" not in (shape_warmup_note(simulated, SimpleNamespace(replays=[replay])) or "")
+    # A warm-up within the steps' own spread says nothing.
+    timed[2].duration_s = timed[3].duration_s = 0.5
+    assert shape_warmup_note(cuda, SimpleNamespace(replays=[replay])) is None
 
 
 def test_a_saver_search_started_ahead_is_the_one_its_search_asks_for_first():

@@ -23,7 +23,7 @@ from oomdoc.capture.modules import (
     module_table,
     phase_from_frames,
 )
-from oomdoc.capture.tracker import Tracker
+from oomdoc.capture.tracker import StopRun, Tracker
 from oomdoc.snapshot import CATEGORIES
 
 
@@ -432,6 +432,68 @@ def test_a_model_called_with_keyword_tensors_records_their_shapes(simulated):
     tracker.finish()
     shapes = [step.get("input_shapes") for step in tracker.steps]
     assert shapes == [[[1], [8, 16], [8, 16]]] * 3
+
+
+def test_a_step_whose_training_calls_meet_new_input_shapes_is_marked(simulated):
+    """A step is `new_shapes` when one of its training calls has input
+    shapes (positional or by keyword) no earlier training call had: per-shape
+    warm-up (cuDNN attention's plan per sequence length) is in its time. An
+    evaluation call at a new shape does not mark the step."""
+    tracker, _backend = simulated()
+    model = torch.nn.Linear(16, 16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for rows, keyed, evaluated in (
+        (8, False, 0),
+        (8, False, 5),
+        (4, False, 0),
+        (8, True, 0),
+        (8, True, 0),
+    ):
+        batch = torch.randn(rows, 16)
+        loss = (model(input=batch) if keyed else model(batch)).square().mean()
+        loss.backward()
+        if evaluated:
+            with torch.no_grad():
+                model(torch.randn(evaluated, 16))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    tracker.finish()
+    assert [bool(step.get("new_shapes")) for step in tracker.steps] == [
+        True,
+        False,
+        True,
+        True,
+        False,
+    ]
+
+
+def test_an_evaluation_in_the_replays_last_step_gives_the_device_back_first(simulated):
+    """Replays side by side hold the device alone for their timed steps. An
+    evaluation the replay's last step runs (the HF Trainer asked to evaluate
+    at its end) is never timed: the device is given back before it, so its
+    warm-up (cuDNN plans for each new length, seconds in bf16) does not keep
+    the other replays waiting."""
+    tracker, _backend = simulated()
+    tracker.max_steps = 3
+    events = []
+    tracker.share_device(
+        lambda: events.append(("alone", tracker.step_index)),
+        lambda: events.append(("done", tracker.step_index, tracker._current["evaluation_calls"])),
+        lambda: False,
+    )
+    model = torch.nn.Linear(16, 16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(StopRun):
+        for index in range(5):
+            model(torch.randn(8, 16)).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if index in (0, 2):  # an evaluation mid-run, then in the last step
+                with torch.no_grad():
+                    model(torch.randn(4, 16))
+    assert events == [("alone", 0), ("done", 2, 0)]
+    tracker.finish()
+    assert [bool(step.get("after_timed_steps")) for step in tracker.steps] == [False] * 3
 
 
 def test_a_forward_that_raises_leaves_the_tracking_as_it_was(simulated):

@@ -155,6 +155,9 @@ class Tracker(Attribution, LeakChecks, StepLimits):
         self.device_to_itself = True
         self.timed_steps_over = False  # timed_steps_done() was called
         self._step_alone = True
+        # The input shapes of every training call so far: a step that meets
+        # one the process has not is a warm-up for it (Step.new_shapes).
+        self._shapes_met: set[tuple] = set()
         self.peak_sample: dict | None = None
         # (allocated, reserved) peak after the last step, or of a run without
         # steps: no step record holds it, the run's peak must (finish()).
@@ -454,8 +457,10 @@ class Tracker(Attribution, LeakChecks, StepLimits):
         if self._module_depth == 0 and self._backward_depth == 0:
             if self._outer_kind == _AUXILIARY:
                 return  # a transform or a loss module: not a model call
-            if self._outer_kind == _TRAINING and kwargs:
-                self._keyword_shapes(kwargs)
+            if self._outer_kind == _TRAINING:
+                self._note_shapes(inputs, kwargs)
+                if kwargs:
+                    self._keyword_shapes(kwargs)
             stamp_graph(output, self.step_index)
             if self._outer_kind == _EVALUATION:
                 self._evaluation_outputs = [
@@ -465,6 +470,23 @@ class Tracker(Attribution, LeakChecks, StepLimits):
             self._sample_peak()
             if self.unit == "module":
                 self._current["end_allocated_bytes"] = self.backend.allocated_bytes()
+
+    def _note_shapes(self, inputs: tuple, kwargs: dict) -> None:
+        """Mark the step `new_shapes` when this training call's tensors have
+        shapes no earlier call had: kernels planned or compiled per shape
+        (cuDNN attention per sequence length, torch.compile) make such a
+        step slower than the same shapes later."""
+        signature = (
+            *(tuple(value.shape) for value in inputs if isinstance(value, torch.Tensor)),
+            *(
+                (key, tuple(value.shape))
+                for key, value in kwargs.items()
+                if isinstance(value, torch.Tensor)
+            ),
+        )
+        if signature not in self._shapes_met:
+            self._shapes_met.add(signature)
+            self._current["new_shapes"] = True
 
     def _keyword_shapes(self, kwargs: dict) -> None:
         """Add the tensors a step's first training call got by keyword to
@@ -560,6 +582,16 @@ class Tracker(Attribution, LeakChecks, StepLimits):
             if not module.training:
                 current["eval_mode_forward_calls_with_grad"] += 1
         else:
+            if (
+                not current["evaluation_calls"]
+                and self.steps_done()
+                and any(not step["evaluation_calls"] for step in self.steps[1:])
+            ):
+                # The replay's last step evaluates (asked to at its end): it
+                # is not timed (steps without one are), nor is any after it,
+                # and the evaluation's warm-up (cuDNN plans for each new
+                # length) need not hold the device.
+                self.timed_steps_done()
             current["evaluation_calls"] += 1
             self._previous_evaluation_outputs = self._evaluation_outputs
             self._evaluation_outputs = []

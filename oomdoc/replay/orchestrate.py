@@ -62,7 +62,14 @@ from oomdoc.replay.search import (
     search_batch,
     search_configurations,
 )
-from oomdoc.replay.timing import StepTiming, cannot_be_faster, ratio_noise, step_timing
+from oomdoc.replay.timing import (
+    WARMUP_RATIO,
+    StepTiming,
+    cannot_be_faster,
+    ratio_noise,
+    shape_warmup,
+    step_timing,
+)
 from oomdoc.runner import ChildRequest, ChildSignals, WarmPool
 from oomdoc.script_flags import (
     spelled,
@@ -438,6 +445,9 @@ def finish(
     evaluation = replayer.settler if isinstance(replayer.settler, EvaluationApart) else None
     if evaluation is not None:
         evaluation.annotate(snapshot.prescription)
+    warmup = shape_warmup_note(snapshot, replayer)
+    if warmup:
+        snapshot.notes.append(warmup)
     leaking = [(replay.label, replay.leaks) for replay in replayer.replays if replay.leaks]
     if leaking and not replayer.leak:
         # The failing run ended too early to show its leak; a replay did.
@@ -483,6 +493,31 @@ def finish(
     snapshot.replay = summary
     side_by_side = f", up to {replayer.jobs} side by side" if replayer.jobs > 1 else ""
     progress.header(f"{len(replayer.replays)} replays in {progress.total():.1f} s{side_by_side}")
+
+
+def shape_warmup_note(snapshot: Snapshot, replayer: Replayer) -> Optional[str]:
+    """What the replays' steps on new input shapes cost over those on shapes
+    met before, when it is large (WARMUP_RATIO): step times leave them out,
+    but the user's run pays it once for every new shape."""
+    worst: Optional[tuple[float, float, str]] = None
+    for replay in replayer.replays:
+        found = shape_warmup(replay.capture.steps) if replay.capture is not None else None
+        if found is not None and (worst is None or found[0] / found[1] > worst[0] / worst[1]):
+            worst = (*found, replay.label)
+    if worst is None or worst[0] < WARMUP_RATIO * worst[1]:
+        return None
+    new_s, met_s, label = worst
+    text = (
+        f"Steps on input shapes met for the first time took {new_s:.2f} s against "
+        f"{met_s:.2f} s on shapes met before (replay {label!r}): a warm-up for each new "
+        "shape, which the step times here leave out and a run pays once per shape"
+    )
+    if snapshot.device.kind == "cuda":
+        text += (
+            " (on CUDA this is typically cuDNN attention, which builds a plan for each "
+            "new sequence length: torch.backends.cuda.enable_cudnn_sdp(False) turns it off)"
+        )
+    return text + "."
 
 
 def batch_search_record(search: batch_model.SearchResult, source: Optional[str]) -> BatchSearch:

@@ -45,8 +45,14 @@ def timed_steps(steps: Iterable[Step]) -> list[Step]:
     less the first step (warm-up, lazy optimizer state) when later ones exist,
     less the steps begun after the replay's steps were done (batches fetched
     ahead, the longest batch again after the evaluation: Step.after_timed_steps),
-    and less a step that also ran an evaluation loop (a replay reaches the
-    script's evaluation after its steps) when others did not."""
+    less a step that also ran an evaluation loop (a replay reaches the
+    script's evaluation after its steps) when others did not, and less the
+    steps on input shapes met for the first time (Step.new_shapes) when
+    others were on shapes met before: a run pays that warm-up once a shape,
+    and a replay that orders its batches longest first meets a new length
+    almost every step (on an H100, cuDNN attention in bf16 made a GPT-2
+    step at a new length take 0.6 to 3.6 s, against 0.35 to 0.43 s at one
+    met before, and the autocast prescription flip from run to run)."""
     timed = [step for step in steps if step.duration_s is not None]
     within = [step for step in timed if not step.after_timed_steps]
     if within and len(within) < len(timed):
@@ -54,6 +60,9 @@ def timed_steps(steps: Iterable[Step]) -> list[Step]:
     training = [step for step in timed if not (step.evaluation_calls and step.forward_calls)]
     if training and len(training) < len(timed):
         timed = training
+    settled = [step for step in timed if not step.new_shapes]
+    if settled and len(settled) < len(timed):
+        return settled
     if len(timed) > 1:
         return [step for step in timed if step.index > 0] or timed
     return timed
@@ -81,6 +90,32 @@ def step_timing(steps: Iterable[Step]) -> Optional[StepTiming]:
         )
         noise = round(spread / median, 4)
     return StepTiming(median, noise, len(durations))
+
+
+# New shapes whose steps took this many times those on shapes met before
+# are worth telling the user about (shape_warmup): their real run pays it too.
+WARMUP_RATIO = 3.0
+
+
+def shape_warmup(steps: Iterable[Step]) -> Optional[tuple[float, float]]:
+    """(median seconds of the training steps on shapes met for the first
+    time, median of those on shapes met before), leaving out the first step
+    and the steps timed_steps leaves out for other reasons; None without
+    both kinds."""
+    steps = list(steps)
+    training = [
+        step
+        for step in steps
+        if step.index > 0
+        and step.duration_s is not None
+        and not step.after_timed_steps
+        and not (step.evaluation_calls and step.forward_calls)
+    ]
+    new = sorted(float(step.duration_s or 0) for step in training if step.new_shapes)
+    met = sorted(float(step.duration_s or 0) for step in training if not step.new_shapes)
+    if not new or not met:
+        return None
+    return new[len(new) // 2], met[len(met) // 2]
 
 
 def ratio_noise(*noises: Optional[float]) -> float:
