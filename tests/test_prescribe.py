@@ -595,14 +595,15 @@ def choice_near_a_drifting_batch(plain_bound, autocast_bound, measured):
     return snapshot, state, replayer, chosen
 
 
-def test_the_runner_up_starts_before_the_checks_and_those_not_prescribed_are_dropped():
-    """The H100 run after start_checks_ahead: the first choice's expandable
-    checks took the free lanes, so the runner-up (the one the choice asked
-    for next) did not run beside it, and the checks of a choice that was
-    measured slower ran on for nothing. The runner-up starts first; once the
-    choice is made, the checks of the other configurations are discarded
-    (not as the choice moves on: a first choice measured again after a noisy
-    runner-up was prescribed on the H100, and needed its checks)."""
+def test_the_checks_start_before_the_runner_up_and_those_not_prescribed_are_dropped():
+    """The first choice's checks (its replay with expandable segments, its
+    own-flags run) start beside its replay with accumulation, then the
+    runner-up (the one the choice asks for next should it be measured
+    slower): on the H100 the first choice held in 7 of 7 diagnoses once step
+    times left out the steps on new shapes, and a runner-up started first
+    had put the checks after it. Once the choice is made, the checks of the
+    other configurations are discarded (not as the choice moves on: a first
+    choice measured again after a runner-up may still be prescribed)."""
     from oomdoc.replay.prescription import start_checks_ahead
 
     snapshot, state, replayer, chosen = choice_near_a_drifting_batch(
@@ -612,7 +613,7 @@ def test_the_runner_up_starts_before_the_checks_and_those_not_prescribed_are_dro
         32,
         2,
     )
-    runner_up, *first_checks = replayer.started_ahead[:3]
+    *first_checks, runner_up = replayer.started_ahead[:3]
     assert replayer.asked[1] == runner_up
     assert [key[0] for key in first_checks] == [
         "the prescription (expandable_segments, batch 16 x 4 accumulation steps)",
@@ -633,7 +634,7 @@ def test_a_first_choice_prescribed_after_its_runner_up_keeps_the_checks_it_start
         plain_bound=32.0, autocast_bound=30.0, measured=(25.0, 20.0)
     )
     assert chosen.fixes == [] and (chosen.batch_size, chosen.accumulation_steps) == (16, 4)
-    _runner_up, *plain_checks = replayer.started_ahead[:3]
+    *plain_checks, _runner_up = replayer.started_ahead[:3]
     autocast_checks = replayer.started_ahead[3:]
     assert [key[0] for key in autocast_checks][0].startswith(
         "the prescription (autocast + expandable_segments, batch 32 x 2"

@@ -469,6 +469,9 @@ def finish(
         runs=[replay.timing() for replay in replayer.replays],
         jobs=replayer.jobs,
     )
+    # Every decision is made: replays still started ahead (a runner-up that
+    # was not needed) are stopped, and reported with the others unused.
+    replayer.discard_ahead()
     unused = replayer.unused_runs()
     if unused:
         summary.unused_runs = unused

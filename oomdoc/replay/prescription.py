@@ -360,10 +360,18 @@ def measured_choice(
             chosen.detail = f"{chosen.detail}; {unmeasured_note or without}"
             break
         replays += 1
+        # Should the replay with accumulation confirm it, these are asked
+        # for next: they run beside it. Those of an earlier choice stay:
+        # measured again after this one, it may still be prescribed (on the
+        # H100 the first choice was, after a noisy runner-up).
+        if configuration_of(chosen) not in checks:
+            checks[configuration_of(chosen)] = start_checks_ahead(replayer, snapshot, state, chosen)
         if replays < PRESCRIPTION_REPLAYS:
             # Should this one be measured slower, or not fit, the next choice
-            # is asked for next: it runs beside it (its timed steps alone),
-            # before the checks below take the free lanes.
+            # is asked for next: it starts ahead too, after the checks. With
+            # step times of shapes met before (timing.timed_steps) the first
+            # choice held on the H100 in 7 of 7 diagnoses, and a runner-up
+            # started before its checks had put them after it.
             runner_up = pick(
                 [other for other in remaining if other is not candidate], capacity, margin
             )
@@ -371,12 +379,6 @@ def measured_choice(
                 start_prescription_ahead(
                     replayer, snapshot, state, runner_up[0], prescription_of(*runner_up)
                 )
-        # Should the replay with accumulation confirm it, these are asked
-        # for next: they run beside it. Those of an earlier choice stay:
-        # measured again after this one, it may still be prescribed (on the
-        # H100 the first choice was, after a noisy runner-up).
-        if configuration_of(chosen) not in checks:
-            checks[configuration_of(chosen)] = start_checks_ahead(replayer, snapshot, state, chosen)
         try:
             replay = replay_prescription(replayer, snapshot, state, chosen)
         except ReplaysInterrupted:
