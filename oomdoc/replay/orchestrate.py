@@ -505,7 +505,9 @@ def shape_warmup_note(snapshot: Snapshot, replayer: Replayer) -> Optional[str]:
     worst: Optional[tuple[float, float, str]] = None
     for replay in replayer.replays:
         found = shape_warmup(replay.capture.steps) if replay.capture is not None else None
-        if found is not None and (worst is None or found[0] / found[1] > worst[0] / worst[1]):
+        if found is None or found[1] <= 0:
+            continue
+        if worst is None or found[0] / found[1] > worst[0] / worst[1]:
             worst = (*found, replay.label)
     if worst is None or worst[0] < WARMUP_RATIO * worst[1]:
         return None
