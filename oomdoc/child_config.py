@@ -34,6 +34,9 @@ class DeviceLock:
     shared: bool | None = None
     # The file a shared child passes before it takes the lock (None: unshared).
     turnstile: str | None = None
+    # A shared child whose step times are never used (a check of a peak): it
+    # never takes the lock alone, and passes it on at each step's end.
+    untimed: bool = False
 
 
 @dataclass
@@ -101,6 +104,13 @@ class ChildConfig:
     # started without them: oomdoc.warm.LATE_ENV), e.g. the allocator's
     # PYTORCH_CUDA_ALLOC_CONF of a replay with expandable segments.
     late_env: dict[str, str] = field(default_factory=dict)
+    # A replay: once the capture is written, the process ends without the
+    # interpreter's teardown, its atexit handlers run (oomdoc.capture.quick_exit).
+    quick_exit: bool = False
+    # A replay on CUDA: large CPU tensors' random initialisation is drawn
+    # cheaply (oomdoc.capture.quick_init): the model's values change neither
+    # its memory nor its step time.
+    quick_init: bool = False
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

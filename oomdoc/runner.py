@@ -74,9 +74,17 @@ class ChildRequest:
     # the lock shared (its timed steps alone); False, it keeps the device
     # alone from its first device work to its end (a replay timed again).
     share_device: bool | None = None
+    # False: the replay's step times are never used (a check of a peak); with
+    # the device shared, it never takes it alone (DeviceLock.untimed).
+    timed: bool = True
     # oomdoc check: DataLoaders load in the script's process (num_workers=0),
     # so that two runs of the same code count the same batches.
     serial_dataloaders: bool = False
+    # A replay: the child ends without the interpreter's teardown once its
+    # capture is written (ChildConfig.quick_exit).
+    quick_exit: bool = False
+    # A replay: the model's random initialisation drawn cheaply (ChildConfig.quick_init).
+    quick_init: bool = False
 
 
 @dataclass
@@ -257,6 +265,8 @@ def child_config(request: ChildRequest, result_path: str, artifact_dir: str) -> 
         whole_run=request.whole_run,
         fix=request.fix,
         artifact_dir=artifact_dir,
+        quick_exit=request.quick_exit,
+        quick_init=request.quick_init,
     )
 
 
@@ -280,6 +290,7 @@ def run_child(
             if request.share_device is not None:
                 lock.shared = request.share_device
                 lock.turnstile = request.device_lock + ".turnstile"
+                lock.untimed = not request.timed
         config = child_config(request, result_path, request.artifact_dir or workdir)
         config.serial_dataloaders = request.serial_dataloaders
         config.device_lock = lock

@@ -37,11 +37,11 @@ def run_session(options: RunOptions, stderr: TextIO | None = None) -> int:
     request = child_request(options, artifact_dir=str(artifact_dir))
     pool = None
     if options.replay:
-        from oomdoc.replay.orchestrate import warm_pool
+        from oomdoc.replay.orchestrate import early_lanes, warm_pool
 
-        # The first replay's child starts (and imports torch) while the
-        # script runs: most runs that get here end in the OOM they are about.
-        pool = warm_pool(request)
+        # The replays' children start (and import torch) while the script
+        # runs: most runs that get here end in the OOM they are about.
+        pool = warm_pool(request, early_lanes(request.device, options.replay_jobs))
     try:
         new_parent = not path.parent.exists()
         artifact_dir.mkdir(parents=True, exist_ok=True)

@@ -335,17 +335,22 @@ class WarmChild:
 # (Python, torch, the script's framework: 5 s and more) outlasts a short
 # replay, so a child started only when the one before it is taken is not
 # ready for the next replay (benchmarks/replay_startup.py: the Trainer
-# replays' median start-up 2.4 s with none ahead, under 1 s with one).
+# replays' median start-up 2.4 s with none ahead, under 1 s with one). With
+# several lanes, one spare per lane: on the H100 the HF Trainer's three
+# replays of its prescription start together, and with one spare two of them
+# waited 2.3 to 2.8 s for a child.
 SPARES_AHEAD = 1
 
 
 class WarmPool:
     """Keeps `size` warm children ready for the next runs with this device and
     environment: while replays run, the next ones' start-up happens. One per
-    replay that may run at once (oomdoc run --replay-jobs), and SPARES_AHEAD
-    more once replays take them (not while the failing run runs: they would
-    slow it, and a run that does not end in an OOM needs none). Thread-safe:
-    the replays of one run take children from several threads."""
+    replay that may run at once (oomdoc run --replay-jobs), and a spare per
+    lane (at least SPARES_AHEAD) once replays take them. While the failing run
+    runs, one child, or with lanes (oomdoc.replay.replayer.early_lanes) one
+    per lane and SPARES_AHEAD: a run that does not end in an OOM needs none,
+    and they would slow a run on few cores. Thread-safe: the replays of one
+    run take children from several threads."""
 
     def __init__(
         self,
@@ -410,7 +415,7 @@ class WarmPool:
             if spare is None:
                 return None
             self.spares.remove(spare)
-            self.ahead = SPARES_AHEAD
+            self.ahead = max(SPARES_AHEAD, self.size)
             self._fill()
             return spare
 

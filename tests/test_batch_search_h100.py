@@ -89,3 +89,50 @@ def test_a_second_backward_that_never_ran_is_the_first_moved_up_by_the_optimizer
     predicted = model.lines[(STEADY, "backward")].at(22)
     assert abs(predicted - need_at_22) <= 0.01 * need_at_22
     assert run.lower_bounds[(STEADY, "backward")] < 0.97 * model.lines[(STEADY, "backward")].at(23)
+
+
+@pytest.mark.parametrize("case", sorted(KNOWN_MAX))
+def test_a_probe_started_ahead_never_changes_the_searchs_path(case):
+    """`speculate` starts a probe a quarter below an estimate from a first
+    forward's OOM (where the model is least sure) beside it: the search runs
+    the same trials with or without it, and where it asks for the batch
+    started ahead, that replay has run beside the one before."""
+    grid = recorded(case)
+    failing = grid.failing
+    for probe in (first_probe_for(failing, grid.original), grid.original - 1):
+        paths = []
+        for speculating in (False, True):
+            events: list[tuple[str, int]] = []
+
+            def trial(batch_size: int, events=events):
+                events.append(("trial", batch_size))
+                return grid.trial(batch_size)
+
+            def speculate(batch_size: int, events=events):
+                events.append(("ahead", batch_size))
+
+            result = search_max_batch(
+                grid.original,
+                failing.device.capacity_bytes,
+                [observe(failing, grid.original)],
+                trial,
+                probe=probe,
+                speculate=speculate if speculating else None,
+            )
+            paths.append([(run.batch_size, run.fits) for run in result.trials])
+            for (kind, batch_size), after in zip(events, events[1:]):
+                if kind == "ahead":  # started beside the trial asked for next
+                    assert after[0] == "trial" and batch_size == after[1] * 3 // 4
+        assert paths[0] == paths[1]
+    # The Lightning module's first probe at 255 runs out of memory in its
+    # first forward: the estimate from it (26) gets a probe beside it (19).
+    started = []
+    search_max_batch(
+        recorded("lightning").original,
+        recorded("lightning").failing.device.capacity_bytes,
+        [observe(recorded("lightning").failing, recorded("lightning").original)],
+        recorded("lightning").trial,
+        probe=recorded("lightning").original - 1,
+        speculate=started.append,
+    )
+    assert started == [19]

@@ -247,3 +247,29 @@ def test_a_saver_search_started_ahead_is_the_one_its_search_asks_for_first():
         skipped=[], batch_info={"source": "--batch-size"}, search=SearchResult(32, 16, True, [], [])
     )
     assert first_saver_trial(snapshot, state, BatchRun(batch_size=32, fits=False)) is None
+
+
+def test_a_probe_started_ahead_is_stopped_once_the_search_asks_for_another():
+    """The batch search's probe started ahead (search.Speculated): kept when
+    the search asks for its batch, stopped (Replayer.discard, listed among the
+    unused replays) when it asks for another; none without lanes."""
+    from oomdoc.replay.search import Speculated
+
+    class Lanes:
+        def __init__(self):
+            self.discarded: list = []
+
+        def discard(self, keys):
+            self.discarded.extend(keys)
+
+    replayer = Lanes()
+    speculated = Speculated(replayer)  # type: ignore[arg-type]
+    speculated.started(9, ("probe 9",))
+    speculated.drop_others(9)  # asked for: it runs on
+    assert replayer.discarded == []
+    speculated.started(19, ("probe 19",))
+    speculated.started(7, None)  # no lane: nothing was started
+    speculated.drop_others(24)
+    assert replayer.discarded == [("probe 19",)]
+    speculated.drop_others(25)
+    assert replayer.discarded == [("probe 19",)]

@@ -31,16 +31,61 @@ GiB = 1024 * MiB
 
 
 def test_default_jobs_follow_cores_and_memory():
-    assert default_jobs("cuda", cpus=16) == 3
+    assert default_jobs("cuda", cpus=16) == 4
     assert default_jobs("cuda", cpus=3) == 2
     assert default_jobs("cuda", cpus=1) == 1
     assert default_jobs("simulated", cpus=2) == 1
     assert default_jobs("simulated", cpus=8) == 2
-    assert default_jobs("simulated", cpus=64) == 3
+    assert default_jobs("simulated", cpus=64) == 4
     # A running child and a warm one per lane, in 3/4 of the free memory.
     assert default_jobs("cuda", cpus=16, available_bytes=16 * GiB, child_bytes=3 * GiB) == 2
     assert default_jobs("cuda", cpus=16, available_bytes=4 * GiB, child_bytes=3 * GiB) == 1
-    assert default_jobs("cuda", cpus=16, available_bytes=128 * GiB, child_bytes=GiB) == 3
+    assert default_jobs("cuda", cpus=16, available_bytes=128 * GiB, child_bytes=GiB) == 4
+
+
+def test_warm_children_for_every_lane_start_with_the_failing_run(monkeypatch):
+    """With lanes to fill, a warm child per lane and a spare start while the
+    failing run runs (early_lanes: from what is known before it); on a small
+    machine one, as before. Once replays take them, a spare per lane."""
+    from oomdoc import warm
+    from oomdoc.replay import replayer as replayer_module
+    from oomdoc.runner import ChildRequest
+
+    monkeypatch.setattr(replayer_module, "host_available_bytes", lambda: 64 * GiB)
+    monkeypatch.setattr(replayer_module, "guess_device_kind", lambda: "cuda")
+    monkeypatch.setattr(
+        replayer_module.os, "sched_getaffinity", lambda _pid: set(range(16)), raising=False
+    )
+    assert replayer_module.early_lanes("auto") == replayer_module.early_lanes("cuda") == 4
+    assert replayer_module.early_lanes("cpu") == 4  # one lane per four cores
+    assert replayer_module.early_lanes("cuda", replay_jobs=2) == 2
+    monkeypatch.setattr(replayer_module, "guess_device_kind", lambda: "simulated")
+    monkeypatch.setattr(replayer_module.os, "sched_getaffinity", lambda _pid: {0, 1}, raising=False)
+    assert replayer_module.early_lanes("auto") == 1
+
+    started = []
+
+    class Child:
+        def __init__(self, *args, **kwargs):
+            started.append(self)
+            self.process = self
+
+        def poll(self):
+            return None
+
+        def usable_for(self, request):
+            return True
+
+        def discard(self):
+            pass
+
+    monkeypatch.setattr(warm, "WarmChild", Child)
+    request = ChildRequest(target="train.py", args=[], device="cuda", output_path="log")
+    pool = replayer_module.warm_pool(request, lanes=3)
+    assert len(started) == 4  # a child per lane and a spare
+    assert pool.take(request) is not None
+    assert len(pool.spares) == 6  # then a spare per lane
+    assert len(replayer_module.warm_pool(request).spares) == 1
 
 
 def test_replay_jobs_from_the_option_else_the_machine():

@@ -26,8 +26,8 @@ MiB = 1024 * 1024
 GiB = 1024 * MiB
 
 # A child's use of the lock, one action after another: `shared` (its first
-# device work), `alone` (its timed steps), `release`, or `wait` (until the
-# test creates the file `go`). Each action done is logged with its time.
+# device work), `alone` (its timed steps), `release`, `turn` (an untimed
+# child's step ended), or `wait` (until the test creates the file `go`). Each action done is logged with its time.
 GATE_USER = """
 import os, sys, time
 from oomdoc.capture.gate import DeviceGate
@@ -41,6 +41,8 @@ for action in actions:
         gate.take_alone()
     elif action == "release":
         gate.release()
+    elif action == "turn":
+        gate.pass_turn()
     elif action == "wait":
         while not os.path.exists(go):
             time.sleep(0.02)
@@ -154,6 +156,22 @@ def test_shared_holders_that_both_want_to_be_alone_take_turns(tmp_path, users):
     assert a_released <= b_alone or b_released <= a_alone  # never alone together
 
 
+def test_an_untimed_holder_passes_its_turn_to_a_child_waiting_to_be_alone(tmp_path, users):
+    """An untimed child (DeviceLock.untimed: a check of a peak) gives the lock
+    up at each step's end: a child waiting to time its steps goes then, not
+    once the untimed one has ended, and the untimed one goes on after it."""
+    untimed = GateUser(tmp_path, "untimed", "shared", "wait", "turn", "release")
+    users.append(untimed)
+    until(lambda: "shared" in untimed.done(), untimed)
+    timed = GateUser(tmp_path, "timed", "alone", "release")
+    users.append(timed)
+    until(timed.waiting, untimed, timed)
+    untimed.let_go()  # its step ends
+    timed.end()
+    untimed.end()
+    assert timed.done()["alone"] <= untimed.done()["turn"] <= untimed.done()["release"]
+
+
 # ---------------------------------------------------------- the tracker
 
 
@@ -200,6 +218,24 @@ def test_the_steps_whose_times_are_used_have_the_device_alone(tracker, autotunes
     # chosen by timing them, from the first step on), until the last step's.
     assert calls == [("alone", 0), ("done", 3)]
     assert [step.get("device_shared", False) for step in tracker.steps] == [True, False, False]
+
+
+@pytest.mark.parametrize("autotunes", [False, True])
+def test_an_untimed_replay_passes_the_device_on_at_each_steps_end(tracker, autotunes):
+    calls = []
+    tracker.share_device_untimed(
+        lambda: calls.append(("turn", len(tracker.steps))),
+        lambda: calls.append(("done", len(tracker.steps))),
+        lambda: autotunes,
+        lambda: calls.append(("alone", len(tracker.steps))),
+    )
+    with pytest.raises(StopRun):
+        train(tracker, 10)
+    if autotunes:  # kernels chosen by timing them: the device alone, as a timed replay
+        assert calls == [("alone", 0), ("done", 3)]
+    else:  # never alone: its step times are never used
+        assert calls == [("turn", 1), ("turn", 2), ("done", 3)]
+        assert all(step.get("device_shared") for step in tracker.steps)
 
 
 # ---------------------------------------------------------- the parent

@@ -36,6 +36,8 @@ from oomdoc.capture import (
     choose_device,
     communication,
     process_ranks,
+    quick_exit,
+    quick_init,
     relaunch,
     shared_memory,
     spawned,
@@ -297,6 +299,10 @@ def run(
         tracker.dataloader_batch_sizes = []
         watch_dataloaders(tracker.dataloader_batch_sizes)
     undo_hooks = [communication.install(tracker), shared_memory.install()]
+    if config.quick_init and backend.kind == "cuda":
+        # On the simulated device the CPU's tensors are the device's: the
+        # blocks it repeats would be counted.
+        undo_hooks.append(quick_init.install())
     whole_run = None
     if config.whole_run:  # after the fix's DataLoader edits: it orders what they made
         whole_run, undo_whole_run = install_whole_run(tracker)
@@ -399,6 +405,8 @@ def run(
         undo()
     tracker.uninstall()
     backend.uninstall()
+    if config.quick_exit and config.distributed is None and not quick_exit.in_process_group():
+        quick_exit.end_now(exit_code)
     if system_exit is not None:
         sys.stdout.flush()
         raise system_exit

@@ -30,7 +30,11 @@ Two ways to share it:
   device work has finished (CUDA: synchronize), so that work cannot run
   inside another child's timed steps. A child configured with the turnstile
   but not `shared` (a replay timed again alone) holds the lock exclusively
-  from its first device work to its end, as in the exclusive way.
+  from its first device work to its end, as in the exclusive way. A shared
+  child whose step times are never used (`untimed`: a check of the
+  prescription's peak) never holds it exclusively: it gives it up and takes
+  it again through the turnstile at each step's end, so that a child waiting
+  to time its steps waits for one of its steps at most.
 
 Where device work begins: on CUDA, CUDA's lazy initialisation
 (`torch.cuda._lazy_init`, which both Python and C++ call), so a waiting child
@@ -92,6 +96,8 @@ class DeviceGate:
         # Untimed device work may overlap other children's (the card has room).
         self.shared = bool(lock.shared)
         self.turnstile_path = lock.turnstile
+        # Shared, and its step times never used: it never holds the lock alone.
+        self.untimed = bool(lock.untimed) and self.shared
         self._descriptor: int | None = None
         self.mode: str | None = None  # SHARED, EXCLUSIVE, or None: not held
         # Two threads of the script may start CUDA at once: one waits for the
@@ -128,6 +134,14 @@ class DeviceGate:
                 # other (and flock's conversion is not atomic anyway).
                 self._release()
             self._take(EXCLUSIVE)
+
+    def pass_turn(self) -> None:
+        """Let a child waiting to hold the lock alone go first (an untimed
+        child's step ended): given up and taken again through the turnstile."""
+        with self._thread_lock:
+            if self.mode == SHARED:
+                self._release()
+                self._take(SHARED)
 
     def release(self) -> None:
         """This process's device work no longer needs the lock: its queued
@@ -206,7 +220,12 @@ class DeviceGate:
             self._before_cuda_starts()
         else:
             tracker.on_first_step = self.acquire
-        if self.shared:
+        if self.untimed:
+            self._note_compile()
+            tracker.share_device_untimed(
+                self.pass_turn, self.release, self.autotunes, self.take_alone
+            )
+        elif self.shared:
             self._note_compile()
             tracker.share_device(self.take_alone, self.release, self.autotunes)
 

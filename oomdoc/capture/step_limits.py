@@ -34,6 +34,8 @@ class StepLimits:
     on_first_step: Callable[[], None] | None
     on_timed_steps: Callable[[], None] | None
     on_timed_steps_done: Callable[[], None] | None
+    on_step_end: Callable[[], None] | None
+    sharing_untimed: bool
 
     def _first_step(self) -> None:
         hook, self.on_first_step = self.on_first_step, None
@@ -93,6 +95,40 @@ class StepLimits:
 
         self.on_first_step = first_step_begins
 
+    def share_device_untimed(
+        self,
+        pass_turn: Callable[[], None],
+        done: Callable[[], None],
+        autotunes: Callable[[], bool],
+        alone: Callable[[], None],
+    ) -> None:
+        """A replay that shares the device and whose step times are never
+        used (the prescription's checks: its own flags, its replay with
+        expandable segments): it never takes the device alone, so a replay
+        timing its steps waits for one of its steps at most (`pass_turn` at
+        each step's end), and it lets go once its steps are done (`done`).
+        On the H100 the HF Trainer's prescription, its replay with expandable
+        segments and its own-flags check ran side by side, and each waited
+        5.7 to 10.2 s for the others' timed steps. When `autotunes()` at the
+        first step, as share_device: the device alone from then on (`alone`),
+        since the kernels chosen decide the workspace, and so the peak."""
+        self.on_timed_steps_done = done
+        self.device_to_itself = self._step_alone = False
+        self.sharing_untimed = True
+        first_step = self.on_first_step
+
+        def first_step_begins() -> None:
+            if first_step is not None:
+                first_step()
+            if autotunes():
+                self.sharing_untimed = False
+                self.on_timed_steps = alone
+                self._timed_steps_begin()
+            else:
+                self.on_step_end = pass_turn
+
+        self.on_first_step = first_step_begins
+
     def _timed_steps_begin(self) -> None:
         """The device alone from here on: the steps that start from now on
         may be those whose durations are used (steps_timed in
@@ -108,6 +144,6 @@ class StepLimits:
         nor makes the replay's step time (`after_timed_steps`)."""
         self.timed_steps_over = True
         hook = self.on_timed_steps_done
-        if hook is not None and self.device_to_itself:
+        if hook is not None and (self.device_to_itself or self.sharing_untimed):
             hook()
-            self.device_to_itself = False
+            self.device_to_itself = self.sharing_untimed = False

@@ -152,6 +152,9 @@ class Tracker(Attribution, LeakChecks, StepLimits):
         # all along is marked `device_shared`.
         self.on_timed_steps: Callable[[], None] | None = None
         self.on_timed_steps_done: Callable[[], None] | None = None
+        # A replay that shares the device untimed: called at each step's end.
+        self.on_step_end: Callable[[], None] | None = None
+        self.sharing_untimed = False  # share_device_untimed, until its steps are done
         self.device_to_itself = True
         self.timed_steps_over = False  # timed_steps_done() was called
         self._step_alone = True
@@ -295,6 +298,8 @@ class Tracker(Attribution, LeakChecks, StepLimits):
         self.step_index += 1
         self._pending_close = False
         self._new_step()
+        if self.on_step_end is not None and not (self.timed_steps_over or self.steps_done()):
+            self.on_step_end()  # (after the last step, the device is let go instead)
 
     def finish(self) -> None:
         """Close the last step when the script ends (normally or not)."""

@@ -470,6 +470,7 @@ def search_max_batch(
     max_trials: int = 10,
     enough: Callable[[int, int], str | None] | None = None,
     floor: int = 0,
+    speculate: Callable[[int], None] | None = None,
 ) -> SearchResult:
     """Find the largest batch size that fits, exactly when the trials allow.
 
@@ -483,6 +484,10 @@ def search_max_batch(
     is for (None: they do not), which ends it there. `floor`: a batch
     assumed to fit without a run (a memory saver's search above the plain
     largest batch): the search stays above it, and never reports it as found.
+    `speculate(b)`: start the trial at b beside the next one (Replayer.ahead),
+    for the search to take should it ask for b next (else the caller drops it
+    once another is asked for): a quarter below an estimate from a first
+    forward's OOM, where the model is least sure.
     """
     runs = list(runs)
     known = [run for run in runs if not run.inconclusive]
@@ -537,6 +542,14 @@ def search_max_batch(
                 # 3/4 of it (an estimate too large once tends to be again).
                 again = _estimate_below(result.trials, hi)
                 candidate = max(1, min(again or hi, hi * 3 // 4))
+                # Such an estimate has been too large before (on the H100,
+                # the HF Trainer's 12 for a limit of 9: the logits and the
+                # loss, after the blocks, were never reached): the batch a
+                # quarter below it starts beside it: the one the model
+                # asked for next there, once this one ran out of memory.
+                below = candidate * 3 // 4
+                if speculate is not None and lo < below < candidate:
+                    speculate(below)
             else:
                 # Step well below the smallest OOM (far below when even its
                 # first forward failed).

@@ -55,6 +55,7 @@ from oomdoc.replay.replayer import (
     Replay,
     Replayer,
     ReplaysInterrupted,
+    early_lanes,
     replay_jobs,
     warm_pool,
 )
@@ -77,7 +78,14 @@ from oomdoc.script_flags import (
 
 # The entry points callers import from here (oomdoc.cli, oomdoc.session,
 # oomdoc.distributed.session, the benchmarks).
-__all__ = ["REPLAY_ENV", "Replayer", "check_replay_options", "replay_fixes", "warm_pool"]
+__all__ = [
+    "REPLAY_ENV",
+    "Replayer",
+    "check_replay_options",
+    "early_lanes",
+    "replay_fixes",
+    "warm_pool",
+]
 
 
 def replay_fixes(

@@ -175,6 +175,7 @@ def start_flags_ahead(
         extra_env=flags.env or None,
         priority=SPECULATIVE,
         micro_batches_per_step=flags.micro_batches_per_step,
+        timed=False,
     )
 
 
@@ -194,6 +195,7 @@ def verify_with_flags(
         args=flags.replayed_args,
         extra_env=flags.env or None,
         micro_batches_per_step=flags.micro_batches_per_step,
+        timed=False,  # its peak is reported, never its step time
     )
     record = replay_record(replay, flags.args, flags.raised)
     record["covers"] = flags.covers

@@ -179,7 +179,8 @@ def prescription_for(
         certify_with_expandable_segments(
             chosen,
             snapshot,
-            lambda trial: replay_prescription(replayer, snapshot, state, trial),
+            # Its certificate is read, never its step times.
+            lambda trial: replay_prescription(replayer, snapshot, state, trial, timed=False),
             getattr(replayer.options, "fixes", None),
             ahead=lambda trial: start_flags_ahead(replayer, snapshot, state, trial),
         )
@@ -613,6 +614,7 @@ def replay_ahead(
     fixes: list[str],
     micro: int,
     steps: int,
+    timed: bool = True,
 ) -> Optional[tuple]:
     """Start, speculatively, the replay replay_prescription would run for
     `fixes` at micro-batch `micro` with `steps` accumulation steps; its key."""
@@ -626,6 +628,7 @@ def replay_ahead(
         extra_env=env,
         priority=SPECULATIVE,
         micro_batches_per_step=micro_batches,
+        timed=timed,
     )
 
 
@@ -666,6 +669,7 @@ def start_checks_ahead(
                 trial.fixes,
                 int(prescription.batch_size),
                 trial.accumulation_steps,
+                timed=False,  # a check of its certificate (certify_with_expandable_segments)
             ),
             start_flags_ahead(replayer, snapshot, state, trial),
         ]
@@ -680,10 +684,12 @@ def replay_prescription(
     state: ReplayState,
     prescription: Prescription,
     timed_again: bool = False,
+    timed: bool = True,
 ) -> Replay:
     """One replay of exactly the prescribed configuration: its fixes, its
     micro-batch, and the batch fix's gradient accumulation (batch_fix), long
-    enough for two optimizer steps (the script's steps flag raised if need be)."""
+    enough for two optimizer steps (the script's steps flag raised if need be).
+    `timed=False`: a check of its peak, whose step times are never used."""
     payload, label, args, env, micro_batches, raised = prescription_replay(
         replayer,
         snapshot,
@@ -695,7 +701,12 @@ def replay_prescription(
     if timed_again:
         label += " (timed again)"
     replay = replayer.run(
-        payload, label, args=args, extra_env=env, micro_batches_per_step=micro_batches
+        payload,
+        label,
+        args=args,
+        extra_env=env,
+        micro_batches_per_step=micro_batches,
+        timed=timed,
     )
     prescription.accumulation_replay = replay_record(replay, args, raised)
     return replay

@@ -35,9 +35,16 @@ from oomdoc.replay.lanes import (
 from oomdoc.replay.leaks import StillLeaks, leak_growth_per_step, still_leaks
 from oomdoc.replay.progress import Progress
 from oomdoc.replay.timing import step_timing
-from oomdoc.runner import ChildRequest, ChildResult, ChildSignals, WarmPool, run_child
+from oomdoc.runner import (
+    ChildRequest,
+    ChildResult,
+    ChildSignals,
+    WarmPool,
+    guess_device_kind,
+    run_child,
+)
 from oomdoc.sizes import format_bytes
-from oomdoc.warm import script_preimports
+from oomdoc.warm import SPARES_AHEAD, script_preimports
 
 MIN_REPLAY_TIMEOUT_S = 120.0
 
@@ -145,14 +152,17 @@ def replay_key(
     args: list[str] | None,
     extra_env: dict | None,
     micro_batches_per_step: int | None = None,
+    timed: bool = True,
 ) -> tuple:
-    """What makes two asks for a replay the same replay."""
+    """What makes two asks for a replay the same replay (one run untimed
+    never answers an ask for step times)."""
     return (
         label,
         json.dumps(payload, sort_keys=True),
         None if args is None else tuple(args),
         tuple(sorted((extra_env or {}).items())),
         micro_batches_per_step,
+        timed,
     )
 
 
@@ -256,10 +266,19 @@ class Replayer:
         return self._interrupted or (self.signals is not None and self.signals.stopped)
 
     def _job(
-        self, payload, label, args, extra_env, priority: int, micro_batches_per_step=None
+        self,
+        payload,
+        label,
+        args,
+        extra_env,
+        priority: int,
+        micro_batches_per_step=None,
+        timed: bool = True,
     ) -> Job:
         return Job(
-            lambda job: self._execute(job, payload, label, args, extra_env, micro_batches_per_step),
+            lambda job: self._execute(
+                job, payload, label, args, extra_env, micro_batches_per_step, timed
+            ),
             priority,
         )
 
@@ -271,15 +290,18 @@ class Replayer:
         extra_env: dict | None = None,
         priority: int = AHEAD,
         micro_batches_per_step: int | None = None,
+        timed: bool = True,
     ) -> Optional[tuple]:
         """Start, in a free lane, a replay that `run` will (or, SPECULATIVE,
         may) be asked for with the same arguments; its key. Nothing without
         lanes."""
-        key = replay_key(payload, label, args, extra_env, micro_batches_per_step)
+        key = replay_key(payload, label, args, extra_env, micro_batches_per_step, timed)
         if self.lanes is None or self.stopped:
             return None
         if key not in self._ahead:
-            job = self._job(payload, label, args, extra_env, priority, micro_batches_per_step)
+            job = self._job(
+                payload, label, args, extra_env, priority, micro_batches_per_step, timed
+            )
             self._ahead[key] = job
             self._unsubmitted.append(job)
         return key
@@ -291,14 +313,20 @@ class Replayer:
         args: list[str] | None = None,
         extra_env: dict | None = None,
         micro_batches_per_step: int | None = None,
+        timed: bool = True,
     ) -> Replay:
+        """The replay of these arguments: one started ahead, else run now.
+        `timed=False`: its step times are never used (a check of a peak), so
+        it never takes a shared device alone (ChildRequest.timed)."""
         job = self._ahead.pop(
-            replay_key(payload, label, args, extra_env, micro_batches_per_step), None
+            replay_key(payload, label, args, extra_env, micro_batches_per_step, timed), None
         )
         if job is None:
             if self.stopped:
                 raise ReplaysInterrupted()
-            job = self._job(payload, label, args, extra_env, DEMANDED, micro_batches_per_step)
+            job = self._job(
+                payload, label, args, extra_env, DEMANDED, micro_batches_per_step, timed
+            )
             if self.lanes is None:
                 job.run()
             else:
@@ -334,6 +362,7 @@ class Replayer:
         args: list[str] | None,
         extra_env: dict | None,
         micro_batches_per_step: int | None = None,
+        timed: bool = True,
     ) -> Optional[Replay]:
         """Run one replay's child (in a lane, or inline without lanes)."""
         if self.stopped or job.cancel.is_set():
@@ -365,10 +394,14 @@ class Replayer:
             timeout_s=self.timeout_s,
             device_lock=self.device_lock,
             share_device=self.share_device,
+            timed=timed,
+            quick_exit=True,
+            quick_init=True,
         )
         result, replay = self._measure(child, job, label)
         if (
             replay.fits
+            and timed
             and child.share_device  # as it ran (another lane may have stopped sharing)
             and not (self.stopped or job.cancel.is_set())
             and replay.capture is not None
@@ -452,16 +485,40 @@ class Replayer:
             self.lanes.close()
 
 
-def warm_pool(request: ChildRequest) -> WarmPool:
-    """Warm children for the replays of `request`, the first one starting now
-    (replay_fixes adds one per lane, and what they import ahead)."""
-    # The script's own imports, read from its file: the first child imports
+def warm_pool(request: ChildRequest, lanes: int = 1) -> WarmPool:
+    """Warm children for the replays of `request`, starting now: one, or with
+    `lanes` (early_lanes) one per lane and a spare (replay_fixes sets the
+    lanes the failing run leaves room for, and what they import ahead)."""
+    # The script's own imports, read from its file: the children import
     # them while the failing run still runs (the run's `imported_packages`
     # come when the replays begin).
     preimports = [] if request.is_module else script_preimports(request.target)
-    pool = WarmPool(request.device, REPLAY_ENV, preimports=preimports)
+    pool = WarmPool(request.device, REPLAY_ENV, size=lanes, preimports=preimports)
+    if lanes > 1:
+        pool.ahead = SPARES_AHEAD
     pool.fill()
     return pool
+
+
+# What a warm child holds in host memory, for early_lanes (Python, torch and a
+# framework imported: about 1 GiB for the HF Trainer's), with room to spare.
+WARM_CHILD_BYTES = 2 * 1024**3
+
+
+def early_lanes(device: str, replay_jobs: Optional[int] = None) -> int:
+    """The lanes to start warm children for while the failing run runs, from
+    what is known before it (`--replay-jobs`, the host's cores and memory).
+    With only the first lane's child warm, the others' children started when
+    the replays began: on the H100 the HF Trainer's first single fixes then
+    waited 7.6 to 9.0 s for theirs, and the batch search's second probe 5.8
+    to 6.5 s (a child's start-up and imports took 8 to 9 s, beside the
+    replays). On CUDA they import beside a run whose work is on the device;
+    on a machine of few cores (the simulated device's one lane per four
+    cores) it stays one."""
+    if replay_jobs:
+        return max(1, int(replay_jobs))
+    kind = "cuda" if device == "cuda" else guess_device_kind() if device == "auto" else device
+    return default_jobs(kind, available_bytes=host_available_bytes(), child_bytes=WARM_CHILD_BYTES)
 
 
 # Side by side on CUDA too: the deferred capture set-up they rely on (the

@@ -96,6 +96,26 @@ def no_batch_size() -> str:
     )
 
 
+class Speculated:
+    """The batch search's probes started ahead (search_max_batch's
+    `speculate`): one the search asks for next is taken from its lane; the
+    others are stopped once it asks for another batch."""
+
+    def __init__(self, replayer: Replayer):
+        self.replayer = replayer
+        self.keys: dict[int, tuple] = {}
+
+    def started(self, batch_size: int, key: Optional[tuple]) -> None:
+        if key is not None:
+            self.keys[batch_size] = key
+
+    def drop_others(self, batch_size: int) -> None:
+        others = [key for size, key in self.keys.items() if size != batch_size]
+        self.keys.clear()
+        if others:
+            self.replayer.discard(others)
+
+
 def search_batch(
     replayer: Replayer, snapshot: Snapshot, options: Any
 ) -> tuple[Optional[batch_model.SearchResult], dict, Optional[str]]:
@@ -103,6 +123,7 @@ def search_batch(
     information for the report, reason when it could not be searched)."""
     args = list(replayer.request.args)
     found = find_search_batch(args, options.batch_arg, snapshot)
+    speculated = Speculated(replayer)
     baseline = batch_model.observe(snapshot, 0)
     batch = batch_fix()
     info: dict = {}
@@ -110,14 +131,19 @@ def search_batch(
         position, flag, original = found
         info.update(source=flag, original_batch_size=original)
 
-        def trial(batch_size: int) -> batch_model.BatchRun:
+        def probe_of(batch_size: int) -> tuple[dict, str, list[str]]:
             payload = {"name": batch.name, "batch_mode": "argv", "batch_size": batch_size}
-            replay = replayer.run(
-                payload,
-                f"{batch.name} ({spelled(flag, batch_size, snapshot.script_option_syntax)})",
-                args=with_batch_size(args, position, flag, batch_size),
-            )
-            return to_batch_run(replay, batch_size)
+            label = f"{batch.name} ({spelled(flag, batch_size, snapshot.script_option_syntax)})"
+            return payload, label, with_batch_size(args, position, flag, batch_size)
+
+        def trial(batch_size: int) -> batch_model.BatchRun:
+            speculated.drop_others(batch_size)
+            payload, label, probe_args = probe_of(batch_size)
+            return to_batch_run(replayer.run(payload, label, args=probe_args), batch_size)
+
+        def speculate(batch_size: int) -> None:
+            payload, label, probe_args = probe_of(batch_size)
+            speculated.started(batch_size, replayer.ahead(payload, label, args=probe_args))
 
         runs = []
         if flag in EVAL_BATCH_FLAGS and snapshot.oom_in_evaluation and not options.batch_arg:
@@ -148,16 +174,23 @@ def search_batch(
         original = int(record["original_batch_size"])
         info.update(source="DataLoader", original_batch_size=original)
 
-        def trial(batch_size: int) -> batch_model.BatchRun:
+        def probe_of(batch_size: int) -> tuple[dict, str, list[str]]:
             payload = {
                 "name": batch.name,
                 "batch_mode": "dataloader",
                 "batch_size": batch_size,
                 "original_batch_size": original,
             }
-            return to_batch_run(
-                replayer.run(payload, f"{batch.name} (DataLoader batch {batch_size})"), batch_size
-            )
+            return payload, f"{batch.name} (DataLoader batch {batch_size})", args
+
+        def trial(batch_size: int) -> batch_model.BatchRun:
+            speculated.drop_others(batch_size)
+            payload, label, _args = probe_of(batch_size)
+            return to_batch_run(replayer.run(payload, label), batch_size)
+
+        def speculate(batch_size: int) -> None:
+            payload, label, _args = probe_of(batch_size)
+            speculated.started(batch_size, replayer.ahead(payload, label))
 
         runs = [to_batch_run(probe_replay, int(record["batch_size"]))]
     if original <= 1:
@@ -169,6 +202,7 @@ def search_batch(
         [baseline, *runs],
         trial,
         probe=batch_model.first_probe_for(snapshot, original),
+        speculate=speculate,
     )
     result.trials[:0] = runs  # the DataLoader probe was a trial too
     return result, info, None

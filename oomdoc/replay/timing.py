@@ -99,9 +99,10 @@ WARMUP_RATIO = 3.0
 
 def shape_warmup(steps: Iterable[Step]) -> Optional[tuple[float, float]]:
     """(median seconds of the training steps on shapes met for the first
-    time, median of those on shapes met before), leaving out the first step
-    and the steps timed_steps leaves out for other reasons; None without
-    both kinds."""
+    time, median of those on shapes met before), leaving out the first step,
+    the steps timed_steps leaves out for other reasons, and steps timed while
+    other replays used the device (an untimed check's); None without both
+    kinds."""
     steps = list(steps)
     training = [
         step
@@ -109,6 +110,7 @@ def shape_warmup(steps: Iterable[Step]) -> Optional[tuple[float, float]]:
         if step.index > 0
         and step.duration_s is not None
         and not step.after_timed_steps
+        and not step.device_shared
         and not (step.evaluation_calls and step.forward_calls)
     ]
     new = sorted(float(step.duration_s or 0) for step in training if step.new_shapes)
