@@ -250,9 +250,10 @@ def test_a_saver_search_started_ahead_is_the_one_its_search_asks_for_first():
 
 
 def test_a_probe_started_ahead_is_stopped_once_the_search_asks_for_another():
-    """The batch search's probe started ahead (search.Speculated): kept when
-    the search asks for its batch, stopped (Replayer.discard, listed among the
-    unused replays) when it asks for another; none without lanes."""
+    """The batch search's probe started ahead (search.Speculated) beside the
+    trial asked for next: kept when the search asks for its batch after that
+    trial, stopped (Replayer.discard, listed among the unused replays) when it
+    asks for another; none without lanes."""
     from oomdoc.replay.search import Speculated
 
     class Lanes:
@@ -264,12 +265,16 @@ def test_a_probe_started_ahead_is_stopped_once_the_search_asks_for_another():
 
     replayer = Lanes()
     speculated = Speculated(replayer)  # type: ignore[arg-type]
-    speculated.started(9, ("probe 9",))
+    speculated.drop_others(23)  # the first probe
+    speculated.started(9, ("probe 9",))  # beside the next trial, 12
+    speculated.drop_others(12)
+    assert replayer.discarded == []  # started for the trial after this one
     speculated.drop_others(9)  # asked for: it runs on
     assert replayer.discarded == []
     speculated.started(19, ("probe 19",))
     speculated.started(7, None)  # no lane: nothing was started
-    speculated.drop_others(24)
+    speculated.drop_others(26)
+    speculated.drop_others(24)  # not 19: stopped
     assert replayer.discarded == [("probe 19",)]
     speculated.drop_others(25)
     assert replayer.discarded == [("probe 19",)]

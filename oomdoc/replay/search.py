@@ -98,22 +98,32 @@ def no_batch_size() -> str:
 
 class Speculated:
     """The batch search's probes started ahead (search_max_batch's
-    `speculate`): one the search asks for next is taken from its lane; the
-    others are stopped once it asks for another batch."""
+    `speculate`, beside the trial it asks for next): one the search asks for
+    after that trial is taken from its lane; one it does not ask for then is
+    stopped."""
 
     def __init__(self, replayer: Replayer):
         self.replayer = replayer
-        self.keys: dict[int, tuple] = {}
+        self.trials = 0  # trials asked for so far
+        # Batch size -> (its replay's key, the trials asked for when it started).
+        self.keys: dict[int, tuple[tuple, int]] = {}
 
     def started(self, batch_size: int, key: Optional[tuple]) -> None:
         if key is not None:
-            self.keys[batch_size] = key
+            self.keys[batch_size] = (key, self.trials)
 
     def drop_others(self, batch_size: int) -> None:
-        others = [key for size, key in self.keys.items() if size != batch_size]
-        self.keys.clear()
-        if others:
-            self.replayer.discard(others)
+        """The search asks for `batch_size`: probes started before the trial
+        before this one, for another batch, are no longer wanted."""
+        stale = [
+            size
+            for size, (_key, when) in self.keys.items()
+            if size != batch_size and when < self.trials
+        ]
+        self.keys.pop(batch_size, None)
+        if stale:
+            self.replayer.discard([self.keys.pop(size)[0] for size in stale])
+        self.trials += 1
 
 
 def search_batch(
