@@ -22,7 +22,7 @@ went (the children's own timings, `replay.runs` in the snapshot):
 Two variants, interleaved: `now`, and `before`: warm children that import
 only the failing run's `imported_packages` and its framework's lazy modules,
 not the script's own top-level imports (oomdoc.warm.script_preimports), and
-no spare child ahead of the lanes (oomdoc.warm.SPARES_AHEAD). Prints a
+no spare child ahead of the lanes (oomdoc.warm.spares_for). Prints a
 markdown table per run and the medians of each variant, with the replays'
 total time (`replay.total_s`).
 """
@@ -47,7 +47,7 @@ BEFORE = (
     "from oomdoc import warm\n"
     "from oomdoc.replay import replayer\n"
     "replayer.script_preimports = lambda script: []\n"
-    "warm.SPARES_AHEAD = 0\n"
+    "warm.spares_for = lambda lanes, cpus=None: 0\n"
     "from oomdoc.cli import main\n"
     "main(sys.argv[1:])\n"
 )

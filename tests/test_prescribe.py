@@ -86,8 +86,11 @@ class ScriptedReplayer:
     def discard(self, keys):
         assert not keys  # nothing was started ahead
 
-    def run(self, payload, label, args=None, extra_env=None, micro_batches_per_step=None):
+    def run(
+        self, payload, label, args=None, extra_env=None, micro_batches_per_step=None, timed=True
+    ):
         self.calls.append((payload, args, micro_batches_per_step))
+        self.untimed = getattr(self, "untimed", []) + ([] if timed else [label])
         outcome, peak, *step_s = self.outcomes.pop(0)
         if outcome == "interrupted":
             raise ReplaysInterrupted()
@@ -220,16 +223,27 @@ class LanedReplayer(ScriptedReplayer):
         self.discarded = []
 
     def ahead(self, payload, label, args=None, extra_env=None, priority=0, **kwargs):
-        key = replay_key(payload, label, args, extra_env, kwargs.get("micro_batches_per_step"))
+        key = replay_key(
+            payload,
+            label,
+            args,
+            extra_env,
+            kwargs.get("micro_batches_per_step"),
+            kwargs.get("timed", True),
+        )
         self.started_ahead.append(key)
         return key
 
     def discard(self, keys):
         self.discarded += keys
 
-    def run(self, payload, label, args=None, extra_env=None, micro_batches_per_step=None):
-        self.asked.append(replay_key(payload, label, args, extra_env, micro_batches_per_step))
-        return super().run(payload, label, args, extra_env, micro_batches_per_step)
+    def run(
+        self, payload, label, args=None, extra_env=None, micro_batches_per_step=None, timed=True
+    ):
+        self.asked.append(
+            replay_key(payload, label, args, extra_env, micro_batches_per_step, timed)
+        )
+        return super().run(payload, label, args, extra_env, micro_batches_per_step, timed)
 
 
 def hugging_face_case():
@@ -274,6 +288,9 @@ def test_the_script_own_flags_check_starts_beside_the_prescription_replay():
     assert len(replayer.started_ahead) == 1 and len(replayer.asked) == 1
     verify_with_flags(replayer, snapshot, chosen, state)
     assert replayer.asked[1] == replayer.started_ahead[0]
+    # Its peak is reported, never its step time: it never takes the device alone.
+    assert replayer.asked[1][-1] is False and replayer.asked[0][-1] is True
+    assert replayer.untimed == [replayer.asked[1][0]]
 
 
 def test_a_bound_measured_slower_gives_way_to_the_fastest_measured():
@@ -537,9 +554,14 @@ def test_a_prescription_near_a_drifting_largest_batch_starts_its_expandable_chec
     from oomdoc.replay.own_flags import flags_replay
     from oomdoc.replay.prescription import prescription_replay, start_checks_ahead
 
-    def flags_key(flags):
+    def flags_key(flags):  # untimed: its peak is reported, never its step time
         return replay_key(
-            None, flags.label, flags.replayed_args, flags.env or None, flags.micro_batches_per_step
+            None,
+            flags.label,
+            flags.replayed_args,
+            flags.env or None,
+            flags.micro_batches_per_step,
+            timed=False,
         )
 
     snapshot, state, replayer = hugging_face_case()
@@ -564,7 +586,7 @@ def test_a_prescription_near_a_drifting_largest_batch_starts_its_expandable_chec
     flags = flags_replay(replayer, snapshot, state, trial)
     assert flags.env == env
     assert replayer.started_ahead == [
-        replay_key(payload, label, args, env, micro_batches),
+        replay_key(payload, label, args, env, micro_batches, timed=False),  # a certificate check
         flags_key(flags),
     ]
     # Not when --fixes leaves the setting out, nor off CUDA.

@@ -81,11 +81,20 @@ def test_warm_children_for_every_lane_start_with_the_failing_run(monkeypatch):
 
     monkeypatch.setattr(warm, "WarmChild", Child)
     request = ChildRequest(target="train.py", args=[], device="cuda", output_path="log")
+    sixteen = {"cpus": 16}
+    monkeypatch.setattr(warm.os, "sched_getaffinity", lambda _pid: set(range(sixteen["cpus"])))
     pool = replayer_module.warm_pool(request, lanes=3)
     assert len(started) == 4  # a child per lane and a spare
     assert pool.take(request) is not None
     assert len(pool.spares) == 6  # then a spare per lane
-    assert len(replayer_module.warm_pool(request).spares) == 1
+    # Two cores: one lane's child, and no spare (it would take the CPU from
+    # the replay it serves, and the last one goes unused).
+    sixteen["cpus"] = 2
+    small = replayer_module.warm_pool(request)
+    assert len(small.spares) == 1 and small.take(request) is not None
+    assert len(small.spares) == 1
+    assert warm.spares_for(1, cpus=2) == 0 and warm.spares_for(1, cpus=3) == 1
+    assert warm.spares_for(4, cpus=16) == 4 and warm.spares_for(4, cpus=8) == 0
 
 
 def test_replay_jobs_from_the_option_else_the_machine():

@@ -120,9 +120,10 @@ def test_a_warm_child_takes_names_as_from_imports_do(tmp_path, monkeypatch):
 
 def test_once_replays_take_children_one_more_waits(tmp_path):
     """Not while the failing run runs (it would slow it); once replays do, a
-    child's start-up outlasts a short replay."""
+    child's start-up outlasts a short replay: a spare waits where the host
+    has more than two cores per lane (spares_for)."""
     from oomdoc.runner import ChildRequest
-    from oomdoc.warm import SPARES_AHEAD, WarmPool
+    from oomdoc.warm import WarmPool, spares_for
 
     pool = WarmPool("cpu", {"OOMDOC_REPLAY": "1"}, size=1)
     try:
@@ -137,7 +138,7 @@ def test_once_replays_take_children_one_more_waits(tmp_path):
         )
         taken = pool.take(request)
         assert taken is not None and taken not in pool.spares
-        assert len(pool.spares) == 1 + SPARES_AHEAD
+        assert len(pool.spares) == 1 + spares_for(1)
         taken.discard()
     finally:
         pool.close()

@@ -44,7 +44,7 @@ from oomdoc.runner import (
     run_child,
 )
 from oomdoc.sizes import format_bytes
-from oomdoc.warm import SPARES_AHEAD, script_preimports
+from oomdoc.warm import SPARES_AHEAD, script_preimports, spares_for
 
 MIN_REPLAY_TIMEOUT_S = 120.0
 
@@ -494,7 +494,7 @@ def warm_pool(request: ChildRequest, lanes: int = 1) -> WarmPool:
     # come when the replays begin).
     preimports = [] if request.is_module else script_preimports(request.target)
     pool = WarmPool(request.device, REPLAY_ENV, size=lanes, preimports=preimports)
-    if lanes > 1:
+    if lanes > 1 and spares_for(lanes):
         pool.ahead = SPARES_AHEAD
     pool.fill()
     return pool
