@@ -1,0 +1,85 @@
+"""Where a diagnosis's time goes: `oomdoc run` of one script, `--runs` times
+in a row (the first on a fresh machine is the cold one), and for each run a
+Markdown table of its replays from the snapshot's `replay.runs` (and
+`unused_runs`): when each started after the replays began, its wall time,
+the wait for a warm child, the script's start-up to its first step, its
+waits for the device lock, and its outcome. Above each table: the whole
+command's time, the failing run's, and the replays'.
+
+    python benchmarks/diagnosis_timeline.py --runs 2 --device-memory 16GiB -- \\
+        benchmarks/scripts/hf_trainer_varlen.py --n_layer 12 --n_embd 768 \\
+        --per_device_train_batch_size 32 --max_steps 32 --eval_steps 16 --use_cpu False
+
+The critical chain shows as replays that start when another ends; waits for
+warm children as `ready_wait_s`, for the device as `lock_wait_s`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+from whole_run_check import oomdoc as diagnose  # one `oomdoc run`: (snapshot, seconds)
+
+COLUMNS = ("started_s", "wall_s", "ready_wait_s", "first_step_s", "lock_wait_s", "outcome")
+
+
+def cell(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.2f}"
+    return "" if value is None else str(value)
+
+
+def table(document: dict, seconds: float) -> str:
+    replay = document.get("replay") or {}
+    total = float(replay.get("total_s") or 0.0)
+    prescription = document.get("prescription") or {}
+    chosen = " + ".join(prescription.get("fixes") or []) or "no fix"
+    lines = [
+        f"whole command {seconds:.1f} s, failing run about {max(seconds - total, 0):.1f} s "
+        f"(the rest), {len(replay.get('runs') or [])} replays in {total:.1f} s, "
+        f"{replay.get('jobs')} lanes; prescription: {chosen} at "
+        f"{prescription.get('batch_size')} x {prescription.get('accumulation_steps')}",
+        "",
+        "| replay | " + " | ".join(COLUMNS) + " |",
+        "| --- | " + " | ".join("---:" for _ in COLUMNS) + " |",
+    ]
+    unused = [
+        dict(run, outcome=f"unused: {run.get('outcome')}")
+        for run in replay.get("unused_runs") or []
+    ]
+    for run in [*(replay.get("runs") or []), *unused]:
+        lines.append(
+            f"| {run.get('label', '?')[:60]} | "
+            + " | ".join(cell(run.get(column)) for column in COLUMNS)
+            + " |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument("--device-memory", default=None)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--out", type=Path, default=None, help="snapshots and logs (a temp dir)")
+    parser.add_argument("script", nargs=argparse.REMAINDER, help="-- script.py ARGS")
+    options = parser.parse_args()
+    script = options.script[1:] if options.script[:1] == ["--"] else options.script
+    if not script:
+        parser.error("the script to diagnose comes after --")
+    out = options.out or Path(tempfile.mkdtemp(prefix="oomdoc-timeline-"))
+    out.mkdir(parents=True, exist_ok=True)
+    flags = ["--device", options.device]
+    if options.device_memory:
+        flags += ["--device-memory", options.device_memory]
+    for index in range(options.runs):
+        document, seconds = diagnose(out, f"run{index + 1}", flags, script)
+        print(f"### run {index + 1}\n")
+        print(table(document, seconds) if document else f"no snapshot (see {out})")
+        print()
+
+
+if __name__ == "__main__":
+    main()
