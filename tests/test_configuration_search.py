@@ -250,31 +250,34 @@ def test_a_saver_search_started_ahead_is_the_one_its_search_asks_for_first():
 
 
 def test_a_probe_started_ahead_is_stopped_once_the_search_asks_for_another():
-    """The batch search's probe started ahead (search.Speculated) beside the
+    """The batch search's probe started ahead (search.BatchProbes) beside the
     trial asked for next: kept when the search asks for its batch after that
     trial, stopped (Replayer.discard, listed among the unused replays) when it
     asks for another; none without lanes."""
-    from oomdoc.replay.search import Speculated
+    from oomdoc.replay.search import BatchProbes
 
     class Lanes:
         def __init__(self):
             self.discarded: list = []
 
+        def ahead(self, payload, label, args=None):
+            return None if label == "probe 7" else (label,)  # 7: no lane free
+
         def discard(self, keys):
             self.discarded.extend(keys)
 
     replayer = Lanes()
-    speculated = Speculated(replayer)  # type: ignore[arg-type]
-    speculated.drop_others(23)  # the first probe
-    speculated.started(9, ("probe 9",))  # beside the next trial, 12
-    speculated.drop_others(12)
+    probes = BatchProbes(replayer, lambda batch: ({}, f"probe {batch}", None))  # type: ignore[arg-type]
+    probes.drop_others(23)  # the first probe
+    probes.speculate(9)  # beside the next trial, 12
+    probes.drop_others(12)
     assert replayer.discarded == []  # started for the trial after this one
-    speculated.drop_others(9)  # asked for: it runs on
+    probes.drop_others(9)  # asked for: it runs on
     assert replayer.discarded == []
-    speculated.started(19, ("probe 19",))
-    speculated.started(7, None)  # no lane: nothing was started
-    speculated.drop_others(26)
-    speculated.drop_others(24)  # not 19: stopped
+    probes.speculate(19)
+    probes.speculate(7)  # no lane: nothing was started
+    probes.drop_others(26)
+    probes.drop_others(24)  # not 19: stopped
     assert replayer.discarded == [("probe 19",)]
-    speculated.drop_others(25)
+    probes.drop_others(25)
     assert replayer.discarded == [("probe 19",)]

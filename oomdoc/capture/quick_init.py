@@ -37,7 +37,6 @@ class QuickInit:
         # A private generator: drawing the blocks leaves the global one as it was.
         self.generator = torch.Generator().manual_seed(0x00D0C)
         self._blocks: dict[tuple, torch.Tensor] = {}
-        self.filled = 0  # tensors filled from a block
 
     def block(
         self, kind: str, dtype: torch.dtype, draw: Callable[[torch.Tensor], Any]
@@ -85,7 +84,6 @@ class QuickInit:
                 flat.add_(shift)
         finally:
             torch.set_num_threads(threads)
-        self.filled += 1
 
 
 def _arguments(args: tuple, kwargs: dict, names: tuple[str, ...], defaults: tuple) -> list | None:

@@ -29,7 +29,7 @@ from oomdoc.capture import nvml_handle
 # Lanes at most by default: beyond them the device, which replays take in
 # turn, is the bottleneck. Four: on the H100 the HF Trainer's first replays
 # are the batch search's probe, autocast, checkpointing and the two together,
-# and a probe started ahead beside the search's next one (search.Speculated)
+# and a probe started ahead beside the search's next one (search.BatchProbes)
 # takes the lane the combination had; 3 and 4 lanes measured alike before
 # (54.6 s and 52.8 s).
 MAX_JOBS = 4

@@ -96,20 +96,46 @@ def no_batch_size() -> str:
     )
 
 
-class Speculated:
-    """The batch search's probes started ahead (search_max_batch's
-    `speculate`, beside the trial it asks for next): one the search asks for
-    after that trial is taken from its lane; one it does not ask for then is
-    stopped."""
+def by_flag(
+    args: list[str], position: int, flag: str, snapshot: Snapshot
+) -> Callable[[int], tuple[dict, str, Optional[list[str]]]]:
+    """The replay of batch size b given by the script's own flag (BatchProbes)."""
+    batch = batch_fix()
 
-    def __init__(self, replayer: Replayer):
-        self.replayer = replayer
+    def probe(batch_size: int) -> tuple[dict, str, Optional[list[str]]]:
+        payload = {"name": batch.name, "batch_mode": "argv", "batch_size": batch_size}
+        label = f"{batch.name} ({spelled(flag, batch_size, snapshot.script_option_syntax)})"
+        return payload, label, with_batch_size(args, position, flag, batch_size)
+
+    return probe
+
+
+class BatchProbes:
+    """The batch search's replays, one per batch size (`probe_of(b)`: the
+    payload, label and arguments of its replay), and the probes started ahead
+    (search_max_batch's `speculate`, beside the trial it asks for next): one
+    the search asks for after that trial is taken from its lane; one it does
+    not ask for then is stopped."""
+
+    def __init__(
+        self,
+        replayer: Replayer,
+        probe_of: Callable[[int], tuple[dict, str, Optional[list[str]]]],
+    ):
+        self.replayer, self.probe_of = replayer, probe_of
         self.trials = 0  # trials asked for so far
         # Batch size -> (its replay's key, the trials asked for when it started).
         self.keys: dict[int, tuple[tuple, int]] = {}
 
-    def started(self, batch_size: int, key: Optional[tuple]) -> None:
-        if key is not None:
+    def trial(self, batch_size: int) -> batch_model.BatchRun:
+        self.drop_others(batch_size)
+        payload, label, args = self.probe_of(batch_size)
+        return to_batch_run(self.replayer.run(payload, label, args=args), batch_size)
+
+    def speculate(self, batch_size: int) -> None:
+        payload, label, args = self.probe_of(batch_size)
+        key = self.replayer.ahead(payload, label, args=args)
+        if key is not None:  # (None: no lane to start it in)
             self.keys[batch_size] = (key, self.trials)
 
     def drop_others(self, batch_size: int) -> None:
@@ -133,7 +159,6 @@ def search_batch(
     information for the report, reason when it could not be searched)."""
     args = list(replayer.request.args)
     found = find_search_batch(args, options.batch_arg, snapshot)
-    speculated = Speculated(replayer)
     baseline = batch_model.observe(snapshot, 0)
     batch = batch_fix()
     info: dict = {}
@@ -141,24 +166,11 @@ def search_batch(
         position, flag, original = found
         info.update(source=flag, original_batch_size=original)
 
-        def probe_of(batch_size: int) -> tuple[dict, str, list[str]]:
-            payload = {"name": batch.name, "batch_mode": "argv", "batch_size": batch_size}
-            label = f"{batch.name} ({spelled(flag, batch_size, snapshot.script_option_syntax)})"
-            return payload, label, with_batch_size(args, position, flag, batch_size)
-
-        def trial(batch_size: int) -> batch_model.BatchRun:
-            speculated.drop_others(batch_size)
-            payload, label, probe_args = probe_of(batch_size)
-            return to_batch_run(replayer.run(payload, label, args=probe_args), batch_size)
-
-        def speculate(batch_size: int) -> None:
-            payload, label, probe_args = probe_of(batch_size)
-            speculated.started(batch_size, replayer.ahead(payload, label, args=probe_args))
-
+        probes = BatchProbes(replayer, by_flag(args, position, flag, snapshot))
         runs = []
         if flag in EVAL_BATCH_FLAGS and snapshot.oom_in_evaluation and not options.batch_arg:
             probe = batch_model.first_probe_for(snapshot, original)
-            first = trial(probe)
+            first = probes.trial(probe)
             switched = training_instead(replayer, snapshot, args, first)
             if switched is not None:
                 return switched
@@ -184,24 +196,16 @@ def search_batch(
         original = int(record["original_batch_size"])
         info.update(source="DataLoader", original_batch_size=original)
 
-        def probe_of(batch_size: int) -> tuple[dict, str, list[str]]:
+        def in_dataloader(batch_size: int) -> tuple[dict, str, Optional[list[str]]]:
             payload = {
                 "name": batch.name,
                 "batch_mode": "dataloader",
                 "batch_size": batch_size,
                 "original_batch_size": original,
             }
-            return payload, f"{batch.name} (DataLoader batch {batch_size})", args
+            return payload, f"{batch.name} (DataLoader batch {batch_size})", None
 
-        def trial(batch_size: int) -> batch_model.BatchRun:
-            speculated.drop_others(batch_size)
-            payload, label, _args = probe_of(batch_size)
-            return to_batch_run(replayer.run(payload, label), batch_size)
-
-        def speculate(batch_size: int) -> None:
-            payload, label, _args = probe_of(batch_size)
-            speculated.started(batch_size, replayer.ahead(payload, label))
-
+        probes = BatchProbes(replayer, in_dataloader)
         runs = [to_batch_run(probe_replay, int(record["batch_size"]))]
     if original <= 1:
         return None, info, "the batch size is already 1"
@@ -210,9 +214,9 @@ def search_batch(
         original,
         snapshot.device.capacity_bytes,
         [baseline, *runs],
-        trial,
+        probes.trial,
         probe=batch_model.first_probe_for(snapshot, original),
-        speculate=speculate,
+        speculate=probes.speculate,
     )
     result.trials[:0] = runs  # the DataLoader probe was a trial too
     return result, info, None
@@ -243,16 +247,7 @@ def training_instead(
     )
     if replayer.settler is not None:
         replayer.settler.arm()
-    batch = batch_fix()
-
-    def trial(batch_size: int) -> batch_model.BatchRun:
-        replay = replayer.run(
-            {"name": batch.name, "batch_mode": "argv", "batch_size": batch_size},
-            f"{batch.name} ({spelled(flag, batch_size, snapshot.script_option_syntax)})",
-            args=with_batch_size(args, position, flag, batch_size),
-        )
-        return to_batch_run(replay, batch_size)
-
+    trial = BatchProbes(replayer, by_flag(args, position, flag, snapshot)).trial
     # The first replay trained at the user's training batch: it did not fit.
     known = to_batch_run(replay, original) if replay is not None else first
     result = batch_model.search_max_batch(
