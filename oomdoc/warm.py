@@ -365,7 +365,7 @@ class WarmPool:
     replay that may run at once (oomdoc run --replay-jobs), and spares_for()
     more once replays take them. While the failing run runs, one child, or
     with lanes (oomdoc.replay.replayer.early_lanes) one per lane and
-    SPARES_AHEAD on a host with the cores for them: a run that does not end
+    EARLY_SPARES (there) on a host with the cores for them: a run that does not end
     in an OOM needs none, and they would slow a run on few cores. Thread-safe: the replays of one
     run take children from several threads."""
 

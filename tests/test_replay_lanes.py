@@ -44,7 +44,7 @@ def test_default_jobs_follow_cores_and_memory():
 
 
 def test_warm_children_for_every_lane_start_with_the_failing_run(monkeypatch):
-    """With lanes to fill, a warm child per lane and a spare start while the
+    """With lanes to fill, a warm child per lane and two spares start while the
     failing run runs (early_lanes: from what is known before it); on a small
     machine one, as before. Once replays take them, a spare per lane."""
     from oomdoc import warm
@@ -84,7 +84,7 @@ def test_warm_children_for_every_lane_start_with_the_failing_run(monkeypatch):
     sixteen = {"cpus": 16}
     monkeypatch.setattr(warm.os, "sched_getaffinity", lambda _pid: set(range(sixteen["cpus"])))
     pool = replayer_module.warm_pool(request, lanes=3)
-    assert len(started) == 4  # a child per lane and a spare
+    assert len(started) == 5  # a child per lane and EARLY_SPARES
     assert pool.take(request) is not None
     assert len(pool.spares) == 6  # then a spare per lane
     # Two cores: one lane's child, and no spare (it would take the CPU from

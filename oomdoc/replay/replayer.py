@@ -44,7 +44,7 @@ from oomdoc.runner import (
     run_child,
 )
 from oomdoc.sizes import format_bytes
-from oomdoc.warm import SPARES_AHEAD, script_preimports, spares_for
+from oomdoc.warm import script_preimports, spares_for
 
 MIN_REPLAY_TIMEOUT_S = 120.0
 
@@ -485,9 +485,17 @@ class Replayer:
             self.lanes.close()
 
 
+# Spares beside one child per lane while the failing run runs, on a host with
+# the cores for them (spares_for): the batch search's second probe, and the
+# probe started a quarter below it (search_max_batch's speculation), follow
+# the first replays within seconds. On the H100 with one spare, the HF
+# Trainer's probe started beside the second waited 4.1 to 4.6 s for a child.
+EARLY_SPARES = 2
+
+
 def warm_pool(request: ChildRequest, lanes: int = 1) -> WarmPool:
     """Warm children for the replays of `request`, starting now: one, or with
-    `lanes` (early_lanes) one per lane and a spare (replay_fixes sets the
+    `lanes` (early_lanes) one per lane and EARLY_SPARES more (replay_fixes sets the
     lanes the failing run leaves room for, and what they import ahead)."""
     # The script's own imports, read from its file: the children import
     # them while the failing run still runs (the run's `imported_packages`
@@ -495,7 +503,7 @@ def warm_pool(request: ChildRequest, lanes: int = 1) -> WarmPool:
     preimports = [] if request.is_module else script_preimports(request.target)
     pool = WarmPool(request.device, REPLAY_ENV, size=lanes, preimports=preimports)
     if lanes > 1 and spares_for(lanes):
-        pool.ahead = SPARES_AHEAD
+        pool.ahead = min(EARLY_SPARES, spares_for(lanes))
     pool.fill()
     return pool
 
