@@ -367,12 +367,18 @@ def measured_choice(
         # H100 the first choice was, after a noisy runner-up).
         if configuration_of(chosen) not in checks:
             checks[configuration_of(chosen)] = start_checks_ahead(replayer, snapshot, state, chosen)
-        if replays < PRESCRIPTION_REPLAYS:
+        if replays < PRESCRIPTION_REPLAYS and not checks[configuration_of(chosen)]:
             # Should this one be measured slower, or not fit, the next choice
-            # is asked for next: it starts ahead too, after the checks. With
-            # step times of shapes met before (timing.timed_steps) the first
-            # choice held in 14 of 14 H100 diagnoses of the HF Trainer, and a
-            # runner-up started before its checks had put them after it.
+            # is asked for next: it starts ahead too, but only on a device
+            # that no check of this one shares. A runner-up's timed steps
+            # take the device in turns with the choice's replay and its
+            # checks: on the H100 the HF Trainer's (autocast + checkpointing
+            # 16 x 2) was never used, and the prescription's replays took
+            # 16.0 to 18.5 s with it, 12.0 to 12.7 s without (alternating
+            # runs), the choice's own throughput measured 64.9 against 77.9
+            # samples/s. With step times of shapes met before
+            # (timing.timed_steps) the first choice held in 14 of 14 H100
+            # diagnoses of that script.
             runner_up = pick(
                 [other for other in remaining if other is not candidate], capacity, margin
             )
