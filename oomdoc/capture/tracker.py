@@ -38,6 +38,7 @@ from oomdoc import frames
 from oomdoc.capture.attribution import Attribution
 from oomdoc.capture.backends import Backend
 from oomdoc.capture.modules import ModuleScopes
+from oomdoc.capture.optimizer_cycle import IterationSteps, OptimizerCycle
 from oomdoc.capture.repeated_blocks import checkpoint_targets, repeated_blocks
 from oomdoc.capture.retained_graphs import (
     DEEP_WALK_FIRST_GAP,
@@ -69,7 +70,7 @@ class StopRun(BaseException):
 _AUXILIARY, _EVALUATION, _TRAINING = 0, 1, 2
 
 
-class Tracker(Attribution, LeakChecks, StepLimits):
+class Tracker(Attribution, LeakChecks, StepLimits, IterationSteps):
     def __init__(
         self,
         backend: Backend,
@@ -115,6 +116,7 @@ class Tracker(Attribution, LeakChecks, StepLimits):
         self._model_refs: list = []
         self._optimizer_refs: list = []
         self.optimizer_classes: set[str] = set()
+        self.optimizer_cycle = OptimizerCycle()  # which optimizer's step ends an iteration
         self.models: list[dict] = []
         self._module_depth = 0
         # What the running outermost module call is (_AUXILIARY, ...).
@@ -547,6 +549,7 @@ class Tracker(Attribution, LeakChecks, StepLimits):
             last = limit is not None and self.step_index + 1 >= limit
             if last and self.may_stop is not None and not self.may_stop():
                 last = False  # a batch fetched before its epoch was cut (whole_run)
+            last = last and not self.optimizer_cycle.learning  # (optimizer_cycle)
             if not last:
                 # Taken before this step's end is timed: a wait for it is
                 # left out of this step (exclude_seconds), and the next step
@@ -655,6 +658,7 @@ class Tracker(Attribution, LeakChecks, StepLimits):
         if self.on_first_step is not None:
             self._first_step()
         self._add_optimizer(optimizer)
+        self._optimizer_about_to_step(optimizer)
         self._gradients_stale = True  # gradients a script set without a backward
         with_closure = _with_phased_closure(self, args, kwargs)
         if with_closure is not None:
@@ -680,16 +684,17 @@ class Tracker(Attribution, LeakChecks, StepLimits):
         current["end_allocated_bytes"] = self.backend.allocated_bytes()
         retained = current.setdefault("retained_graphs", [])
         known = {(entry["variable"], entry["file"]) for entry in retained}
+        ends = self.optimizer_cycle.ends_iteration(optimizer)  # (mid-iteration: last one's losses)
         retained.extend(
             entry
-            for entry in self._find_retained_graphs(self._deep_walk_due())
+            for entry in (self._find_retained_graphs(self._deep_walk_due()) if ends else [])
             if (entry["variable"], entry["file"]) not in known
         )
         if not self.backend.per_storage:
             # _sample_peak() above has just read the state the step made.
             known = self._known if self._known is not None else self._known_tensors()
             self._state_bytes = sum(known[2].values())
-        self._pending_close = True
+        self._pending_close = ends
         self.phase = "idle"
 
     def _raise_unit(self, unit: str) -> None:

@@ -150,12 +150,19 @@ def accumulate(steps: int, record: dict) -> None:
     return), and `zero_grad` (the optimizer's or a module's) clears the
     gradients only when no step has been held back since the last update, so
     the micro-batches in between add up their gradients, as with the
-    framework's own accumulation. Counted per call, so that a script that
-    accumulates itself accumulates `steps` times more."""
+    framework's own accumulation. Counted per call and per optimizer, so
+    that a script that accumulates itself accumulates `steps` times more,
+    and one whose optimizers step in turn (a GAN's discriminator and
+    generator) has each update every `steps`-th of its own calls: counted
+    together, the generator's step made every update and the discriminator
+    never stepped."""
+    import weakref
+
     import torch
 
     record.update(accumulation_steps=steps, optimizer_steps=0, held_back_steps=0)
-    held_back = [0]  # step calls since the last update
+    held_back: dict[int, int] = {}  # each optimizer's step calls since its last update
+    stepped: dict[int, Any] = {}  # weak references to them, by id
     depth = [0]  # a step inside a step (a wrapper optimizer's): decided once
     optimizer_class = torch.optim.Optimizer
     original_init = optimizer_class.__init__
@@ -163,14 +170,15 @@ def accumulate(steps: int, record: dict) -> None:
     def wrap_step(original: Any) -> Any:
         def step(self: Any, *args: Any, **kwargs: Any) -> Any:
             closure = kwargs.get("closure", args[0] if args else None)
-            if depth[0] == 0 and held_back[0] + 1 < steps:
+            stepped.setdefault(id(self), weakref.ref(self))
+            if depth[0] == 0 and held_back.get(id(self), 0) + 1 < steps:
                 # The closure runs first: its zero_grad (Lightning's, before
                 # its backward) clears the gradients when a cycle begins.
                 result = None
                 if closure is not None:
                     with torch.enable_grad():
                         result = closure()
-                held_back[0] += 1
+                held_back[id(self)] = held_back.get(id(self), 0) + 1
                 record["held_back_steps"] += 1
                 return result
             depth[0] += 1
@@ -179,7 +187,7 @@ def accumulate(steps: int, record: dict) -> None:
             finally:
                 depth[0] -= 1
                 if depth[0] == 0:
-                    held_back[0] = 0
+                    held_back[id(self)] = 0
                     record["optimizer_steps"] += 1
 
         step.__wrapped__ = original  # type: ignore[attr-defined]
@@ -195,9 +203,29 @@ def accumulate(steps: int, record: dict) -> None:
         if not getattr(cls.step, "oomdoc_accumulation", False):
             cls.step = wrap_step(cls.step)
 
+    def holds(owner: Any) -> bool:
+        """Whether `owner` (an optimizer, or a module: the optimizers of its
+        parameters) has step calls held back since its last update."""
+        if isinstance(owner, optimizer_class):
+            return bool(held_back.get(id(owner)))
+        waiting = [
+            optimizer
+            for key, count in held_back.items()
+            if count and (optimizer := stepped[key]()) is not None
+        ]
+        if not waiting:
+            return False
+        mine = {id(parameter) for parameter in owner.parameters()}
+        return any(
+            id(parameter) in mine
+            for optimizer in waiting
+            for group in optimizer.param_groups
+            for parameter in group["params"]
+        )
+
     def held(original: Any) -> Any:
         def zero_grad(self: Any, *args: Any, **kwargs: Any) -> Any:
-            if held_back[0]:
+            if holds(self):
                 return None  # the gradients of this accumulation cycle stay
             return original(self, *args, **kwargs)
 

@@ -522,6 +522,13 @@ def search_max_batch(
         # a batch the model thought too large for that has just fit.
         slack = 0 if optimistic else _slack_near(runs, hi, model)
         prediction = model.largest_fitting(capacity_bytes - slack)
+        if prediction is not None and prediction >= hi:
+            # The model says a batch that ran out of memory fits: what it
+            # measured misses what decides the limit here (DCGAN: the last
+            # iteration's generator outputs alive into the next). Before,
+            # its prediction, clamped under the OOM, walked down one batch
+            # a replay (32, 31, ..., 22 for a limit of 16).
+            prediction = None
         if not any(run.batch_size < original_batch_size for run in runs) and probe is not None:
             candidate = min(max(1, probe), hi - 1)
         elif lo == 0 and prediction is not None and _measured_a_step(runs, hi):
