@@ -46,6 +46,17 @@ def oomdoc_env(extra: dict | None = None) -> dict:
     return env
 
 
+def run_python(code: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    """`python -c code` in a fresh process that imports this checkout's oomdoc."""
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        env=oomdoc_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 def run_oomdoc(args, *, cwd=None, env=None, timeout=300, input=None) -> subprocess.CompletedProcess:
     """Run the oomdoc CLI; returns the CompletedProcess with text output."""
     return subprocess.run(

@@ -6,10 +6,8 @@ own calls (oomdoc.fixes.smaller_batch.accumulate)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
-from conftest import REPO_ROOT, oomdoc_env, run_capped, two_at_a_time
+from conftest import REPO_ROOT, run_capped, run_python, two_at_a_time
 
 from oomdoc.capture.optimizer_cycle import OptimizerCycle, merge_steps
 
@@ -90,13 +88,7 @@ print(json.dumps([updates, grads, record]))
 def test_accumulation_updates_each_of_a_gans_optimizers_every_other_call():
     """Counted together, the generator's step made every update and the
     discriminator never stepped (its optimizer state never existed)."""
-    completed = subprocess.run(
-        [sys.executable, "-c", GAN_ACCUMULATION],
-        env=oomdoc_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    completed = run_python(GAN_ACCUMULATION)
     assert completed.returncode == 0, completed.stderr[-2000:]
     updates, grads, record = json.loads(completed.stdout)
     assert updates == {"D": 2, "G": 2}

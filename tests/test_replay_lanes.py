@@ -14,7 +14,7 @@ import time
 
 import pytest
 from adapters import diagnose
-from conftest import REPO_ROOT, oomdoc_env
+from conftest import REPO_ROOT, oomdoc_env, run_python
 
 from oomdoc.fixes import fix_named
 from oomdoc.model import Snapshot
@@ -331,13 +331,7 @@ print(len(torch.cuda._queued_calls) - queued, torch.cuda.is_initialized())
     __import__("torch").cuda.is_available(), reason="checks that nothing starts CUDA"
 )
 def test_the_cuda_capture_set_up_waits_for_cuda_to_start():
-    result = subprocess.run(
-        [sys.executable, "-c", DEFERRED_BACKEND],
-        env=oomdoc_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = run_python(DEFERRED_BACKEND)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["1", "False"]
 

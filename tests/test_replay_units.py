@@ -517,18 +517,10 @@ def test_the_replays_gradient_accumulation_holds_steps_and_zero_grads_back():
     inside a Lightning closure) clears them only when a cycle begins, and a
     held-back closure still runs its forward and backward."""
     import json
-    import subprocess
-    import sys
 
-    from conftest import oomdoc_env
+    from conftest import run_python
 
-    completed = subprocess.run(
-        [sys.executable, "-c", ACCUMULATION_CHECK],
-        env=oomdoc_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    completed = run_python(ACCUMULATION_CHECK)
     assert completed.returncode == 0, completed.stderr[-2000:]
     seen = json.loads(completed.stdout)
     grads, updates, record = seen["loop"]
