@@ -35,10 +35,14 @@ GPT_H100 = [
 IMAGENET_H100 = [
     "--image-size", "160", "--width", "64", "--train-samples", "2048", "--val-samples", "512",
 ]  # fmt: skip
+DCGAN_H100 = ["--ngf", "64", "--ndf", "64", "--samples", "16384", "--manualSeed", "1"]
 CASES = {
     # name: (script, arguments before the batch, batch flag form, failing batch, knobs)
     "gpt": (CORPUS / "gpt_configurator.py", GPT_H100, "--batch_size={}", 48, "configurator"),
     "gpt-cpu": (CORPUS / "gpt_configurator.py", [], "--batch_size={}", 32, "configurator"),
+    # Two optimizers in turn (pytorch/examples' DCGAN idiom): no knob for a fix.
+    "dcgan": (CORPUS / "dcgan_style.py", DCGAN_H100, "--batchSize {}", 8192, None),
+    "dcgan-cpu": (CORPUS / "dcgan_style.py", ["--samples", "256"], "--batchSize {}", 64, None),
     "imagenet": (
         CORPUS / "imagenet_style.py",
         ["-j", "2", *IMAGENET_H100],
