@@ -27,9 +27,12 @@ def test_the_cycle_is_learned_when_an_optimizer_steps_again():
     alone = OptimizerCycle()
     assert alone.before_step(discriminator, 0) is None
     assert alone.before_step(discriminator, 1) is None and alone.ends_iteration(discriminator)
-    # A new optimizer (a new phase of training) is learned afresh.
+    # A new optimizer (a new phase of training, or one that steps now and
+    # then) is learned afresh, without merging the steps closed meanwhile.
     assert alone.before_step(generator, 5) is None and alone.ends_iteration(generator)
-    assert alone.before_step(generator, 6) is None and alone.ends_iteration(generator)
+    assert alone.before_step(discriminator, 6) is None and alone.learning
+    assert alone.before_step(generator, 7) is None and not alone.learning
+    assert alone.ends_iteration(discriminator) and not alone.ends_iteration(generator)
 
 
 def test_merged_steps_keep_the_largest_peak_and_sum_the_work():

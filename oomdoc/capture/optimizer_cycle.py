@@ -12,7 +12,9 @@ DCGAN's discriminator and generator updates were two steps: the batch
 search's model read the discriminator's step as the whole iteration, and
 the discriminator's loss, alive across the "step" boundary, read as a leak.
 An optimizer not in the learned order (a new phase of training with a new
-optimizer) starts the learning again.
+optimizer, one that steps only now and then) starts the learning again,
+without merging. A step an optimizer ends stays ended whatever steps after
+it in the same iteration.
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ class OptimizerCycle:
         self.order: list[int] | None = None  # learned: ids, in stepping order
         self._seen: list[int] = []  # stepped since the learning began
         self._first_step = 0  # the step index the learning began in
+        # Learning again (a new optimizer mid-run): the steps closed meanwhile
+        # are not merged, since the iteration they began in was another's.
+        self._again = False
 
     def before_step(self, optimizer: object, step_index: int) -> int | None:
         """Called before each optimizer step (in step `step_index`). Returns
@@ -47,10 +52,10 @@ class OptimizerCycle:
         if self.order is not None:
             if key in self.order:
                 return None
-            self.order, self._seen = None, []  # a new optimizer: learn again
+            self.order, self._seen, self._again = None, [], True  # a new optimizer: learn again
         if key in self._seen:
             self.order, self._seen = self._seen, []
-            return self._first_step if len(self.order) > 1 else None
+            return self._first_step if len(self.order) > 1 and not self._again else None
         if not self._seen:
             self._first_step = step_index
         self._seen.append(key)

@@ -694,7 +694,7 @@ class Tracker(Attribution, LeakChecks, StepLimits, IterationSteps):
             # _sample_peak() above has just read the state the step made.
             known = self._known if self._known is not None else self._known_tensors()
             self._state_bytes = sum(known[2].values())
-        self._pending_close = ends
+        self._pending_close = self._pending_close or ends
         self.phase = "idle"
 
     def _raise_unit(self, unit: str) -> None:
