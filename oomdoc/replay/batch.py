@@ -527,7 +527,7 @@ def search_max_batch(
             # measured misses what decides the limit here (DCGAN: the last
             # iteration's generator outputs alive into the next). Before,
             # its prediction, clamped under the OOM, walked down one batch
-            # a replay (32, 31, ..., 22 for a limit of 16).
+            # a replay (32, 31, ..., 22, then stopped, for a limit of 21).
             prediction = None
         if not any(run.batch_size < original_batch_size for run in runs) and probe is not None:
             candidate = min(max(1, probe), hi - 1)
