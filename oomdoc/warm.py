@@ -342,6 +342,14 @@ class WarmChild:
 SPARES_AHEAD = 1
 
 
+def host_cpus() -> int:
+    """The cores this process may run on (its affinity, else the host's)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def spares_for(lanes: int, cpus: int | None = None) -> int:
     """Spare warm children beyond one per lane: one per lane where the host
     has more than two cores per lane (a running replay and the child warming
@@ -352,10 +360,7 @@ def spares_for(lanes: int, cpus: int | None = None) -> int:
     (Python, torch and the framework imported, 3 to 8 s of a core) is a
     diagnosis's worth of the test suite's time."""
     if cpus is None:
-        try:
-            cpus = len(os.sched_getaffinity(0))
-        except (AttributeError, OSError):
-            cpus = os.cpu_count() or 1
+        cpus = host_cpus()
     return max(SPARES_AHEAD, lanes) if cpus > 2 * lanes else 0
 
 
@@ -365,9 +370,9 @@ class WarmPool:
     replay that may run at once (oomdoc run --replay-jobs), and spares_for()
     more once replays take them. While the failing run runs, one child, or
     with lanes (oomdoc.replay.replayer.early_lanes) one per lane and
-    EARLY_SPARES (there) on a host with the cores for them: a run that does not end
-    in an OOM needs none, and they would slow a run on few cores. Thread-safe: the replays of one
-    run take children from several threads."""
+    EARLY_SPARES (there) on a host with the cores for them: a run that does
+    not end in an OOM needs none, and they would slow a run on few cores.
+    Thread-safe: the replays of one run take children from several threads."""
 
     def __init__(
         self,

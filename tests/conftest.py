@@ -46,10 +46,10 @@ def oomdoc_env(extra: dict | None = None) -> dict:
     return env
 
 
-def run_python(code: str, timeout: int = 120) -> subprocess.CompletedProcess:
-    """`python -c code` in a fresh process that imports this checkout's oomdoc."""
+def run_python(code: str, *args, timeout: int = 120) -> subprocess.CompletedProcess:
+    """`python -c code args` in a fresh process that imports this checkout's oomdoc."""
     return subprocess.run(
-        [sys.executable, "-c", code],
+        [sys.executable, "-c", code, *map(str, args)],
         env=oomdoc_env(),
         capture_output=True,
         text=True,

@@ -265,13 +265,7 @@ def test_a_holder_that_dies_releases_the_device_lock(tmp_path, fork):
     while not holder_status.exists() or "held_since" not in holder_status.read_text():
         assert time.time() < deadline and holder.poll() is None
         time.sleep(0.05)
-    waiter = subprocess.run(
-        [sys.executable, "-c", WAITER, lock, waiter_status],
-        env=oomdoc_env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    waiter = run_python(WAITER, lock, waiter_status, timeout=60)
     assert holder.wait(timeout=60) == -9  # SIGKILL while holding the lock
     assert waiter.returncode == 0, waiter.stderr
     status = json.loads(waiter_status.read_text())
@@ -305,13 +299,7 @@ print(json.dumps({"patched": patched, "early": held_after_set_device, "held": ga
 
 
 def test_cuda_starts_only_after_the_device_lock(tmp_path):
-    result = subprocess.run(
-        [sys.executable, "-c", CUDA_GATE, tmp_path / "lock", tmp_path / "s.json"],
-        env=oomdoc_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = run_python(CUDA_GATE, tmp_path / "lock", tmp_path / "s.json")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == {"patched": True, "early": False, "held": True}
     assert "held_since" in json.loads((tmp_path / "s.json").read_text())

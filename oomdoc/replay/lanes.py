@@ -25,6 +25,7 @@ import threading
 from typing import Any, Callable
 
 from oomdoc.capture import nvml_handle
+from oomdoc.warm import host_cpus
 
 # Lanes at most by default: beyond them the device, which replays take in
 # turn, is the bottleneck. Four: on the H100 the HF Trainer's first replays
@@ -50,10 +51,7 @@ def default_jobs(
     holds a running child and a warm one: together at most three quarters
     of the host memory available, at the failing run's size (`child_bytes`)."""
     if cpus is None:
-        try:
-            cpus = len(os.sched_getaffinity(0))
-        except (AttributeError, OSError):
-            cpus = os.cpu_count() or 1
+        cpus = host_cpus()
     by_cpu = cpus - 1 if device_kind == "cuda" else cpus // 4
     jobs = max(1, min(MAX_JOBS, by_cpu))
     if available_bytes and child_bytes and child_bytes > 0:

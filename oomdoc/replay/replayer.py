@@ -502,7 +502,7 @@ def warm_pool(request: ChildRequest, lanes: int = 1) -> WarmPool:
     # come when the replays begin).
     preimports = [] if request.is_module else script_preimports(request.target)
     pool = WarmPool(request.device, REPLAY_ENV, size=lanes, preimports=preimports)
-    if lanes > 1 and spares_for(lanes):
+    if lanes > 1:
         pool.ahead = min(EARLY_SPARES, spares_for(lanes))
     pool.fill()
     return pool
