@@ -9,6 +9,8 @@ import shlex
 import pytest
 from conftest import SCRIPTS, load_json, run_capped, run_oomdoc
 
+from oomdoc.replay.candidates import TIE_NOISE_CAP
+
 
 def run_leak(tmp_path, capacity: str, mode: str, *options: str):
     """The leaking loop of suggest_leak_total_loss.py (80 steps) under oomdoc
@@ -129,7 +131,11 @@ def check_the_configurations_weighed(document):
     for entry in others:
         assert entry["verdict"] != "prescribed" and entry["reason"], entry
         if entry["measured"] and entry["verdict"] == "slower" and entry["samples_per_second"]:
-            assert entry["samples_per_second"] <= 1.05 * prescription["samples_per_second"]
+            # A tie is a throughput within TIE_NOISE_CAP below the fastest's,
+            # so the fastest is at most 1 / (1 - cap) of the prescription's
+            # (rounded to 3 decimals on both sides).
+            bound = prescription["samples_per_second"] / (1 - TIE_NOISE_CAP)
+            assert entry["samples_per_second"] <= bound + 0.002
 
 
 def test_a_lightning_prescription_with_accumulation_is_measured_with_it(tmp_path):
