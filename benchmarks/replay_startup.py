@@ -19,12 +19,12 @@ went (the children's own timings, `replay.runs` in the snapshot):
                not done ahead, building the model, the data)
   start-up     first line + first step
 
-Two variants, interleaved: `now`, and `before`: warm children that import
-only the failing run's `imported_packages` and its framework's lazy modules,
-not the script's own top-level imports (oomdoc.warm.script_preimports), and
-no spare child ahead of the lanes (oomdoc.warm.spares_for). Prints a
-markdown table per run and the medians of each variant, with the replays'
-total time (`replay.total_s`).
+Two variants, interleaved: `forked`, warm children forked from one process
+that imported everything once (oomdoc.forking, the simulated device's
+default), and `own process`, each warm child started on its own and
+importing torch and the script's framework itself (OOMDOC_FORKS=0). Prints
+a markdown table per run and the medians of each variant, with the replays'
+total time (`replay.total_s`) and the whole diagnosis's wall time.
 """
 
 from __future__ import annotations
@@ -36,22 +36,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# The parent as it was before: warm children that import only what the
-# failing run recorded, and one spare per lane (none ahead).
-BEFORE = (
-    "import sys\n"
-    "from oomdoc import warm\n"
-    "from oomdoc.replay import replayer\n"
-    "replayer.script_preimports = lambda script: []\n"
-    "warm.spares_for = lambda lanes, cpus=None: 0\n"
-    "from oomdoc.cli import main\n"
-    "main(sys.argv[1:])\n"
-)
-VARIANTS = {"now": None, "before": BEFORE}
+# Each variant's environment.
+VARIANTS = {"forked": {}, "own process": {"OOMDOC_FORKS": "0"}}
 
 
 def run_oomdoc(variant: str, script: str, memory: str, args: list[str], out: Path) -> dict:
@@ -59,14 +50,17 @@ def run_oomdoc(variant: str, script: str, memory: str, args: list[str], out: Pat
     env = dict(
         os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     )
-    code = VARIANTS[variant]
-    launcher = ["-c", code] if code else ["-m", "oomdoc"]
-    command = [sys.executable, *launcher, "run", "--device", "cpu", "--device-memory", memory]
+    env.update(VARIANTS[variant])
+    command = [sys.executable, "-m", "oomdoc", "run", "--device", "cpu", "--device-memory", memory]
     command += ["-o", str(out), script, *args]
+    started = time.perf_counter()
     done = subprocess.run(command, env=env, capture_output=True, text=True)
+    wall_s = time.perf_counter() - started
     if not out.exists():
         raise SystemExit(f"oomdoc run wrote no snapshot:\n{done.stdout}\n{done.stderr}")
-    return json.loads(out.read_text())
+    snapshot = json.loads(out.read_text())
+    snapshot["_wall_s"] = wall_s
+    return snapshot
 
 
 def startup_rows(snapshot: dict) -> list[dict]:
@@ -129,11 +123,14 @@ def main() -> None:
                 )
                 rows = startup_rows(snapshot)
                 total = (snapshot.get("replay") or {}).get("total_s")
-                results[variant].append({"rows": rows, "total": total})
+                results[variant].append({"rows": rows, "total": total, "wall": snapshot["_wall_s"]})
                 print(f"\n### {variant}, round {round_index + 1}\n\n{markdown(rows)}", flush=True)
     print("\n### medians over the replays (first replay / the others)\n")
-    print("| variant | ready wait | first line | first step | start-up | replays in all |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    print(
+        "| variant | ready wait | first line | first step | start-up | replays in all "
+        "| whole diagnosis |"
+    )
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for variant, rounds in results.items():
         firsts = [run["rows"][0] for run in rounds if run["rows"]]
         others = [row for run in rounds for row in run["rows"][1:]]
@@ -144,6 +141,7 @@ def main() -> None:
             cells.append(f"{seconds(first)} / {seconds(rest)}")
         totals = [run["total"] for run in rounds if run["total"] is not None]
         cells.append(seconds(statistics.median(totals)) if totals else "")
+        cells.append(seconds(statistics.median(run["wall"] for run in rounds)))
         print(f"| {variant} | " + " | ".join(cells) + " |")
 
 

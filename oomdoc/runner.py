@@ -24,6 +24,7 @@ from oomdoc.capture import CONFIG_ENV
 from oomdoc.child_config import ChildConfig, DeviceLock
 from oomdoc.distributed.merge import merge_rank_captures, read_captures
 from oomdoc.errors import UsageError
+from oomdoc.forking import ChildProcess
 from oomdoc.model import Breakdown, Device, ErrorInfo, Options, Snapshot
 from oomdoc.snapshot import SCHEMA_VERSION, default_snapshot_path, utc_now
 from oomdoc.warm import (  # noqa: F401 (WarmChild, bytecode_cache_env: oomdoc.runner's names too)
@@ -133,7 +134,7 @@ class ChildSignals:
     def __init__(self) -> None:
         self.interrupted = False
         self.terminated = False
-        self._processes: set[subprocess.Popen] = set()
+        self._processes: set[ChildProcess] = set()
         self._lock = threading.Lock()
         self._previous: tuple[Any, Any] | None = None
 
@@ -174,13 +175,13 @@ class ChildSignals:
             if process.poll() is None:
                 process.send_signal(signum)
 
-    def add(self, process: subprocess.Popen) -> None:
+    def add(self, process: ChildProcess) -> None:
         with self._lock:
             self._processes.add(process)
         if self.terminated and process.poll() is None:
             process.send_signal(signal.SIGTERM)
 
-    def discard(self, process: subprocess.Popen) -> None:
+    def discard(self, process: ChildProcess) -> None:
         with self._lock:
             self._processes.discard(process)
 
@@ -208,7 +209,7 @@ def lock_wait_seconds(status_path: str | None, now: float | None = None) -> floa
     return max(0.0, waited)
 
 
-def _stop(process: subprocess.Popen) -> int:
+def _stop(process: ChildProcess) -> int:
     """SIGTERM (the child writes its capture), then SIGKILL after the grace."""
     process.send_signal(signal.SIGTERM)
     try:
@@ -219,7 +220,7 @@ def _stop(process: subprocess.Popen) -> int:
 
 
 def _wait(
-    process: subprocess.Popen,
+    process: ChildProcess,
     timeout_s: float | None,
     status_path: str | None,
     cancel: threading.Event | None,

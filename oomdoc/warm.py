@@ -25,6 +25,7 @@ import time
 from typing import Protocol
 
 from oomdoc.capture import CONFIG_FD_ENV, PREIMPORT_PREFIX, STARTED_ENV
+from oomdoc.forking import ForkedProcess, ForkServer, forks_allowed
 
 # A preimport `module:name` means `from module import name`: the name may be
 # a submodule, or an attribute a lazy package (transformers) loads on access.
@@ -253,6 +254,7 @@ class WarmChild:
         extra_env: dict[str, str],
         log_dir: str,
         preimports: list[str] | None = None,
+        server: ForkServer | None = None,
     ):
         self.key = _env_key(device, extra_env)
         descriptor, self.log_path = tempfile.mkstemp(prefix="warm-", suffix=".log", dir=log_dir)
@@ -262,17 +264,25 @@ class WarmChild:
         # the same (it cannot take them back), or set them afresh (late_env_for).
         self.own_late = {name: env[name] for name in LATE_ENV if name in env}
         env[CONFIG_FD_ENV] = str(read_fd)
-        try:
-            self.process = start_child(
+
+        def start() -> subprocess.Popen:
+            return start_child(
                 env,
                 stdout=descriptor,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 pass_fds=(read_fd,),
             )
-        finally:
-            os.close(read_fd)
-            os.close(descriptor)
+
+        self.process: subprocess.Popen | ForkedProcess
+        if server is not None:  # forked (it closes both descriptors once it exists)
+            self.process = server.fork(descriptor, read_fd, start)
+        else:
+            try:
+                self.process = start()
+            finally:
+                os.close(read_fd)
+                os.close(descriptor)
         if preimports:
             self.preimport(preimports)
 
@@ -295,7 +305,14 @@ class WarmChild:
             and all(
                 request.extra_env.get(name, value) == value for name, value in self.own_late.items()
             )
-            and self.process.poll() is None
+            and not self.gone
+        )
+
+    @property
+    def gone(self) -> bool:
+        """Ended, or a fork whose server died (its end could not be told)."""
+        return self.process.poll() is not None or (
+            isinstance(self.process, ForkedProcess) and self.process.lost
         )
 
     def late_env_for(self, request: WarmRequest) -> dict[str, str]:
@@ -307,7 +324,7 @@ class WarmChild:
             if name in LATE_ENV and name not in self.own_late
         }
 
-    def hand(self, config_path: str, output_path: str) -> subprocess.Popen:
+    def hand(self, config_path: str, output_path: str) -> subprocess.Popen | ForkedProcess:
         """Give the child its work; its output so far moves to `output_path`."""
         os.replace(self.log_path, output_path)
         self._send(config_path)
@@ -324,7 +341,9 @@ class WarmChild:
             pass
         if self.process.poll() is None:
             self.process.kill()
-        self.process.wait()
+        if not isinstance(self.process, ForkedProcess) or self.process.started:
+            self.process.wait()
+        # else a fork not made yet: made, it finds its pipe closed and ends
         try:
             os.unlink(self.log_path)
         except OSError:
@@ -392,18 +411,45 @@ class WarmPool:
         self.preimports: list[str] = list(dict.fromkeys(preimports or []))
         self._lock = threading.Lock()
         self._closed = False
+        # On the simulated device the children are forks of one server
+        # (oomdoc.forking); started with the first child.
+        self._server: ForkServer | None = None
+        self._forks = forks_allowed(device)
+
+    def _fork_server(self) -> ForkServer | None:
+        """Under the lock: the running fork server, started if need be; None
+        where children start on their own (or the server died)."""
+        if not self._forks:
+            return None
+        if self._server is None:
+            log_path = os.path.join(self.log_dir, "fork-server.log")
+            try:
+                self._server = ForkServer(
+                    child_env(self.device, self.extra_env), log_path, start_child
+                )
+            except OSError:
+                self._forks = False
+                return None
+            if self.preimports:
+                self._server.preimport(PREIMPORT_PREFIX + json.dumps(self.preimports))
+        if not self._server.alive:
+            self._forks = False  # it died: children start on their own from now
+            return None
+        return self._server
 
     def _fill(self) -> None:
         """Under the lock: replace dead spares, start new ones up to `size`
         (and those ahead)."""
         if self._closed:
             return
-        for spare in [spare for spare in self.spares if spare.process.poll() is not None]:
+        for spare in [spare for spare in self.spares if spare.gone]:
             spare.discard()
             self.spares.remove(spare)
         while len(self.spares) < self.size + self.ahead:
             self.spares.append(
-                WarmChild(self.device, self.extra_env, self.log_dir, self.preimports)
+                WarmChild(
+                    self.device, self.extra_env, self.log_dir, self.preimports, self._fork_server()
+                )
             )
 
     def fill(self) -> None:
@@ -417,6 +463,8 @@ class WarmPool:
             new = [name for name in preimports or [] if name not in self.preimports]
             if new:
                 self.preimports.extend(new)
+                if self._server is not None:
+                    self._server.preimport(PREIMPORT_PREFIX + json.dumps(new))
                 for spare in self.spares:
                     spare.preimport(new)
             if size is not None:
@@ -430,7 +478,7 @@ class WarmPool:
         with self._lock:
             if self._closed:
                 return None
-            live = [spare for spare in self.spares if spare.process.poll() is None]
+            live = [spare for spare in self.spares if not spare.gone]
             if len(live) < len(self.spares):
                 self._fill()  # some died (e.g. Ctrl-C reached them): start others
             spare = next((spare for spare in live if spare.usable_for(request)), None)
@@ -447,4 +495,6 @@ class WarmPool:
             spares, self.spares = self.spares, []
         for spare in spares:
             spare.discard()
+        if self._server is not None:
+            self._server.close()
         shutil.rmtree(self.log_dir, ignore_errors=True)

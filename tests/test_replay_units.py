@@ -455,19 +455,29 @@ def test_the_parent_never_imports_torch():
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
-def test_an_unused_warm_child_is_ended_at_once():
-    # Closing the pool must not wait for the spare to finish importing torch.
+@pytest.mark.parametrize("forks", ["0", "1"])
+def test_an_unused_warm_child_is_ended_at_once(monkeypatch, forks):
+    """Closing the pool does not wait for a spare to finish importing torch:
+    a child of its own is killed; a fork the server has not made yet (it is
+    still importing) ends once made, killed or finding its pipe closed, and
+    the server ends after it."""
     import signal
 
     from oomdoc.runner import WarmPool
 
+    monkeypatch.setenv("OOMDOC_FORKS", forks)
     pool = WarmPool("cpu", {"OOMDOC_REPLAY": "1"}, size=2)
     pool.fill()
     spares = list(pool.spares)
     assert len(spares) == 2
     pool.close()
-    assert all(spare.process.returncode == -signal.SIGKILL for spare in spares)
     assert pool.spares == [] and not os.path.exists(pool.log_dir)
+    if forks == "0":
+        assert all(spare.process.returncode == -signal.SIGKILL for spare in spares)
+        return
+    assert pool._server is not None
+    assert pool._server.process.wait(timeout=60) == 0
+    assert all(spare.process.wait(timeout=5) in (0, -signal.SIGKILL) for spare in spares)
 
 
 ACCUMULATION_CHECK = """

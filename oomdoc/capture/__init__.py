@@ -13,6 +13,9 @@ CONFIG_ENV = "OOMDOC_CHILD_CONFIG"
 # A warm child (started before its work is known) reads the configuration
 # file's path from the pipe whose descriptor this variable names.
 CONFIG_FD_ENV = "OOMDOC_CHILD_CONFIG_FD"
+# A fork server (oomdoc.capture.zygote) reads its requests from the socket
+# whose descriptor this variable names; its forks are warm children.
+ZYGOTE_FD_ENV = "OOMDOC_ZYGOTE_FD"
 # A line on that pipe that starts with this names modules (a JSON list) for
 # the waiting child to import: the framework the failing run used.
 PREIMPORT_PREFIX = "import "

@@ -33,6 +33,7 @@ from oomdoc.capture import (
     CONFIG_WAIT_ENV,
     CUDA_UNAVAILABLE,
     STARTED_ENV,
+    ZYGOTE_FD_ENV,
     choose_device,
     communication,
     process_ranks,
@@ -757,8 +758,18 @@ def main() -> None:
     except (KeyError, ValueError):
         _STARTED = None
     descriptor = os.environ.pop(CONFIG_FD_ENV, None)
+    server = os.environ.pop(ZYGOTE_FD_ENV, None)
     preimported = None
-    if descriptor is not None:
+    if server is not None:
+        from oomdoc.capture.zygote import serve
+
+        try:
+            config_path, imported_at, preimported, _STARTED = serve(int(server))
+        except KeyboardInterrupt:  # Ctrl-C before the script started: no capture
+            sys.exit(130)
+        if config_path is None:
+            sys.exit(0)
+    elif descriptor is not None:
         try:
             config_path, imported_at, preimported = wait_for_work(int(descriptor))
         except KeyboardInterrupt:  # Ctrl-C before the script started: no capture

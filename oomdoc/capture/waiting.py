@@ -15,7 +15,7 @@ from oomdoc.capture import PREIMPORT_PREFIX
 from oomdoc.capture.imports import preimport
 
 
-def _import_ahead() -> None:
+def import_ahead() -> None:
     """What every run imports, done by a warm child while it waits."""
     import torch.nn  # noqa: F401
     import torch.optim  # noqa: F401
@@ -36,20 +36,27 @@ def wait_for_work(descriptor: int) -> tuple[str | None, float, dict]:
     the configuration (None when the parent has no work for it), importing
     the modules the parent sends meanwhile. Also returns when the first
     imports were done, and what was imported ahead (`preimport`)."""
-    _import_ahead()
+    import_ahead()
     imported_at = time.time()
     preimported: dict = {}
+    return wait_on_pipe(descriptor, preimported), imported_at, preimported
+
+
+def wait_on_pipe(descriptor: int, preimported: dict) -> str | None:
+    """The configuration's path, the first line on the pipe that names no
+    modules to import (those are imported, into `preimported`, meanwhile);
+    None when the pipe closes first."""
     with os.fdopen(descriptor, encoding="utf-8") as pipe:
         for line in pipe:
             line = line.strip()
             if not line.startswith(PREIMPORT_PREFIX):
-                return line or None, imported_at, preimported
+                return line or None
             try:
                 names = json.loads(line[len(PREIMPORT_PREFIX) :])
             except ValueError:
                 continue
             preimport([str(name) for name in names], preimported)
-    return None, imported_at, preimported
+    return None
 
 
 def wait_for_config_file(path: str, wait: str) -> tuple[bool, float, dict]:
@@ -61,7 +68,7 @@ def wait_for_config_file(path: str, wait: str) -> tuple[bool, float, dict]:
         order = json.loads(wait)
     except ValueError:
         order = {}
-    _import_ahead()
+    import_ahead()
     imported_at = time.time()
     preimported: dict = {}
     preimport([str(name) for name in order.get("preimports") or []], preimported)
