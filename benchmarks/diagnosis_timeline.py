@@ -22,7 +22,15 @@ from pathlib import Path
 
 from whole_run_check import oomdoc as diagnose  # one `oomdoc run`: (snapshot, seconds)
 
-COLUMNS = ("started_s", "wall_s", "ready_wait_s", "first_step_s", "lock_wait_s", "outcome")
+COLUMNS = (
+    "started_s",
+    "wall_s",
+    "ready_wait_s",
+    "first_step_s",
+    "lock_wait_s",
+    "forked",
+    "outcome",
+)
 
 
 def cell(value) -> str:

@@ -27,7 +27,8 @@ import psutil
 
 from oomdoc.capture import ZYGOTE_FD_ENV
 
-# `OOMDOC_FORKS=0` starts every warm child on its own (to compare the two).
+# `OOMDOC_FORKS=0` starts every warm child on its own (to compare the two);
+# `OOMDOC_FORKS=1` forks CUDA replays' children too (not yet the default).
 FORKS_ENV = "OOMDOC_FORKS"
 # A fork whose server died before it ended: how often its end is looked for.
 LOST_POLL_S = 0.05
@@ -51,22 +52,24 @@ class ChildProcess(Protocol):
 
 
 def forks_allowed(device: str) -> bool:
-    """Whether replays on `device` may run in forks: the simulated device
-    only (a fork of a process where CUDA started cannot use CUDA), on a
-    system that passes descriptors between processes."""
-    return (
-        device == "cpu"
-        and sys.platform.startswith("linux")
-        and hasattr(socket, "send_fds")
-        and os.environ.get(FORKS_ENV, "1") != "0"
-    )
+    """Whether replays on `device` may run in forks, on a system that passes
+    descriptors between processes. On the simulated device by default; on
+    CUDA only with OOMDOC_FORKS=1 until measured on a GPU: the server never
+    starts CUDA and refuses to fork once anything it imported loaded the
+    CUDA driver (oomdoc.capture.zygote), whose forks could not use it, but
+    no CUDA replay has run in a fork yet."""
+    choice = os.environ.get(FORKS_ENV)
+    if choice == "0" or not (sys.platform.startswith("linux") and hasattr(socket, "send_fds")):
+        return False
+    return device == "cpu" or (device == "cuda" and choice == "1")
 
 
 class ForkedProcess:
     """One fork of the server, as a Popen. Until the server has forked it
     (it may still be importing) its pid is None; signals sent meanwhile are
-    delivered once it exists. Should the server end first, it is started on
-    its own instead (`fallback`, a Popen on the same log and pipe)."""
+    delivered once it exists. Should the server end first, or refuse to fork,
+    it is started on its own instead (`fallback`, a Popen on the same log and
+    pipe)."""
 
     def __init__(self, fallback: Callable[[], subprocess.Popen], held: list[int]):
         self.args = ["oomdoc-fork"]
@@ -110,7 +113,7 @@ class ForkedProcess:
             self.returncode = returncode
             self._changed.notify_all()
 
-    def _server_gone(self) -> None:
+    def _on_its_own(self) -> None:
         with self._changed:
             if self.returncode is not None:
                 return
@@ -233,12 +236,14 @@ class ForkServer:
         self._waiting: collections.deque[ForkedProcess] = collections.deque()
         self._running: dict[int, ForkedProcess] = {}
         self._gone = False
+        self.refused = False
         self._reader = threading.Thread(target=self._read, name="oomdoc-forks", daemon=True)
         self._reader.start()
 
     @property
     def alive(self) -> bool:
-        return not self._gone
+        """Running and forking (it refuses once the CUDA driver started in it)."""
+        return not self._gone and not self.refused
 
     def _send(self, text: str, descriptors: list[int] | None = None) -> bool:
         """Under the lock: one request; False when the server is gone."""
@@ -267,7 +272,7 @@ class ForkServer:
             if asked:
                 self._waiting.append(handle)
         if not asked:
-            handle._server_gone()
+            handle._on_its_own()
         return handle
 
     def close(self) -> None:
@@ -285,6 +290,8 @@ class ForkServer:
             if not message:
                 break
             kind, _, rest = message.decode("utf-8", "replace").partition(" ")
+            if kind == "refused":
+                rest = ""
             try:
                 numbers = [int(part) for part in rest.split()]
             except ValueError:
@@ -296,6 +303,12 @@ class ForkServer:
                         self._running[numbers[0]] = handle
                 if handle is not None:
                     handle._forked(numbers[0])
+            elif kind == "refused":
+                with self._lock:
+                    self.refused = True
+                    handle = self._waiting.popleft() if self._waiting else None
+                if handle is not None:
+                    handle._on_its_own()
             elif kind == "exit" and len(numbers) == 2:
                 with self._lock:
                     ended = self._running.pop(numbers[0], None)
@@ -307,6 +320,6 @@ class ForkServer:
             self._waiting.clear()
             self._running.clear()
         for handle in orphans:
-            handle._server_gone()
+            handle._on_its_own()
         self._socket.close()
         self.process.wait()

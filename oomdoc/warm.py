@@ -411,8 +411,8 @@ class WarmPool:
         self.preimports: list[str] = list(dict.fromkeys(preimports or []))
         self._lock = threading.Lock()
         self._closed = False
-        # On the simulated device the children are forks of one server
-        # (oomdoc.forking); started with the first child.
+        # The children are forks of one server (oomdoc.forking), started
+        # with the first child.
         self._server: ForkServer | None = None
         self._forks = forks_allowed(device)
 

@@ -1,10 +1,12 @@
-"""Warm children forked from one server on the simulated device
-(oomdoc.forking, oomdoc.capture.zygote): each fork runs its work as a child
+"""Warm children forked from one server (oomdoc.forking,
+oomdoc.capture.zygote): each fork runs its work as a child
 started on its own would, its end is reported as Popen reports one, and
 neither a dead server nor a dead oomdoc leaves anything waiting."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -52,13 +54,17 @@ def request(tmp_path, mode: str, timeout_s: float = 60) -> ChildRequest:
     )
 
 
-def test_only_the_simulated_device_forks(monkeypatch):
-    """A process where CUDA started cannot give CUDA to its forks."""
+def test_forks_are_asked_for_where_descriptors_pass(monkeypatch):
+    """On Linux, for the simulated device; for CUDA only when asked
+    (OOMDOC_FORKS=1: no CUDA replay has run in a fork yet); never with
+    OOMDOC_FORKS=0."""
     monkeypatch.delenv("OOMDOC_FORKS", raising=False)
-    assert forks_allowed("cpu") is sys.platform.startswith("linux")
-    assert not forks_allowed("cuda")
+    linux = sys.platform.startswith("linux")
+    assert forks_allowed("cpu") is linux and not forks_allowed("cuda")
+    monkeypatch.setenv("OOMDOC_FORKS", "1")
+    assert forks_allowed("cpu") is linux and forks_allowed("cuda") is linux
     monkeypatch.setenv("OOMDOC_FORKS", "0")
-    assert not forks_allowed("cpu")
+    assert not forks_allowed("cpu") and not forks_allowed("cuda")
 
 
 @pytest.mark.skipif(not forks_allowed("cpu"), reason="forks need Linux")
@@ -82,6 +88,7 @@ def test_forks_run_their_work_and_end_as_children_of_their_own_do(tmp_path):
     assert all(result.warm for result in results.values())
     assert results["trained"].exit_code == 0 and "trained" in logs["trained"]
     assert results["trained"].capture and results["trained"].capture["steps"]
+    assert results["trained"].capture["timings"]["forked"] is True
     assert results["exit3"].exit_code == 3
     assert results["killed"].signal_name == "SIGKILL"
     assert results["hang"].timed_out
@@ -168,6 +175,32 @@ def test_a_signal_sent_before_the_fork_exists_reaches_it():
     handle = ForkedProcess(fallback, [])
     handle.send_signal(signal.SIGTERM)
     assert handle.poll() is None and not handle.started
-    handle._server_gone()  # it starts on its own, and takes the signal
+    handle._on_its_own()  # it starts on its own, and takes the signal
     assert handle.wait(timeout=30) == -signal.SIGTERM
     assert started and started[0].returncode == -signal.SIGTERM
+
+
+@pytest.mark.skipif(not forks_allowed("cpu"), reason="forks need Linux")
+def test_a_server_where_the_cuda_driver_loaded_refuses_to_fork(tmp_path):
+    """Something the server imported loaded a library named as the CUDA
+    driver: a fork could not use CUDA, so it refuses, and the child asked
+    for starts on its own (oomdoc's child), as every later one does."""
+    fake_driver = tmp_path / "libcuda.so.1"
+    shutil.copy(psutil._psutil_linux.__file__, fake_driver)  # any shared object
+    (tmp_path / "loads_the_driver.py").write_text(
+        "import ctypes, os\nctypes.CDLL(os.environ['FAKE_CUDA_DRIVER'])\n"
+    )
+    env = {**REPLAY_ENV, "PYTHONPATH": str(tmp_path), "FAKE_CUDA_DRIVER": str(fake_driver)}
+    pool = WarmPool("cpu", env, size=1, preimports=["loads_the_driver"])
+    try:
+        pool.fill()
+        trained = request(tmp_path, "trained")
+        trained.extra_env = dict(env)
+        result = run_child(trained, pool=pool)
+        assert result.warm and result.exit_code == 0, (tmp_path / "trained.log").read_text()
+        log = (tmp_path / "trained.log").read_text()
+        assert int(log.split()[3]) == os.getpid()
+        assert "forked" not in result.capture["timings"]
+        assert pool._server is not None and pool._server.refused and not pool._server.alive
+    finally:
+        pool.close()

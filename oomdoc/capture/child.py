@@ -239,6 +239,7 @@ def _exit_code_of(exc: SystemExit) -> int:
 
 
 _STARTED: float | None = None  # from the parent (STARTED_ENV), read in main()
+_FORKED = False  # a fork of the fork server (oomdoc.capture.zygote), set in main()
 
 
 def _process_started() -> float:
@@ -619,7 +620,10 @@ def timing_summary(timings: dict) -> dict:
         summary["ready_wait_s"] = timings["run_started"] - timings["asked"]
     if "first_step" in timings:  # the script's imports, model building, data
         summary["first_step_s"] = timings["first_step"] - timings["script_started"]
-    return {key: round(max(value, 0.0), 3) for key, value in summary.items()}
+    rounded: dict = {key: round(max(value, 0.0), 3) for key, value in summary.items()}
+    if _FORKED:
+        rounded["forked"] = True
+    return rounded
 
 
 def write_capture(
@@ -751,7 +755,7 @@ def write_capture(
 
 
 def main() -> None:
-    global _STARTED
+    global _STARTED, _FORKED
     imported_at = time.time()
     try:
         _STARTED = float(os.environ.pop(STARTED_ENV))
@@ -765,6 +769,7 @@ def main() -> None:
 
         try:
             config_path, imported_at, preimported, _STARTED = serve(int(server))
+            _FORKED = True
         except KeyboardInterrupt:  # Ctrl-C before the script started: no capture
             sys.exit(130)
         if config_path is None:

@@ -5,16 +5,19 @@ core), most of a short replay's cost. This process imports them once, then
 forks one warm child per request; each fork waits for its work exactly as a
 warm child started on its own does (oomdoc.capture.waiting).
 
-Only for the simulated device: a process that forks after the CUDA driver
-started leaves its forks unable to use CUDA, and importing a framework may
-start it (a device count), so CUDA replays keep their own processes.
+On CUDA the forks must be made before the CUDA driver starts here: a fork
+of a process where it started cannot use CUDA. This process never touches
+the device, and imports with PYTORCH_NVML_BASED_CUDA_CHECK=1 (so that a
+framework's `torch.cuda.is_available()` asks NVML, not the driver); should
+anything it imported load the driver all the same, it answers `refused`
+and the parent starts every later child on its own.
 
 Protocol, over a SOCK_SEQPACKET socket from the parent:
   parent -> here: `import [json list]` (PREIMPORT_PREFIX: import these too),
                   `fork TIME` with two descriptors (the fork's log, the read
                   end of its configuration pipe; TIME: when the parent asked,
                   the fork's start), `close` (exit once no fork runs).
-  here -> parent: `pid N` per `fork`, in order; `exit N CODE` when fork N
+  here -> parent: `pid N` (or `refused`) per `fork`, in order; `exit N CODE` when fork N
                   ends (CODE as subprocess.Popen's returncode: -SIGNAL for a
                   signal).
 The parent's end closing (oomdoc died) ends this process at once; the forks
@@ -36,9 +39,21 @@ from oomdoc.capture import PREIMPORT_PREFIX
 from oomdoc.capture.imports import preimport
 from oomdoc.capture.waiting import import_ahead, wait_on_pipe
 
+# Set while this process imports, the user's own value put back in each fork.
+NVML_CHECK_ENV = "PYTORCH_NVML_BASED_CUDA_CHECK"
 FORK_REQUEST = "fork"
 CLOSE_REQUEST = "close"
 MESSAGE_BYTES = 1 << 20
+
+
+def cuda_driver_loaded() -> bool:
+    """Whether the CUDA driver library is mapped in this process: the CUDA
+    runtime loads it when it starts, never before."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
+            return any("libcuda.so" in line for line in maps)
+    except OSError:
+        return True  # unknown: not safe to fork
 
 
 def serve(control_fd: int) -> tuple[str | None, float, dict, float]:
@@ -47,6 +62,8 @@ def serve(control_fd: int) -> tuple[str | None, float, dict, float]:
     None, when its imports were done: when it was forked, what it imported
     ahead), and when it started: when the parent asked for it (its start-up
     is the wait for the server, busy importing, then the fork)."""
+    users_check = os.environ.get(NVML_CHECK_ENV)
+    os.environ[NVML_CHECK_ENV] = "1"
     import_ahead()
     preimported: dict = {}
     control = socket.socket(fileno=control_fd)
@@ -108,6 +125,11 @@ def serve(control_fd: int) -> tuple[str | None, float, dict, float]:
             except ValueError:
                 asked_at = time.time()
             log_fd, config_fd = descriptors
+            if cuda_driver_loaded():
+                os.close(log_fd)
+                os.close(config_fd)
+                send("refused")
+                continue
             sys.stdout.flush()
             sys.stderr.flush()
             with warnings.catch_warnings():
@@ -126,6 +148,10 @@ def serve(control_fd: int) -> tuple[str | None, float, dict, float]:
                 os.dup2(log_fd, 1)
                 os.dup2(log_fd, 2)
                 os.close(log_fd)
+                if users_check is None:
+                    os.environ.pop(NVML_CHECK_ENV, None)
+                else:
+                    os.environ[NVML_CHECK_ENV] = users_check
                 config_path = wait_on_pipe(config_fd, preimported)
                 return config_path, forked_at, preimported, min(asked_at, forked_at)
             os.close(log_fd)
