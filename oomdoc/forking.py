@@ -32,6 +32,8 @@ from oomdoc.capture import ZYGOTE_FD_ENV
 FORKS_ENV = "OOMDOC_FORKS"
 # A fork whose server died before it ended: how often its end is looked for.
 LOST_POLL_S = 0.05
+# A wait for a fork's end looks again at least this often.
+WAKE_S = 1.0
 # Its exit status, which died with the server (it is reaped by init).
 LOST_EXIT_CODE = 1
 
@@ -179,10 +181,10 @@ class ForkedProcess:
                 return self.returncode
             with self._changed:
                 if self.returncode is None and self._popen is None:
-                    pause = LOST_POLL_S if self._lost else left
-                    if pause is not None:
-                        pause = min(pause, left) if left is not None else pause
-                    self._changed.wait(pause)
+                    # The server's report wakes it; it looks again each
+                    # WAKE_S all the same, so nothing missed can hang it.
+                    pause = LOST_POLL_S if self._lost else WAKE_S
+                    self._changed.wait(pause if left is None else min(pause, left))
 
     def send_signal(self, signum: int) -> None:
         with self._changed:
