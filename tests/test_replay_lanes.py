@@ -66,6 +66,8 @@ def test_warm_children_for_every_lane_start_with_the_failing_run(monkeypatch):
     started = []
 
     class Child:
+        gone = False
+
         def __init__(self, *args, **kwargs):
             started.append(self)
             self.process = self
