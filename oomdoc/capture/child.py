@@ -764,19 +764,15 @@ def main() -> None:
     descriptor = os.environ.pop(CONFIG_FD_ENV, None)
     server = os.environ.pop(ZYGOTE_FD_ENV, None)
     preimported = None
-    if server is not None:
-        from oomdoc.capture.zygote import serve
+    if server is not None or descriptor is not None:  # a fork, or a warm child
+        try:
+            if server is not None:
+                from oomdoc.capture.zygote import serve
 
-        try:
-            config_path, imported_at, preimported, _STARTED = serve(int(server))
-            _FORKED = True
-        except KeyboardInterrupt:  # Ctrl-C before the script started: no capture
-            sys.exit(130)
-        if config_path is None:
-            sys.exit(0)
-    elif descriptor is not None:
-        try:
-            config_path, imported_at, preimported = wait_for_work(int(descriptor))
+                config_path, imported_at, preimported, _STARTED = serve(int(server))
+                _FORKED = True
+            else:
+                config_path, imported_at, preimported = wait_for_work(int(descriptor or 0))
         except KeyboardInterrupt:  # Ctrl-C before the script started: no capture
             sys.exit(130)
         if config_path is None:
