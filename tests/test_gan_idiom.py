@@ -121,6 +121,15 @@ def test_a_dcgan_s_iterations_are_its_steps_and_its_largest_batch_is_exact(tmp_p
     assert document["outcome"] == "oom", completed.stderr[-3000:]
     assert "leak" not in (document.get("prescription") or {}).get("kind", "")
     assert "Memory leak" not in completed.stderr
+    # Nor into a replay's with accumulation: each optimizer updates every
+    # other iteration, so the order they step in is known only after four;
+    # the replay runs until it is (it had stopped after two, its "step 0"
+    # the discriminator's update, and every accumulation replay "leaked").
+    assert all(run["outcome"] != "grows" for run in document["replay"]["runs"]), [
+        (run["label"], run["outcome"]) for run in document["replay"]["runs"]
+    ]
+    prescription = document["prescription"]
+    assert prescription and prescription["fits"] and prescription["accumulation_steps"] > 1
     search = document["replay"]["batch_search"]
     maximum = document["max_batch_size"]
     assert search["exact"] and maximum is not None and 8 <= maximum < 32, search

@@ -36,6 +36,7 @@ class StepLimits:
     on_timed_steps_done: Callable[[], None] | None
     on_step_end: Callable[[], None] | None
     sharing_untimed: bool
+    optimizer_cycle: Any  # oomdoc.capture.optimizer_cycle.OptimizerCycle
 
     def _first_step(self) -> None:
         hook, self.on_first_step = self.on_first_step, None
@@ -65,6 +66,8 @@ class StepLimits:
             and UNITS.index(self.unit) < UNITS.index(self.expected_unit)
         ):
             return False
+        if self.optimizer_cycle.learning:
+            return False  # where an iteration ends is not known yet: as _step_limit's caller
         current, module = self._current, self.unit == "module"
         ongoing = self._pending_close or (
             module and bool(current["forward_calls"] or current["evaluation_calls"])
