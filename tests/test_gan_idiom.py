@@ -159,3 +159,48 @@ def test_a_dcgan_s_iterations_are_its_steps_and_its_largest_batch_is_exact(tmp_p
     assert len(fits["steps"]) + fits.get("steps_omitted", 0) == -(-256 // maximum)
     assert all(step["optimizer_steps"] == 2 for step in fits["steps"])
     assert abs(fits["peak"]["allocated_bytes"] - replayed) <= 0.05 * replayed
+
+
+def test_a_mixed_sequential_s_snippet_runs_the_segments_the_replay_measured():
+    """A DCGAN's nn.Sequential (Conv2d, BatchNorm2d, LeakyReLU, ...): the
+    snippet checkpoints one segment per Conv2d and the layers after it, as
+    the replay did, names whose forward each part goes in, and computes
+    what the plain Sequential computes."""
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    from oomdoc.fixes.checkpointing import loops
+
+    groups = [
+        {"path": "main", "class": "Conv2d", "count": 3, "segments": True, "model": "Discriminator"},
+        {
+            "path": "main",
+            "class": "ConvTranspose2d",
+            "count": 2,
+            "segments": True,
+            "model": "Generator",
+        },
+    ]
+    text = "\n".join(loops({"blocks_groups": groups}, "model"))
+    assert "# in Discriminator.forward:" in text and "# in Generator.forward:" in text
+    assert "for block in model.main" not in text  # layer by layer is not what ran
+    namespace = {"torch": torch, "checkpoint": checkpoint}
+    exec(text.split("# in Discriminator.forward:")[0], namespace)
+    nn = torch.nn
+    layers = nn.Sequential(
+        nn.LeakyReLU(0.2),
+        nn.Conv2d(3, 4, 3, padding=1),
+        nn.BatchNorm2d(4),
+        nn.LeakyReLU(0.2),
+        nn.Conv2d(4, 4, 3, padding=1),
+        nn.Conv2d(4, 2, 3, padding=1),
+        nn.Sigmoid(),
+    ).eval()
+    calls = []
+    original = torch.utils.checkpoint.checkpoint
+    namespace["checkpoint"] = lambda run, x, **kw: calls.append(len(run)) or original(run, x, **kw)
+    x = torch.randn(2, 3, 8, 8, requires_grad=True)
+    out = namespace["checkpointed_segments"](layers, x, "Conv2d")
+    assert torch.allclose(out, layers(x)) and calls == [3, 1, 2]
+    out.sum().backward()
+    assert x.grad is not None

@@ -53,7 +53,13 @@ class Checkpointing(Fix):
                     blocks_count=first["count"],
                     # Every run of blocks it wrapped (a ResNet's four stages), in order.
                     blocks_groups=[
-                        {"path": w["path"], "class": w["class"], "count": w["count"]}
+                        {
+                            "path": w["path"],
+                            "class": w["class"],
+                            "count": w["count"],
+                            "segments": bool(w.get("segments")),
+                            "model": w.get("model"),
+                        }
                         for w in wrapped
                     ],
                 )
@@ -155,16 +161,40 @@ class Checkpointing(Fix):
                         "class": class_name,
                         "count": len(blocks),
                         "segments": not composite,
+                        "model": type(module).__name__,
                     }
                 )
 
         tracker.forward_start_callbacks.append(wrap)
 
 
+# What a replay ran for the same-class layers of a mixed nn.Sequential (a
+# DCGAN's Conv2d, BatchNorm2d, LeakyReLU, ...): one checkpointed segment
+# from each such layer to the next; a loop over the layers one by one would
+# checkpoint each alone, which is not what was measured.
+SEGMENTS_HELPER = """\
+def checkpointed_segments(layers, x, block_class):
+    \"\"\"`layers` (an nn.Sequential) run as segments that each start at a
+    `block_class` layer, those checkpointed (as oomdoc's replay ran them).\"\"\"
+    segment = []
+    for layer in [*layers, None]:
+        if segment and (layer is None or type(layer).__name__ == block_class):
+            run = torch.nn.Sequential(*segment)
+            starts = type(segment[0]).__name__ == block_class
+            x = checkpoint(run, x, use_reentrant=False) if starts else run(x)
+            segment = []
+        if layer is not None:
+            segment.append(layer)
+    return x
+"""
+
+
 def loops(context: SnippetContext, owner: str) -> list[str]:
     """One checkpointed loop per run of blocks the replay wrapped, in order
     (a ResNet's four stages), over `owner.path`; the blocks' class and count
-    as a comment."""
+    as a comment. Layers of a mixed nn.Sequential run in segments
+    (SEGMENTS_HELPER); where several models were wrapped (a GAN's two),
+    each part says whose forward it goes in."""
     groups = context.get("blocks_groups") or [
         {
             "path": context.get("blocks_path"),
@@ -172,13 +202,22 @@ def loops(context: SnippetContext, owner: str) -> list[str]:
             "count": context.get("blocks_count", "?"),
         }
     ]
-    lines = []
+    models = list(dict.fromkeys(group["model"] for group in groups if group.get("model")))
+    lines = [*SEGMENTS_HELPER.splitlines(), ""] if any(g.get("segments") for g in groups) else []
     for group in groups:
         path = group.get("path")
+        if len(models) > 1 and group.get("model"):
+            lines.append(f"# in {group['model']}.forward:")
         comment = f"  # {group.get('class')} x {group.get('count')}" if path else ""
         path = path or "blocks"
         # The root itself is the container (a top-level nn.Sequential).
         blocks = owner if path == "(root)" else f"{owner}.{path}"
+        if group.get("segments"):
+            lines.append(
+                f"x = checkpointed_segments({blocks}, x, {group.get('class')!r})"
+                f"  # instead of {blocks}(x): {group.get('count')} segments"
+            )
+            continue
         lines.append(f"for block in {blocks}:{comment}")
         lines.append("    x = checkpoint(block, x, use_reentrant=False)")
     return lines
