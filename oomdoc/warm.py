@@ -240,7 +240,8 @@ class WarmChild:
     """A capture child started before its work is known.
 
     It starts Python and imports torch and oomdoc (seconds that a fresh child
-    pays before it does anything), then blocks on a pipe until the parent
+    pays before it does anything), or is forked from a fork server that did
+    (`server`, oomdoc.forking), then blocks on a pipe until the parent
     sends its configuration. While it waits the parent may send it modules to
     import too (`preimport`: the framework the failing run used). It touches
     no device while it waits, so the child that is running keeps the device,
