@@ -25,7 +25,15 @@ from typing import Callable, Protocol
 
 import psutil
 
-from oomdoc.capture import ZYGOTE_FD_ENV
+from oomdoc.capture import (
+    CLOSE_REQUEST,
+    FORK_ENDED,
+    FORK_REFUSED,
+    FORK_REQUEST,
+    FORKED,
+    ZYGOTE_FD_ENV,
+    preimport_request,
+)
 
 # `OOMDOC_FORKS=0` starts every warm child on its own (to compare the two);
 # `OOMDOC_FORKS=1` forks CUDA replays' children too (not yet the default).
@@ -257,11 +265,11 @@ class ForkServer:
         except OSError:
             return False
 
-    def preimport(self, line: str) -> None:
-        """Have the server import more (a PREIMPORT_PREFIX line): forks made
-        after it start with them."""
+    def preimport(self, modules: list[str]) -> None:
+        """Have the server import `modules` too: forks made after it start
+        with them."""
         with self._lock:
-            self._send(line)
+            self._send(preimport_request(modules))
 
     def fork(
         self, log_fd: int, config_fd: int, fallback: Callable[[], subprocess.Popen]
@@ -270,7 +278,7 @@ class ForkServer:
         from `config_fd`; both are the handle's to close."""
         handle = ForkedProcess(fallback, [log_fd, config_fd])
         with self._lock:
-            asked = self._send(f"fork {time.time()!r}", [log_fd, config_fd])
+            asked = self._send(f"{FORK_REQUEST} {time.time()!r}", [log_fd, config_fd])
             if asked:
                 self._waiting.append(handle)
         if not asked:
@@ -281,7 +289,7 @@ class ForkServer:
         """The server ends once its forks have (those unused end as soon as
         their pipes close)."""
         with self._lock:
-            self._send("close")
+            self._send(CLOSE_REQUEST)
 
     def _read(self) -> None:
         while True:
@@ -292,26 +300,24 @@ class ForkServer:
             if not message:
                 break
             kind, _, rest = message.decode("utf-8", "replace").partition(" ")
-            if kind == "refused":
-                rest = ""
             try:
                 numbers = [int(part) for part in rest.split()]
             except ValueError:
                 continue
-            if kind == "pid" and numbers:
+            if kind == FORKED and numbers:
                 with self._lock:
                     handle = self._waiting.popleft() if self._waiting else None
                     if handle is not None:
                         self._running[numbers[0]] = handle
                 if handle is not None:
                     handle._forked(numbers[0])
-            elif kind == "refused":
+            elif kind == FORK_REFUSED:
                 with self._lock:
                     self.refused = True
                     handle = self._waiting.popleft() if self._waiting else None
                 if handle is not None:
                     handle._on_its_own()
-            elif kind == "exit" and len(numbers) == 2:
+            elif kind == FORK_ENDED and len(numbers) == 2:
                 with self._lock:
                     ended = self._running.pop(numbers[0], None)
                 if ended is not None:

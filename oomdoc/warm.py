@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ast
 import importlib.machinery
-import json
 import os
 import shutil
 import site
@@ -24,7 +23,7 @@ import threading
 import time
 from typing import Protocol
 
-from oomdoc.capture import CONFIG_FD_ENV, PREIMPORT_PREFIX, STARTED_ENV
+from oomdoc.capture import CONFIG_FD_ENV, STARTED_ENV, preimport_request
 from oomdoc.forking import ForkedProcess, ForkServer, forks_allowed
 
 # A preimport `module:name` means `from module import name`: the name may be
@@ -297,7 +296,7 @@ class WarmChild:
 
     def preimport(self, modules: list[str]) -> None:
         """Have the child import `modules` while it waits (errors ignored there)."""
-        self._send(PREIMPORT_PREFIX + json.dumps(list(modules)))
+        self._send(preimport_request(modules))
 
     def usable_for(self, request: WarmRequest) -> bool:
         return (
@@ -432,7 +431,7 @@ class WarmPool:
                 self._forks = False
                 return None
             if self.preimports:
-                self._server.preimport(PREIMPORT_PREFIX + json.dumps(self.preimports))
+                self._server.preimport(self.preimports)
         if not self._server.alive:
             self._forks = False  # it died: children start on their own from now
             return None
@@ -465,7 +464,7 @@ class WarmPool:
             if new:
                 self.preimports.extend(new)
                 if self._server is not None:
-                    self._server.preimport(PREIMPORT_PREFIX + json.dumps(new))
+                    self._server.preimport(new)
                 for spare in self.spares:
                     spare.preimport(new)
             if size is not None:

@@ -4,6 +4,7 @@ part of a snapshot; the parent adds the rest and writes the file."""
 
 from __future__ import annotations
 
+import json
 import os
 
 # The parent names the child's configuration file in this variable, so that
@@ -19,6 +20,29 @@ ZYGOTE_FD_ENV = "OOMDOC_ZYGOTE_FD"
 # A line on that pipe that starts with this names modules (a JSON list) for
 # the waiting child to import: the framework the failing run used.
 PREIMPORT_PREFIX = "import "
+# The fork server's protocol words (oomdoc.capture.zygote, oomdoc.forking):
+# requests, then replies.
+FORK_REQUEST, CLOSE_REQUEST = "fork", "close"
+FORKED, FORK_REFUSED, FORK_ENDED = "pid", "refused", "exit"
+
+
+def preimport_request(modules: list[str]) -> str:
+    """The line that asks a waiting child (or the fork server) to import `modules`."""
+    return PREIMPORT_PREFIX + json.dumps(list(modules))
+
+
+def preimport_names(line: str) -> list[str] | None:
+    """The modules a preimport line names (none when it is garbled); None
+    when the line is not one."""
+    if not line.startswith(PREIMPORT_PREFIX):
+        return None
+    try:
+        names = json.loads(line[len(PREIMPORT_PREFIX) :])
+    except ValueError:
+        return []
+    return [str(name) for name in names] if isinstance(names, list) else []
+
+
 # A rank of a job started before its work is known (a warm job: its launcher
 # and ranks import while the replay before runs) waits for the file
 # CONFIG_ENV names to appear; this variable holds what it imports meanwhile

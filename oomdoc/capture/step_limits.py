@@ -48,6 +48,8 @@ class StepLimits:
         limit = self.max_steps
         if limit is None or self.stop_after_evaluation is not None:
             return None
+        if self.optimizer_cycle.learning:
+            return None  # where an iteration ends is not known yet
         if self.expected_unit is not None and UNITS.index(self.unit) < UNITS.index(
             self.expected_unit
         ):
@@ -67,7 +69,7 @@ class StepLimits:
         ):
             return False
         if self.optimizer_cycle.learning:
-            return False  # where an iteration ends is not known yet: as _step_limit's caller
+            return False  # where an iteration ends is not known yet (as _step_limit)
         current, module = self._current, self.unit == "module"
         ongoing = self._pending_close or (
             module and bool(current["forward_calls"] or current["evaluation_calls"])

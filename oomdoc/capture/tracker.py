@@ -549,7 +549,6 @@ class Tracker(Attribution, LeakChecks, StepLimits, IterationSteps):
             last = limit is not None and self.step_index + 1 >= limit
             if last and self.may_stop is not None and not self.may_stop():
                 last = False  # a batch fetched before its epoch was cut (whole_run)
-            last = last and not self.optimizer_cycle.learning  # (optimizer_cycle)
             if not last:
                 # Taken before this step's end is timed: a wait for it is
                 # left out of this step (exclude_seconds), and the next step

@@ -11,7 +11,7 @@ import time
 
 import psutil
 
-from oomdoc.capture import PREIMPORT_PREFIX
+from oomdoc.capture import preimport_names
 from oomdoc.capture.imports import preimport
 
 
@@ -49,13 +49,10 @@ def wait_on_pipe(descriptor: int, preimported: dict) -> str | None:
     with os.fdopen(descriptor, encoding="utf-8") as pipe:
         for line in pipe:
             line = line.strip()
-            if not line.startswith(PREIMPORT_PREFIX):
+            names = preimport_names(line)
+            if names is None:
                 return line or None
-            try:
-                names = json.loads(line[len(PREIMPORT_PREFIX) :])
-            except ValueError:
-                continue
-            preimport([str(name) for name in names], preimported)
+            preimport(names, preimported)
     return None
 
 

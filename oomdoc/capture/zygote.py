@@ -26,7 +26,6 @@ then see their configuration pipes close, as warm children do.
 
 from __future__ import annotations
 
-import json
 import os
 import select
 import signal
@@ -35,14 +34,19 @@ import sys
 import time
 import warnings
 
-from oomdoc.capture import PREIMPORT_PREFIX
+from oomdoc.capture import (
+    CLOSE_REQUEST,
+    FORK_ENDED,
+    FORK_REFUSED,
+    FORK_REQUEST,
+    FORKED,
+    preimport_names,
+)
 from oomdoc.capture.imports import preimport
 from oomdoc.capture.waiting import import_ahead, wait_on_pipe
 
 # Set while this process imports, the user's own value put back in each fork.
 NVML_CHECK_ENV = "PYTORCH_NVML_BASED_CUDA_CHECK"
-FORK_REQUEST = "fork"
-CLOSE_REQUEST = "close"
 MESSAGE_BYTES = 1 << 20
 
 
@@ -93,7 +97,7 @@ def serve(control_fd: int) -> tuple[str | None, float, dict, float]:
             if pid == 0:
                 break
             running.discard(pid)
-            send(f"exit {pid} {os.waitstatus_to_exitcode(status)}")
+            send(f"{FORK_ENDED} {pid} {os.waitstatus_to_exitcode(status)}")
         if closing and not running:
             os._exit(0)
         ready, _, _ = select.select([control.fileno(), wake_read], [], [], 1.0)
@@ -111,12 +115,9 @@ def serve(control_fd: int) -> tuple[str | None, float, dict, float]:
         if not message:
             os._exit(0)  # the parent ended
         text = message.decode("utf-8", "replace")
-        if text.startswith(PREIMPORT_PREFIX):
-            try:
-                names = json.loads(text[len(PREIMPORT_PREFIX) :])
-            except ValueError:
-                names = []
-            preimport([str(name) for name in names], preimported)
+        names = preimport_names(text)
+        if names is not None:
+            preimport(names, preimported)
         elif text == CLOSE_REQUEST:
             closing = True
         elif text.partition(" ")[0] == FORK_REQUEST and len(descriptors) == 2:
@@ -128,7 +129,7 @@ def serve(control_fd: int) -> tuple[str | None, float, dict, float]:
             if cuda_driver_loaded():
                 os.close(log_fd)
                 os.close(config_fd)
-                send("refused")
+                send(FORK_REFUSED)
                 continue
             sys.stdout.flush()
             sys.stderr.flush()
@@ -157,7 +158,7 @@ def serve(control_fd: int) -> tuple[str | None, float, dict, float]:
             os.close(log_fd)
             os.close(config_fd)
             running.add(pid)
-            send(f"pid {pid}")
+            send(f"{FORKED} {pid}")
         else:
             for descriptor in descriptors:
                 os.close(descriptor)
