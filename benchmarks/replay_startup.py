@@ -45,8 +45,10 @@ ROOT = Path(__file__).resolve().parent.parent
 VARIANTS = {"forked": {}, "own process": {"OOMDOC_FORKS": "0"}}
 
 
-def run_oomdoc(variant: str, script: str, memory: str, args: list[str], out: Path) -> dict:
-    """One `oomdoc run`; its snapshot."""
+def run_oomdoc(
+    variant: str, script: str, memory: str, args: list[str], out: Path
+) -> tuple[dict, float]:
+    """One `oomdoc run`: its snapshot, and how long it took (seconds)."""
     env = dict(
         os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     )
@@ -58,9 +60,7 @@ def run_oomdoc(variant: str, script: str, memory: str, args: list[str], out: Pat
     wall_s = time.perf_counter() - started
     if not out.exists():
         raise SystemExit(f"oomdoc run wrote no snapshot:\n{done.stdout}\n{done.stderr}")
-    snapshot = json.loads(out.read_text())
-    snapshot["_wall_s"] = wall_s
-    return snapshot
+    return json.loads(out.read_text()), wall_s
 
 
 def startup_rows(snapshot: dict) -> list[dict]:
@@ -118,12 +118,12 @@ def main() -> None:
         for round_index in range(options.rounds):
             for number, variant in enumerate(VARIANTS):
                 out = Path(workdir) / f"{round_index}-{number}.json"
-                snapshot = run_oomdoc(
+                snapshot, wall_s = run_oomdoc(
                     variant, options.script, options.device_memory, options.args, out
                 )
                 rows = startup_rows(snapshot)
                 total = (snapshot.get("replay") or {}).get("total_s")
-                results[variant].append({"rows": rows, "total": total, "wall": snapshot["_wall_s"]})
+                results[variant].append({"rows": rows, "total": total, "wall": wall_s})
                 print(f"\n### {variant}, round {round_index + 1}\n\n{markdown(rows)}", flush=True)
     print("\n### medians over the replays (first replay / the others)\n")
     print(
