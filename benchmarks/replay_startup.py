@@ -4,6 +4,8 @@
     python benchmarks/replay_startup.py --rounds 2         # each variant twice, interleaved
     python benchmarks/replay_startup.py --script tests/scripts/hf_gpt2_tiny.py \
         --device-memory 24MiB -- --batch-size 64
+    python benchmarks/replay_startup.py --device cuda --device-memory 16GiB -- \
+        --use_cpu False --n_layer 24 --n_embd 1024 --per_device_train_batch_size 16
 
 Runs `oomdoc run --device cpu` on a script that runs out of memory (by
 default tests/scripts/fw_hf_trainer.py, a Hugging Face Trainer on a tiny
@@ -20,8 +22,8 @@ went (the children's own timings, `replay.runs` in the snapshot):
   start-up     first line + first step
 
 Two variants, interleaved: `forked`, warm children forked from one process
-that imported everything once (oomdoc.forking, the simulated device's
-default), and `own process`, each warm child started on its own and
+that imported everything once (oomdoc.forking; OOMDOC_FORKS=1, which CUDA
+needs), and `own process`, each warm child started on its own and
 importing torch and the script's framework itself (OOMDOC_FORKS=0). Prints
 a markdown table per run and the medians of each variant, with the replays'
 total time (`replay.total_s`) and the whole diagnosis's wall time.
@@ -41,19 +43,19 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# Each variant's environment.
-VARIANTS = {"forked": {}, "own process": {"OOMDOC_FORKS": "0"}}
+# Each variant's environment (forks are opt-in on CUDA: oomdoc.forking).
+VARIANTS = {"forked": {"OOMDOC_FORKS": "1"}, "own process": {"OOMDOC_FORKS": "0"}}
 
 
 def run_oomdoc(
-    variant: str, script: str, memory: str, args: list[str], out: Path
+    variant: str, device: str, script: str, memory: str, args: list[str], out: Path
 ) -> tuple[dict, float]:
     """One `oomdoc run`: its snapshot, and how long it took (seconds)."""
     env = dict(
         os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     )
     env.update(VARIANTS[variant])
-    command = [sys.executable, "-m", "oomdoc", "run", "--device", "cpu", "--device-memory", memory]
+    command = [sys.executable, "-m", "oomdoc", "run", "--device", device, "--device-memory", memory]
     command += ["-o", str(out), script, *args]
     started = time.perf_counter()
     done = subprocess.run(command, env=env, capture_output=True, text=True)
@@ -74,6 +76,7 @@ def startup_rows(snapshot: dict) -> list[dict]:
             {
                 "replay": run["label"],
                 "warm": run.get("warm"),
+                "forked": run.get("forked", False),
                 "preimport": run.get("preimport_s", 0.0),
                 "ready wait": ready,
                 "setup": run.get("setup_s", 0.0),
@@ -91,12 +94,22 @@ def seconds(value: float | None) -> str:
 
 
 def markdown(rows: list[dict]) -> str:
-    keys = ["replay", "warm", "preimport", "ready wait", "setup", "first line", "first step"]
+    keys = [
+        "replay",
+        "warm",
+        "forked",
+        "preimport",
+        "ready wait",
+        "setup",
+        "first line",
+        "first step",
+    ]
     keys += ["start-up", "wall"]
-    lines = ["| " + " | ".join(keys) + " |", "| --- | --- |" + " ---: |" * (len(keys) - 2)]
+    lines = ["| " + " | ".join(keys) + " |", "| --- | --- | --- |" + " ---: |" * (len(keys) - 3)]
     for row in rows:
         cells = [str(row["replay"]), "yes" if row["warm"] else "no"]
-        cells += [seconds(row[key]) for key in keys[2:]]
+        cells += ["yes" if row["forked"] else "no"]
+        cells += [seconds(row[key]) for key in keys[3:]]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -109,6 +122,7 @@ def median_of(rows: list[dict], key: str) -> float | None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--script", default=str(ROOT / "tests" / "scripts" / "fw_hf_trainer.py"))
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--device-memory", default="24MiB")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("args", nargs="*", default=["--per_device_train_batch_size", "16"])
@@ -119,7 +133,12 @@ def main() -> None:
             for number, variant in enumerate(VARIANTS):
                 out = Path(workdir) / f"{round_index}-{number}.json"
                 snapshot, wall_s = run_oomdoc(
-                    variant, options.script, options.device_memory, options.args, out
+                    variant,
+                    options.device,
+                    options.script,
+                    options.device_memory,
+                    options.args,
+                    out,
                 )
                 rows = startup_rows(snapshot)
                 total = (snapshot.get("replay") or {}).get("total_s")

@@ -453,7 +453,7 @@ class ConsideredConfiguration:
     # True: measured at exactly this micro-batch and accumulation; False: an
     # estimate (from a larger batch it ran, or not replayed at all).
     measured: bool = False
-    # prescribed | slower | over_margin | does_not_fit | not_measured
+    # prescribed | slower | over_margin | does_not_fit | not_measured | flags_disagree
     verdict: str = "not_measured"
     reason: str = ""
     extra: Dict[str, Any] = field(default_factory=dict)

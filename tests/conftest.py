@@ -99,9 +99,9 @@ def two_at_a_time(function, items) -> list:
         return list(pool.map(function, items))
 
 
-def run_capped(snapshot_path, capacity, script, args, options=(), cwd=None):
+def run_capped(snapshot_path, capacity, script, args, options=(), cwd=None, env=None):
     """`oomdoc run` of `script args` on the simulated device of `capacity`
-    (with `options`, e.g. --no-replay), writing `snapshot_path`:
+    (with `options`, e.g. --no-replay, and `env`), writing `snapshot_path`:
     (the CompletedProcess, the snapshot)."""
     completed = run_oomdoc(
         [
@@ -117,6 +117,7 @@ def run_capped(snapshot_path, capacity, script, args, options=(), cwd=None):
             *args,
         ],
         cwd=cwd,
+        env=env,
         timeout=600,
     )
     assert Path(snapshot_path).exists(), completed.stderr[-3000:]

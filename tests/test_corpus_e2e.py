@@ -17,25 +17,26 @@ GPT = CORPUS / "gpt_configurator.py"
 WORD_LM = CORPUS / "word_lm_style.py"
 IMAGENET = CORPUS / "imagenet_style.py"
 VARLEN = CORPUS / "varlen_text_classifier.py"
+SEQ2SEQ = CORPUS / "seq2seq_generate.py"
 
 
-def plain(tmp_path, capacity, script, args) -> dict:
+def plain(tmp_path, capacity, script, args, env=None) -> dict:
     """The script under the same cap without replays: its snapshot."""
     name = "plain-" + "-".join(arg.strip("-").replace("=", "_") for arg in args)[:80]
     _completed, document = run_capped(
-        tmp_path / f"{name}.json", capacity, script, args, ["--no-replay"], cwd=tmp_path
+        tmp_path / f"{name}.json", capacity, script, args, ["--no-replay"], cwd=tmp_path, env=env
     )
     return document
 
 
-def plains(tmp_path, capacity, script, *arg_lists) -> list[dict]:
+def plains(tmp_path, capacity, script, *arg_lists, env=None) -> list[dict]:
     """plain() of each of `arg_lists`, two at a time (two_at_a_time), each
     in its own folder (a script may write files where it runs)."""
     folders = [tmp_path / f"by-hand-{index}" for index in range(len(arg_lists))]
     for folder in folders:
         folder.mkdir()
     return two_at_a_time(
-        lambda job: plain(job[0], capacity, script, job[1]), list(zip(folders, arg_lists))
+        lambda job: plain(job[0], capacity, script, job[1], env), list(zip(folders, arg_lists))
     )
 
 
@@ -455,3 +456,57 @@ def test_varlen_whole_run_answer_holds_for_the_whole_run_by_hand(tmp_path):
     checked = [by_hand_args, ["--batch_size", "5", "--seed", "2"]]
     outcomes = two_at_a_time(outcome_of, checked)
     assert outcomes == ["ok", "ok"], checked
+
+
+def test_a_seq2seq_trainer_generating_in_evaluation_gets_an_evaluation_batch_that_holds(tmp_path):
+    """transformers' Seq2SeqTrainer with `predict_with_generate` (beam
+    search at the evaluation batch): training batch 8 fits on 88 MiB, the
+    first evaluation at batch 64 runs out of memory. The search is the
+    evaluation's batch; the fix and the prescription write it as the
+    evaluation's knob with the training batch left alone (they used to say
+    `per_device_train_batch_size=56`); the Trainer's own `--bf16` does not
+    autocast `generate()`, so a saver is prescribed only where the script's
+    flags for it held too. By hand over the whole run: the largest
+    evaluation batch fits and one more runs out of memory in evaluation,
+    and the prescription fits with its peak within 5%."""
+    capacity, train = "88MiB", ["--per_device_train_batch_size", "8"]
+    one_thread = {"OMP_NUM_THREADS": "1"}  # replays side by side on two cores
+    completed, document = run_capped(
+        tmp_path / "seq2seq.json",
+        capacity,
+        SEQ2SEQ,
+        [*train, "--per_device_eval_batch_size", "64"],
+        cwd=tmp_path,
+        env=one_thread,
+    )
+    assert document["outcome"] == "oom", completed.stderr[-3000:]
+    assert document["oom"]["phase"] == "evaluation"
+    search = document["replay"]["batch_search"]
+    assert search["source"] == "--per_device_eval_batch_size" and search["exact"], search
+    largest = search["max_batch_size"]
+    fix = next(fix for fix in document["fixes"] if fix["name"] == "smaller_batch")
+    assert f"per_device_eval_batch_size={largest}," in fix["snippet"]
+    assert "per_device_train_batch_size=" not in fix["snippet"]
+    prescription = document["prescription"]
+    chosen = prescription["batch_size"]
+    assert prescription["fits"] and prescription["evaluation_batch_flag"], prescription
+    assert f"per_device_eval_batch_size={chosen}," in prescription["snippet"]
+    assert "per_device_train_batch_size=" not in prescription["snippet"]
+    flags_check = prescription.get("verified_by_flags")
+    assert flags_check is None or flags_check["outcome"] == "fits", flags_check
+    # The prescription's own flags: --bf16 where autocast is prescribed.
+    assert set(prescription["fixes"]) <= {"autocast"}, prescription["fixes"]
+    own = ["--bf16"] if prescription["fixes"] else []
+    prescribed, fits, one_more = plains(
+        tmp_path,
+        capacity,
+        SEQ2SEQ,
+        [*train, "--per_device_eval_batch_size", str(chosen), *own],
+        [*train, "--per_device_eval_batch_size", str(largest)],
+        [*train, "--per_device_eval_batch_size", str(largest + 1)],
+        env=one_thread,
+    )
+    assert prescribed["outcome"] == "ok", prescribed.get("oom")
+    assert peak_of(prescribed) == pytest.approx(prescription["peak_allocated_bytes"], rel=0.05)
+    assert fits["outcome"] == "ok", fits.get("oom")
+    assert one_more["outcome"] == "oom" and one_more["oom"]["phase"] == "evaluation"

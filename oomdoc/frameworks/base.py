@@ -122,6 +122,33 @@ class Framework:
         """Several fixes as one configuration block in this framework's terms."""
         raise NotImplementedError
 
+    def evaluation_batch_snippet(self, batch: int, context: FrameworkContext) -> str:
+        """How to run the evaluation at `batch`, the training batch untouched:
+        an OOM in evaluation is searched through the evaluation's own batch
+        (context `how`: the script's option, else its evaluation loader),
+        and writing it as the training batch would change what fits."""
+        own = self.evaluation_option_block(batch, context)
+        if own:
+            return own
+        return (
+            f"val_loader = DataLoader(val_set, batch_size={batch})  "
+            "# the evaluation's loader; the training batch stays as it is"
+        )
+
+    def evaluation_option_block(self, batch: int, context: FrameworkContext) -> str:
+        """`# your script's own evaluation batch size:` and the command with
+        the option set; empty when the search did not go through an option."""
+        how = context.get("how") or ""
+        command = context.get("command")
+        if not how.startswith("-"):
+            return ""
+        if not command:
+            return f"# your script's own evaluation batch size:\npython train.py ... {how} {batch}"
+        head = ["python", "-m", command[1]] if command[0] == "-m" else ["python", command[0]]
+        args = list(command[2:] if command[0] == "-m" else command[1:])
+        args = with_option(args, how, str(batch), context.get("script_option_syntax"))
+        return f"# your script's own evaluation batch size:\n{shlex.join([*head, *args])}"
+
     def flag_variant(
         self, fix: str, args: list[str], script_options: list[str], context: FrameworkContext
     ) -> list[str] | None:

@@ -116,6 +116,18 @@ class HuggingFace(Framework):
             lines.append(f"# or, without the Trainer's switch: model.{method}()")
         return "\n".join(lines)
 
+    def evaluation_batch_snippet(self, batch: int, context: FrameworkContext) -> str:
+        """The Trainer's evaluation batch; the training batch stays."""
+        lines = [
+            "training_args = TrainingArguments(",
+            "    ...,",
+            f"    per_device_eval_batch_size={batch},  # the evaluation batch; training's stays",
+            ")",
+        ]
+        own = self.evaluation_option_block(batch, context)
+        lines.append(own or f"# or on the command line: --per_device_eval_batch_size {batch}")
+        return "\n".join(lines)
+
     def prescription_snippet(self, fixes: list[str], context: FrameworkContext) -> str:
         """One TrainingArguments(...) with every knob, then the same as flags."""
         fixes = [part for fix in fixes for part in fix.split("+")]

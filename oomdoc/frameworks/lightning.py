@@ -94,6 +94,15 @@ class Lightning(Framework):
             line += f"\n# or on the command line: {how} {micro}"
         return line
 
+    def evaluation_batch_snippet(self, batch: int, context: FrameworkContext) -> str:
+        """The validation loader's batch; the training loader's stays."""
+        text = (
+            "def val_dataloader(self):  # in your LightningModule or DataModule\n"
+            f"    return DataLoader(val_set, batch_size={batch})  # the training batch stays"
+        )
+        own = self.evaluation_option_block(batch, context)
+        return f"{text}\n{own}" if own else text
+
     def snippet(self, fix: str, context: FrameworkContext) -> str:
         parts = fix.split("+")
         if len(parts) > 1:

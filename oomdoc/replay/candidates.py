@@ -55,12 +55,17 @@ class Candidate:
     untimed: bool = False
     # The capture of the replay that measured it (the certificate reads it).
     capture: Optional[Snapshot] = field(default=None, repr=False, compare=False)
+    # The samples a timed step trains on where the batch searched is not the
+    # training's (an evaluation batch: the training batch stays, and the
+    # evaluation's size must not count as training throughput); None: the
+    # candidate's own batch.
+    trained_per_step: Optional[int] = None
 
     @property
     def samples_per_second(self) -> Optional[float]:
         if not self.step_s:
             return None
-        return self.batch_size / self.step_s
+        return (self.trained_per_step or self.batch_size) / self.step_s
 
 
 def plan_limits(
@@ -150,6 +155,7 @@ def plan_below(
                 ],
                 step_noise=anchor.step_noise,
                 planned_from=anchor.batch_size,
+                trained_per_step=anchor.trained_per_step,
             )
         largest = micro - 1
     return None
@@ -188,9 +194,21 @@ def pick(
         return None
     limit = capacity_bytes - int(margin_fraction * capacity_bytes)
 
+    # Where the batch searched is the evaluation's, every candidate with the
+    # same savers trains the same steps: one throughput for them all (the
+    # median of their timings), so that timing noise does not pick the
+    # evaluation batch; the largest evaluation batch then wins the tie.
+    shared: dict[tuple, list[float]] = {}
+    for candidate in candidates:
+        if candidate.trained_per_step and candidate.samples_per_second:
+            shared.setdefault(tuple(candidate.fixes), []).append(candidate.samples_per_second)
+
     def throughput(candidate: Candidate) -> float:
         if candidate.untimed:
             return math.inf  # unknown: it may be the fastest, so it is measured first
+        rates = shared.get(tuple(candidate.fixes)) if candidate.trained_per_step else None
+        if rates:
+            return sorted(rates)[len(rates) // 2]
         return candidate.samples_per_second or 0.0
 
     within = [c for c in candidates if c.peak_allocated_bytes <= limit]
@@ -208,10 +226,16 @@ def pick(
         # Highest throughput, within noise; then fewer changes; then measured
         # as prescribed; then the higher throughput and the lower peak.
         contenders = [c for c in within if tied(c)] or [fastest]
-        chosen = max(
-            contenders,
-            key=lambda c: (-len(c.fixes), c.exact, throughput(c), -c.peak_allocated_bytes),
-        )
+
+        def preference(c: Candidate) -> tuple:
+            if c.trained_per_step:
+                # The same training at any evaluation batch: the larger
+                # evaluation batch runs the evaluation in fewer passes.
+                largest = max(c.batch_size, c.plan_limit or 0)
+                return (-len(c.fixes), throughput(c), largest, c.exact, -c.peak_allocated_bytes)
+            return (-len(c.fixes), c.exact, throughput(c), -c.peak_allocated_bytes)
+
+        chosen = max(contenders, key=preference)
         return chosen, True
     return min(candidates, key=lambda c: c.peak_allocated_bytes), False
 

@@ -26,7 +26,7 @@ from typing import Callable, Optional
 from oomdoc.model import BatchSearch, Prescription, Snapshot
 from oomdoc.replay.replayer import Replay, Replayer
 from oomdoc.replay.search import find_batch_arg, with_batch_size
-from oomdoc.script_flags import EVAL_BATCH_FLAGS, spelled
+from oomdoc.script_flags import EVAL_BATCH_FLAGS, batch_flags, spelled
 
 
 def evaluation_option(snapshot: Snapshot) -> Optional[str]:
@@ -34,6 +34,23 @@ def evaluation_option(snapshot: Snapshot) -> Optional[str]:
     if snapshot.oom is None:
         return None
     return next((flag for flag in EVAL_BATCH_FLAGS if flag in snapshot.script_options), None)
+
+
+def training_batch_size(snapshot: Snapshot) -> Optional[int]:
+    """The training batch a search of the evaluation's batch leaves as it is
+    (the script's batch option as given, else its default): every
+    configuration then trains on it, so it is their samples per step."""
+    command = snapshot.command or []
+    args = list(command[2:] if command[:1] == ["-m"] else command[1:])
+    found = find_batch_arg(args)
+    if found is not None:
+        return found[2]
+    defaults = snapshot.script_option_defaults or {}
+    for flag in batch_flags(snapshot.script_options, snapshot.script_option_aliases):
+        value = str(defaults.get(flag) or "")
+        if value.isdigit():
+            return int(value)
+    return None
 
 
 def only_the_evaluation_ran_out(replay: Replay) -> bool:

@@ -36,7 +36,7 @@ from oomdoc.replay import batch as batch_model
 from oomdoc.replay.certificate import measured_margin_fraction
 from oomdoc.replay.evaluation_batch import EvaluationApart, evaluation_option
 from oomdoc.replay.largest_batch import LargestBatchCheck, WholeRunLargest
-from oomdoc.replay.own_flags import parameter_update
+from oomdoc.replay.own_flags import evaluation_batch_snippet, parameter_update
 from oomdoc.replay.plan import (
     LEAK_NO_BATCH_SEARCH,
     ReplayState,
@@ -353,16 +353,19 @@ def batch_search_result(
         detail += (
             f"; keep the effective batch of {original} with {steps} accumulation steps of {micro}"
         )
-    snippet = snippet_in_framework(
-        snapshot,
-        fix.name,
-        {
-            "micro_batch": micro,
-            "accumulation_steps": steps,
-            "how": how if how.startswith("-") else "batch_size",
-            "update": parameter_update(snapshot, search),
-        },
-    )
+    if searches_evaluation_batch(snapshot, info):
+        snippet = evaluation_batch_snippet(snapshot, micro, how)
+    else:
+        snippet = snippet_in_framework(
+            snapshot,
+            fix.name,
+            {
+                "micro_batch": micro,
+                "accumulation_steps": steps,
+                "how": how if how.startswith("-") else "batch_size",
+                "update": parameter_update(snapshot, search),
+            },
+        )
     result = result_from(best.replay, fix, detail, snippet)
     result.max_batch_size, result.micro_batch_size = maximum, micro
     result.accumulation_steps, result.how = steps, how_text

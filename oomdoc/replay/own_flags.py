@@ -12,11 +12,16 @@ from typing import Any, Optional
 from oomdoc.fixes import batch_fix, fix_named
 from oomdoc.fixes.base import SnippetContext
 from oomdoc.frameworks import context_from_snapshot, framework_of
-from oomdoc.frameworks.base import FrameworkContext, accumulation_in_effect, with_enough_steps
-from oomdoc.model import FlagsCheck, Prescription, Snapshot, parse
+from oomdoc.frameworks.base import (
+    FrameworkContext,
+    accumulation_in_effect,
+    with_enough_steps,
+    with_option,
+)
+from oomdoc.model import ConsideredConfiguration, FlagsCheck, Prescription, Snapshot, parse
 from oomdoc.replay import batch as batch_model
 from oomdoc.replay.lanes import SPECULATIVE
-from oomdoc.replay.plan import ReplayState
+from oomdoc.replay.plan import ReplayState, searches_evaluation_batch
 from oomdoc.replay.replayer import Replay, Replayer
 
 
@@ -94,11 +99,22 @@ def prescription_context(
 
 
 def prescription_snippet(snapshot: Snapshot, prescription: Prescription, state: ReplayState) -> str:
-    """The prescribed changes as one block in the framework's own terms."""
+    """The prescribed changes as one block in the framework's own terms, and
+    the evaluation's batch where the search was the evaluation's."""
     changes, context = prescription_context(snapshot, prescription, state)
-    if not changes:
-        return ""
-    return framework_of(snapshot).prescription_snippet(changes, context)
+    blocks = [framework_of(snapshot).prescription_snippet(changes, context)] if changes else []
+    if searches_evaluation_batch(snapshot, state.batch_info) and prescription.batch_size:
+        how = state.batch_info.get("source") or "batch_size"
+        blocks.append(evaluation_batch_snippet(snapshot, prescription.batch_size, how))
+    return "\n\n".join(blocks)
+
+
+def evaluation_batch_snippet(snapshot: Snapshot, batch: int, how: str) -> str:
+    """The evaluation at `batch` in the framework's knobs (the script's own
+    option `how` where the search went through one)."""
+    context = context_from_snapshot(snapshot)
+    context["how"] = how
+    return framework_of(snapshot).evaluation_batch_snippet(batch, context)
 
 
 @dataclass
@@ -146,6 +162,13 @@ def flags_replay(
         variant = framework.flag_variant(change, args, snapshot.script_options, context)
         if variant is not None:
             args, covered = variant, [*covered, change]
+    source = state.batch_info.get("source") or ""
+    if searches_evaluation_batch(snapshot, state.batch_info) and source.startswith("-"):
+        # The evaluation's batch is not one of the changes (nothing is
+        # accumulated), but the prescription runs at it.
+        batch = str(prescription.batch_size or state.batch_info.get("original_batch_size") or "")
+        if batch:
+            args = with_option(args, source, batch, snapshot.script_option_syntax)
     if len(covered) < len(changes):
         # Without a flag for every change the run is not the prescription
         # (it would lack the others): nothing to verify by the script's flags.
@@ -207,3 +230,46 @@ def verify_with_flags(
     if replay.fits and replay.peak_allocated_bytes and prescription.peak_allocated_bytes:
         ratio = replay.peak_allocated_bytes / prescription.peak_allocated_bytes
         checked.peak_ratio = round(ratio, 3)
+
+
+# Choices given up when the script's own flags for their savers ran out of
+# memory where oomdoc's replay of the same configuration fit; after these the
+# last choice stands, its check's outcome shown beside it.
+FLAG_FALLBACKS = 2
+
+
+def flags_disagree(prescription: Prescription) -> Optional[str]:
+    """Why the script's own flags are not the prescription, or None: they
+    ran out of memory where oomdoc's savers fit, so they do not apply the
+    savers as oomdoc did (the Trainer's `--bf16` leaves `generate()` out of
+    autocast, a flag checkpoints other layers), and telling the user to use
+    them would prescribe an OOM. Only for savers the flags make: a batch
+    change or an allocator setting is the same either way."""
+    checked = prescription.verified_by_flags
+    if checked is None or checked.outcome != "oom" or not prescription.fits:
+        return None
+    savers = [
+        name
+        for name in checked.covers
+        if name in prescription.fixes and not getattr(fix_named(name), "by_environment", False)
+    ]
+    if not savers:
+        return None
+    return (
+        f"your script's own flags for {' + '.join(savers)} ({' '.join(checked.args or [])}) "
+        "ran out of memory where oomdoc's replay of it fit: they do not apply it as oomdoc did"
+    )
+
+
+def mark_disagreed(prescription: Prescription, disagreed: dict[tuple, str]) -> None:
+    """Each configuration given up for its script flags, in the report's
+    list of those weighed, with why."""
+    if prescription.considered is None:
+        return
+    listed = {tuple(entry.fixes): entry for entry in prescription.considered}
+    for fixes, reason in disagreed.items():
+        entry = listed.get(fixes)
+        if entry is None:
+            entry = ConsideredConfiguration(fixes=list(fixes), measured=True)
+            prescription.considered.append(entry)
+        entry.verdict, entry.reason = "flags_disagree", reason

@@ -8,17 +8,16 @@ batch. Every candidate was replayed: the failing configuration at the
 batches the batch search tried, each fix at the failing batch, the combined
 savers at the failing batch and, when that does not fit, at the batches a
 second search tried. The prescription is the candidate with the highest
-measured training throughput (samples per second at the user's effective
-batch) whose peak leaves the safety margin free.
+measured training throughput whose peak leaves the safety margin free.
 
 Its micro-batch may be larger than the batch the candidate ran: up to the
 largest batch that the candidate's peak and the next batch measured with the
-same fixes predict to leave the margin free (`plan_limit`). The replay of the
-prescription with its gradient accumulation then measures exactly that.
+same fixes predict to leave the margin free (`plan_limit`), which the
+prescription's replay with its gradient accumulation then measures.
 
-Here: the candidates and the choice among them (pure), then the replays that
-measure the chosen one with its gradient accumulation; its snippet and the
-replay with the script's own flags are oomdoc.replay.own_flags.
+Here: the candidates, the choice, the replays that measure it; its snippet
+and its replay with the script's own flags (which, where they run out of
+memory, send the choice to the next configuration) are oomdoc.replay.own_flags.
 """
 
 from __future__ import annotations
@@ -43,6 +42,7 @@ from oomdoc.replay.candidates import (
     prescription_from,
 )
 from oomdoc.replay.certificate import certify_choice
+from oomdoc.replay.evaluation_batch import training_batch_size
 from oomdoc.replay.fragmentation import (
     certify_with_expandable_segments,
     expandable_applies,
@@ -51,7 +51,10 @@ from oomdoc.replay.fragmentation import (
 )
 from oomdoc.replay.lanes import SPECULATIVE
 from oomdoc.replay.own_flags import (
+    FLAG_FALLBACKS,
     enough_steps,
+    flags_disagree,
+    mark_disagreed,
     prescription_snippet,
     replay_record,
     start_flags_ahead,
@@ -153,28 +156,63 @@ def prescription_for(
         candidates += untimed_savers(
             state, original, not searches_evaluation_batch(snapshot, state.batch_info)
         )
+    if searches_evaluation_batch(snapshot, state.batch_info):
+        trained = training_batch_size(snapshot)
+        for candidate in candidates:
+            candidate.trained_per_step = trained
     measured: list[Candidate] = []
-    chosen, interrupted = measured_choice(
-        replayer, snapshot, state, candidates, original, reference, measured
-    )
+    disagreed: dict[tuple, str] = {}  # savers whose script flags are not oomdoc's
+    chosen: Optional[Prescription] = None
+    while True:
+        pool = [c for c in candidates if tuple(c.fixes) not in disagreed]
+        choice, interrupted = measured_choice(
+            replayer, snapshot, state, pool, original, reference, measured
+        )
+        if choice is None:
+            break  # none without those savers: the last choice stands, its check shown
+        chosen = choice
+        complete_choice(replayer, snapshot, state, chosen, candidates + measured, original)
+        if chosen.fits and not interrupted and not replayer.stopped:
+            try:
+                verify_with_flags(replayer, snapshot, chosen, state)
+            except ReplaysInterrupted:
+                pass  # Ctrl-C during the check: the prescription stands without it
+        disagreement = flags_disagree(chosen)
+        if disagreement is None or len(disagreed) >= FLAG_FALLBACKS or replayer.stopped:
+            break
+        disagreed[tuple(chosen.fixes)] = disagreement
     if chosen is None:
         return None
+    mark_disagreed(chosen, disagreed)
+    return chosen
+
+
+def complete_choice(
+    replayer: Replayer,
+    snapshot: Snapshot,
+    state: ReplayState,
+    chosen: Prescription,
+    weighed: list[Candidate],
+    original: Optional[int],
+) -> None:
+    """What a choice's report holds besides its measurement (weighed, certified, snippet)."""
+    evaluation = searches_evaluation_batch(snapshot, state.batch_info)
     if original is not None and chosen.kind == "config":
         capacity = snapshot.device.capacity_bytes
-        margin = float(getattr(replayer.options, "margin_fraction", 0.05))
+        limit = capacity - int(float(getattr(replayer.options, "margin_fraction", 0.05)) * capacity)
         chosen.considered = considered(
             [(), *saver_configurations(snapshot, state), *state.not_searched],
-            candidates + measured,
+            weighed,
             chosen,
             state.not_searched,
             original,
-            capacity - int(margin * capacity),
-            accumulates=not searches_evaluation_batch(snapshot, state.batch_info),
+            limit,
+            accumulates=not evaluation,
         )
     if chosen.fits and chosen.kind == "config" and getattr(replayer.options, "whole_run", True):
         # (--first-batches replays the data as it comes: no certificate)
         chosen.certificate = certify_choice(
-            chosen, candidates + measured, snapshot, snapshot.device.capacity_bytes
+            chosen, weighed, snapshot, snapshot.device.capacity_bytes
         )
         certify_with_expandable_segments(
             chosen,
@@ -185,19 +223,9 @@ def prescription_for(
             ahead=lambda trial: start_flags_ahead(replayer, snapshot, state, trial),
         )
     source = state.batch_info.get("source") or ""
-    if (
-        searches_evaluation_batch(snapshot, state.batch_info)
-        and source in EVAL_BATCH_FLAGS
-        and chosen.batch_size
-    ):
+    if evaluation and source in EVAL_BATCH_FLAGS and chosen.batch_size:
         chosen.evaluation_batch_flag = source
     chosen.snippet = prescription_snippet(snapshot, chosen, state)
-    if chosen.fits and not interrupted and not replayer.stopped:
-        try:
-            verify_with_flags(replayer, snapshot, chosen, state)
-        except ReplaysInterrupted:
-            pass  # Ctrl-C during the check: the prescription stands without it
-    return chosen
 
 
 def untimed_savers(state: ReplayState, original: int, accumulates: bool) -> list[Candidate]:
@@ -570,6 +598,7 @@ def measured_as_prescribed(
         accumulation_steps=steps,
         accumulation_record=prescription.accumulation_replay,
         capture=replay.capture,
+        trained_per_step=bound.trained_per_step,
         accumulation_label=(
             f"batch {bound.batch_size} without accumulation in {bound.label!r}: peak "
             f"{format_bytes(bound.peak_allocated_bytes)}"

@@ -370,6 +370,7 @@ VERDICT_WORDS = {
     "over_margin": "over the margin",
     "does_not_fit": "does not fit",
     "not_measured": "not measured",
+    "flags_disagree": "not by your flags",
 }
 
 
