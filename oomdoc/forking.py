@@ -36,7 +36,7 @@ from oomdoc.capture import (
 )
 
 # `OOMDOC_FORKS=0` starts every warm child on its own (to compare the two);
-# `OOMDOC_FORKS=1` forks CUDA replays' children too (not yet the default).
+# `OOMDOC_FORKS=1` forks CUDA replays' children too (off by default: forking).
 FORKS_ENV = "OOMDOC_FORKS"
 # A fork whose server died before it ended: how often its end is looked for.
 LOST_POLL_S = 0.05
@@ -64,10 +64,11 @@ class ChildProcess(Protocol):
 def forks_allowed(device: str) -> bool:
     """Whether replays on `device` may run in forks, on a system that passes
     descriptors between processes. On the simulated device by default; on
-    CUDA only with OOMDOC_FORKS=1 until measured on a GPU: the server never
-    starts CUDA and refuses to fork once anything it imported loaded the
-    CUDA driver (oomdoc.capture.zygote), whose forks could not use it, but
-    no CUDA replay has run in a fork yet."""
+    CUDA only with OOMDOC_FORKS=1: the server never starts CUDA and refuses
+    to fork once anything it imported loaded the CUDA driver
+    (oomdoc.capture.zygote), whose forks could not use it. On the H100 it
+    refused every fork of the Trainer's replays, and children of their own
+    were ready before each replay was asked for (README, replay start-up)."""
     choice = os.environ.get(FORKS_ENV)
     if choice == "0" or not (sys.platform.startswith("linux") and hasattr(socket, "send_fds")):
         return False
