@@ -177,3 +177,23 @@ def test_a_device_without_a_caching_allocator_has_no_drift_when_longer_batches_c
         }
     ).steps
     assert allocator_drift(steps) == (0, 0)
+
+
+def test_a_saver_prescribed_at_an_evaluation_batch_is_written_at_that_batch():
+    """The savers' command line ran at the failing evaluation batch, 64,
+    beside a block at the prescribed one: run as printed, it ran out of
+    memory. Both now say 58, and the training batch stays 8."""
+    from oomdoc.replay.own_flags import prescription_snippet
+
+    snapshot = seq2seq_snapshot()
+    state = ReplayState(
+        skipped=[],
+        batch_info={"source": "--per_device_eval_batch_size", "original_batch_size": 64},
+    )
+    prescription = Prescription(fixes=["autocast"], batch_size=58, accumulation_steps=1)
+    text = prescription_snippet(snapshot, prescription, state)
+    assert "bf16=True" in text and "per_device_eval_batch_size=58" in text
+    commands = [line for line in text.splitlines() if line.startswith("python")]
+    assert commands and all("--per_device_eval_batch_size 58" in line for line in commands)
+    assert all("--per_device_train_batch_size 8" in line for line in commands)
+    assert "--bf16" in commands[0]

@@ -102,10 +102,19 @@ def prescription_snippet(snapshot: Snapshot, prescription: Prescription, state: 
     """The prescribed changes as one block in the framework's own terms, and
     the evaluation's batch where the search was the evaluation's."""
     changes, context = prescription_context(snapshot, prescription, state)
+    evaluation = searches_evaluation_batch(snapshot, state.batch_info) and prescription.batch_size
+    how = state.batch_info.get("source") or "batch_size"
+    command = context.get("command")
+    if evaluation and how.startswith("-") and command:
+        # The savers' command line runs at the prescribed evaluation batch too.
+        head = 2 if command[0] == "-m" else 1
+        args = with_option(
+            command[head:], how, str(prescription.batch_size), snapshot.script_option_syntax
+        )
+        context["command"] = [*command[:head], *args]
     blocks = [framework_of(snapshot).prescription_snippet(changes, context)] if changes else []
-    if searches_evaluation_batch(snapshot, state.batch_info) and prescription.batch_size:
-        how = state.batch_info.get("source") or "batch_size"
-        blocks.append(evaluation_batch_snippet(snapshot, prescription.batch_size, how))
+    if evaluation:
+        blocks.append(evaluation_batch_snippet(snapshot, int(prescription.batch_size or 0), how))
     return "\n\n".join(blocks)
 
 
@@ -268,6 +277,8 @@ def mark_disagreed(prescription: Prescription, disagreed: dict[tuple, str]) -> N
         return
     listed = {tuple(entry.fixes): entry for entry in prescription.considered}
     for fixes, reason in disagreed.items():
+        if list(fixes) == prescription.fixes:
+            continue  # nothing without it was left: prescribed, its check's OOM shown
         entry = listed.get(fixes)
         if entry is None:
             entry = ConsideredConfiguration(fixes=list(fixes), measured=True)
