@@ -40,6 +40,23 @@ class FrameworkContext(SnippetContext, total=False):
 
 EXPANDABLE_ENV = "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
 
+
+def split_command(command: list[str]) -> tuple[list[str], list[str]]:
+    """A snapshot's `command` as (how to run it: `python SCRIPT` or `python
+    -m MODULE`, the script's own arguments)."""
+    if command[:1] == ["-m"]:
+        return ["python", "-m", *command[1:2]], list(command[2:])
+    return ["python", *command[:1]], list(command[1:])
+
+
+def command_with_option(
+    command: list[str], option: str, value: str, syntax: str | None = None
+) -> list[str]:
+    """The snapshot's `command` with the script's `option` set to `value`."""
+    head = 2 if command[:1] == ["-m"] else 1
+    return [*command[:head], *with_option(command[head:], option, value, syntax)]
+
+
 # Command-line flags scripts commonly declare for each fix, most specific
 # first. A flag is used only when the script declares it (`script_options`).
 ACCUMULATION_FLAGS = (
@@ -144,9 +161,9 @@ class Framework:
             return ""
         if not command:
             return f"# your script's own evaluation batch size:\npython train.py ... {how} {batch}"
-        head = ["python", "-m", command[1]] if command[0] == "-m" else ["python", command[0]]
-        args = list(command[2:] if command[0] == "-m" else command[1:])
-        args = with_option(args, how, str(batch), context.get("script_option_syntax"))
+        head, args = split_command(
+            command_with_option(command, how, str(batch), context.get("script_option_syntax"))
+        )
         return f"# your script's own evaluation batch size:\n{shlex.join([*head, *args])}"
 
     def flag_variant(
@@ -173,7 +190,7 @@ class Framework:
         options = context.get("script_options")
         if not command or not options:
             return None
-        args = list(command[2:] if command[0] == "-m" else command[1:])
+        head, args = split_command(command)
         changed = False
         for fix in fixes:
             variant = self.flag_variant(fix, args, options, context)
@@ -182,7 +199,6 @@ class Framework:
         if not changed:
             return None
         env = f"{EXPANDABLE_ENV} " if "expandable_segments" in fixes else ""
-        head = ["python", "-m", command[1]] if command[0] == "-m" else ["python", command[0]]
         return env + shlex.join([*head, *args])
 
     def own_flags_block(
@@ -193,9 +209,7 @@ class Framework:
         command = self.command_with_flags(fixes, context)
         if command is None:
             return None
-        args = list(
-            context["command"][2:] if context["command"][0] == "-m" else context["command"][1:]
-        )
+        _head, args = split_command(context["command"])
         options = context.get("script_options") or []
         flagged: list[str] = []
         missing: list[str] = []

@@ -23,6 +23,7 @@ import shlex
 from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
+from oomdoc.frameworks.base import split_command
 from oomdoc.model import BatchSearch, Prescription, Snapshot
 from oomdoc.replay.replayer import Replay, Replayer
 from oomdoc.replay.search import find_batch_arg, with_batch_size
@@ -40,8 +41,7 @@ def training_batch_size(snapshot: Snapshot) -> Optional[int]:
     """The training batch a search of the evaluation's batch leaves as it is
     (the script's batch option as given, else its default): every
     configuration then trains on it, so it is their samples per step."""
-    command = snapshot.command or []
-    args = list(command[2:] if command[:1] == ["-m"] else command[1:])
+    _head, args = split_command(snapshot.command or [])
     found = find_batch_arg(args)
     if found is not None:
         return found[2]

@@ -15,6 +15,7 @@ from oomdoc.frameworks import context_from_snapshot, framework_of
 from oomdoc.frameworks.base import (
     FrameworkContext,
     accumulation_in_effect,
+    command_with_option,
     with_enough_steps,
     with_option,
 )
@@ -102,19 +103,18 @@ def prescription_snippet(snapshot: Snapshot, prescription: Prescription, state: 
     """The prescribed changes as one block in the framework's own terms, and
     the evaluation's batch where the search was the evaluation's."""
     changes, context = prescription_context(snapshot, prescription, state)
-    evaluation = searches_evaluation_batch(snapshot, state.batch_info) and prescription.batch_size
+    evaluation = searches_evaluation_batch(snapshot, state.batch_info)
+    batch = prescription.batch_size if evaluation else None
     how = state.batch_info.get("source") or "batch_size"
     command = context.get("command")
-    if evaluation and how.startswith("-") and command:
+    if batch and how.startswith("-") and command:
         # The savers' command line runs at the prescribed evaluation batch too.
-        head = 2 if command[0] == "-m" else 1
-        args = with_option(
-            command[head:], how, str(prescription.batch_size), snapshot.script_option_syntax
+        context["command"] = command_with_option(
+            command, how, str(batch), snapshot.script_option_syntax
         )
-        context["command"] = [*command[:head], *args]
     blocks = [framework_of(snapshot).prescription_snippet(changes, context)] if changes else []
-    if evaluation:
-        blocks.append(evaluation_batch_snippet(snapshot, int(prescription.batch_size or 0), how))
+    if batch:
+        blocks.append(evaluation_batch_snippet(snapshot, batch, how))
     return "\n\n".join(blocks)
 
 
@@ -172,12 +172,13 @@ def flags_replay(
         if variant is not None:
             args, covered = variant, [*covered, change]
     source = state.batch_info.get("source") or ""
-    if searches_evaluation_batch(snapshot, state.batch_info) and source.startswith("-"):
+    evaluation = searches_evaluation_batch(snapshot, state.batch_info)
+    if evaluation and source.startswith("-") and prescription.batch_size:
         # The evaluation's batch is not one of the changes (nothing is
         # accumulated), but the prescription runs at it.
-        batch = str(prescription.batch_size or state.batch_info.get("original_batch_size") or "")
-        if batch:
-            args = with_option(args, source, batch, snapshot.script_option_syntax)
+        args = with_option(
+            args, source, str(prescription.batch_size), snapshot.script_option_syntax
+        )
     if len(covered) < len(changes):
         # Without a flag for every change the run is not the prescription
         # (it would lack the others): nothing to verify by the script's flags.
