@@ -69,6 +69,10 @@ from oomdoc.fixes.smaller_batch import accumulate
 record = {}
 accumulate(2, record)
 netD, netG = nn.Linear(2, 1, bias=False), nn.Linear(2, 2, bias=False)
+# netG's output flows into netD's gradient too: fixed positive weights keep
+# the held-back sum above one micro-batch's (a random netG made it flaky).
+with torch.no_grad():
+    netG.weight.fill_(0.5)
 optimizerD = torch.optim.SGD(netD.parameters(), lr=1.0)
 optimizerG = torch.optim.SGD(netG.parameters(), lr=1.0)
 updates = {"D": 0, "G": 0}
