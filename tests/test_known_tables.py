@@ -13,6 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from conftest import benchmark_module
 
+from oomdoc.capture.backend_base import StorageTableMemo
 from oomdoc.capture.tracker import Tracker
 
 # CPU tensors as the device, as benchmarks/host_overhead.py runs the CUDA path.
@@ -29,6 +30,8 @@ TABLE_STATE = (
     "_gradients_stale",
 )
 
+MEMOS = ("_parameters_memo", "_gradients_memo", "_state_memo")
+
 
 def checked_tracker():
     """A tracker whose boundary reads are compared with fresh reads; returns
@@ -40,8 +43,11 @@ def checked_tracker():
     def known_tensors(cached: bool = False):
         result = cached_read(cached)
         if cached:
-            # The fresh read must not refresh what later boundaries reuse.
-            saved = {name: getattr(tracker, name) for name in TABLE_STATE}
+            # The fresh read must not refresh what later boundaries reuse, and
+            # reads every storage again (memos of its own, empty).
+            saved = {name: getattr(tracker, name) for name in TABLE_STATE + MEMOS}
+            for name in MEMOS:
+                setattr(tracker, name, StorageTableMemo())
             fresh = cached_read(False)
             assert result == fresh, f"stale tables in phase {tracker.phase}"
             for name, value in saved.items():
@@ -128,3 +134,30 @@ def test_accumulation_closure_and_swapped_parameter_data():
     finally:
         tracker.uninstall()
     assert {"forward", "backward", "optimizer"} <= set(compared)
+
+
+def test_a_memo_reads_its_tensors_again_only_when_they_moved():
+    """The same tensors give the same table without reading a storage; one
+    whose data was swapped (`param.data = ...`), one that grew, or one more
+    tensor is read again."""
+    backend = CpuAsDevice()
+    memo = StorageTableMemo()
+    reads = []
+    original = backend.storage_table
+
+    def storage_table(tensors):
+        reads.append(len(tensors))
+        return original(tensors)
+
+    backend.storage_table = storage_table
+    weight, bias = torch.randn(32, 16), torch.randn(32)
+    first = memo.read(backend, [weight, None, bias])
+    assert memo.read(backend, [weight, None, bias]) is first and reads == [2]
+    assert first == original([weight, bias])
+    weight.data = torch.randn(32, 16)  # the same size elsewhere
+    moved = memo.read(backend, [weight, bias])
+    assert len(reads) == 2 and moved == original([weight, bias])
+    weight.data = torch.randn(64, 16)  # larger
+    grown = memo.read(backend, [weight, bias])
+    assert grown == original([weight, bias]) and sum(grown.values()) > sum(moved.values())
+    assert len(memo.read(backend, [weight, bias, torch.ones(3)])) == 3 and len(reads) == 4

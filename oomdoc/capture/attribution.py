@@ -16,7 +16,7 @@ from operator import attrgetter
 import torch
 import torch.nn as nn
 
-from oomdoc.capture.backend_base import Backend, storage_key, storage_sites
+from oomdoc.capture.backend_base import Backend, StorageTableMemo, storage_key, storage_sites
 from oomdoc.capture.modules import ModuleScopes, block_categories, simulated_attribution
 from oomdoc.snapshot import CATEGORIES
 
@@ -61,6 +61,9 @@ class Attribution:
     _known_state: dict | None
     _parameters_table: dict
     _gradients_table: dict
+    _parameters_memo: StorageTableMemo
+    _gradients_memo: StorageTableMemo
+    _state_memo: StorageTableMemo
 
     @property
     def _walk_epoch(self) -> int | None:
@@ -170,7 +173,8 @@ class Attribution:
             for value in per_parameter.values()
             if isinstance(value, torch.Tensor)
         ]
-        table = self.backend.storage_table(tensors)
+        # An optimizer step updates its state in place: the same storages.
+        table = self._state_memo.read(self.backend, tensors)
         self._state_table, self._state_signature = table, signature
         return table
 
@@ -221,15 +225,17 @@ class Attribution:
                 self.stats["known_tables_reused"] += 1
                 return previous
         alive = [p for p in map(_CALL, references) if p is not None]
-        table = self.backend.storage_table
+        backend = self.backend
         if reuse and not self._parameters_stale:
             parameters = self._parameters_table
         else:
-            parameters = self._parameters_table = table(alive)
+            parameters = self._parameters_table = self._parameters_memo.read(backend, alive)
         if reuse and not self._gradients_stale:
             gradients = self._gradients_table
         else:
-            gradients = self._gradients_table = table(map(_GRAD, alive))
+            gradients = self._gradients_table = self._gradients_memo.read(
+                backend, map(_GRAD, alive)
+            )
         self._parameters_stale = self._gradients_stale = False
         self._known_sources, self._known_state = references, state
         # A storage is counted once, in the first category that claims it.
@@ -379,16 +385,19 @@ class Attribution:
 
     _state_bytes = 0
 
-    def _remember_forward_baseline(self) -> None:
+    def _remember_forward_baseline(self, allocated: int) -> None:
         """Without per-storage tags (CUDA), activations are what was allocated
         since the step's first forward began, less new gradients and state.
 
         It only sums gradients; the optimizer state, which changes only
         inside optimizer.step(), was measured after the last step."""
-        parameters = [p for module in self._live_models() for p in self._parameters_of(module)]
-        gradients = self.backend.storage_table(map(_GRAD, parameters))
+        # The gradients the last boundary read, unless some changed since (the
+        # same memo as _known_tensors: usually no storage is read here, and
+        # this runs before the forward's first kernel).
+        alive = [p for p in map(_CALL, self._parameter_references()) if p is not None]
+        gradients = self._gradients_memo.read(self.backend, map(_GRAD, alive))
         self._forward_baseline = {
-            "allocated": self.backend.allocated_bytes(),
+            "allocated": allocated,
             "gradients": sum(gradients.values()),
             "optimizer_state": self._state_bytes,
         }

@@ -40,6 +40,40 @@ class AllocationObserver(Protocol):
 _UNTYPED_STORAGE = torch.Tensor.untyped_storage
 _STORAGE_KEY = attrgetter("_cdata")
 _NBYTES = torch.UntypedStorage.nbytes
+_DATA_PTR = torch.Tensor.data_ptr
+_TENSOR_NBYTES = attrgetter("nbytes")
+
+
+class StorageTableMemo:
+    """One storage table, read again only when its tensors moved.
+
+    A table costs a storage object per tensor (about 1 us each: 0.2 ms for
+    ResNet-50's 161 parameters), and the tracker reads the parameters' and
+    the gradients' at every phase boundary, where a script that waits for
+    the GPU each step pays for it in its step time. The tensors' addresses
+    and sizes are a tenth of that, and the same addresses and sizes of live
+    tensors are the same storages (a freed storage's address reused by one
+    of a different size changes the sizes)."""
+
+    def __init__(self) -> None:
+        self._signature: tuple | None = None
+        self._table: dict = {}
+
+    def read(self, backend: Backend, tensors) -> dict:
+        present = [tensor for tensor in tensors if tensor is not None]
+        try:  # in C-level loops
+            signature: tuple | None = (
+                tuple(map(_DATA_PTR, present)),
+                tuple(map(_TENSOR_NBYTES, present)),
+            )
+        except Exception:  # sparse and other layouts without one data pointer
+            signature = None
+        if signature is not None and signature == self._signature:
+            return self._table
+        table = backend.storage_table(present)
+        self._signature, self._table = signature, table
+        return table
+
 
 OutOfMemoryError = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
 

@@ -36,6 +36,7 @@ import torch.nn as nn
 
 from oomdoc import frames
 from oomdoc.capture.attribution import Attribution
+from oomdoc.capture.backend_base import StorageTableMemo
 from oomdoc.capture.backends import Backend
 from oomdoc.capture.modules import ModuleScopes
 from oomdoc.capture.optimizer_cycle import IterationSteps, OptimizerCycle
@@ -196,6 +197,9 @@ class Tracker(Attribution, LeakChecks, StepLimits, IterationSteps):
         self._known_state: dict | None = None  # the state table read
         self._parameters_table: dict = {}
         self._gradients_table: dict = {}
+        self._parameters_memo = StorageTableMemo()
+        self._gradients_memo = StorageTableMemo()
+        self._state_memo = StorageTableMemo()
         # Leak walks: end-of-step growth streak and when the next deep walk may run.
         self._growth_streak = 0
         self._growth_counted_for: dict | None = None
@@ -575,7 +579,7 @@ class Tracker(Attribution, LeakChecks, StepLimits, IterationSteps):
             # batch-independent part of the step's peaks.
             current["start_allocated_bytes"] = int(self.backend.allocated_bytes())
             if not self.backend.per_storage:
-                self._remember_forward_baseline()
+                self._remember_forward_baseline(current["start_allocated_bytes"])
         if training:
             if not current["forward_calls"]:
                 # The shapes of the step's first batch as the script passed
