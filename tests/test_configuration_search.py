@@ -199,6 +199,72 @@ def test_a_large_warm_up_per_new_shape_is_told_to_the_user():
     assert shape_warmup_note(cuda, SimpleNamespace(replays=[replay])) is None
 
 
+def test_a_saver_search_replays_the_smallest_batch_with_each_prescription():
+    """The Lightning encoder's pattern on the simulated device (batch 64, no
+    fix's largest 5, no saver fits above it): the searches had replayed 17,
+    11 and 8 under autocast, 23, 14, 9 and 7 under both savers, where only
+    16 and 8 could change the prescription (4 x 16 at any largest batch from
+    5 to 7). Snapped to the smallest batch of each prescription, a search
+    asks for 16 and 8 and ends settled; one whose saver fits goes on up
+    through the prescriptions (16 fits: 32 next); an evaluation batch,
+    which accumulates nothing, is its own prescription."""
+    from oomdoc.replay.batch import BatchRun, SearchResult, search_max_batch
+    from oomdoc.replay.search import settled_by_accumulation, smallest_with_its_plan
+
+    snapshot = Snapshot.from_dict({"device": {"capacity_bytes": 24 * MiB}})
+    state = ReplayState(
+        skipped=[], batch_info={"source": "--batch-size"}, search=SearchResult(64, 5, True, [], [])
+    )
+    snap = smallest_with_its_plan(snapshot, state)
+    assert [snap(b, 5, 64) for b in (17, 11, 8, 63)] == [16, 8, 8, 32]
+    assert snap(7, 5, 64) == 8 and snap(6, 5, 8) == 6  # nothing between changes it: as asked
+
+    def search(fits_up_to):
+        asked = []
+
+        def trial(batch_size):
+            asked.append(batch_size)
+            run = BatchRun(batch_size=batch_size, fits=batch_size <= fits_up_to)
+            run.lower_bounds[("first", "forward")] = MiB * batch_size
+            run.peak_allocated_bytes = MiB * batch_size if run.fits else None
+            return run
+
+        at_original = BatchRun(batch_size=64, fits=False, estimated_max=17)
+        at_original.lower_bounds[("first", "forward")] = 64 * MiB
+        result = search_max_batch(
+            64,
+            24 * MiB,
+            [at_original],
+            trial,
+            probe=17,
+            max_trials=4,
+            enough=settled_by_accumulation(snapshot, state),
+            floor=5,
+            snap=snap,
+        )
+        return asked, result
+
+    asked, result = search(fits_up_to=5)
+    assert asked == [16, 8] and result.stopped.startswith("any largest batch from 5 to 7")
+    asked, result = search(fits_up_to=20)
+    assert asked[:2] == [16, 32] and result.max_batch_size == 16
+    assert result.stopped.startswith("any largest batch from 16 to 31")
+    evaluation = ReplayState(
+        skipped=[],
+        batch_info={"source": "--per_device_eval_batch_size"},
+        search=SearchResult(64, 5, True, [], []),
+    )
+    evaluation_snapshot = Snapshot.from_dict(
+        {
+            "outcome": "oom",
+            "device": {"capacity_bytes": 24 * MiB},
+            "oom": {"phase": "evaluation", "requested_bytes": MiB, "allocated_bytes": 20 * MiB},
+        }
+    )
+    assert evaluation_snapshot.oom_in_evaluation
+    assert smallest_with_its_plan(evaluation_snapshot, evaluation)(17, 5, 64) == 17
+
+
 def test_a_saver_search_started_ahead_is_the_one_its_search_asks_for_first():
     """The savers' searches start their first replays at once, beside each
     other (start_saver_searches_ahead): on the H100 the HF Trainer's autocast
@@ -206,7 +272,12 @@ def test_a_saver_search_started_ahead_is_the_one_its_search_asks_for_first():
     ahead, a replay is used only when its key is the one the search asks for:
     first_saver_trial picks the batch search_max_batch picks first."""
     from oomdoc.replay.batch import BatchRun, SearchResult, search_max_batch
-    from oomdoc.replay.search import first_saver_trial, saver_probe, settled_by_accumulation
+    from oomdoc.replay.search import (
+        first_saver_trial,
+        saver_probe,
+        settled_by_accumulation,
+        smallest_with_its_plan,
+    )
 
     snapshot = Snapshot.from_dict({"device": {"capacity_bytes": 16 * 1024 * MiB}})
     cases = [
@@ -239,6 +310,7 @@ def test_a_saver_search_started_ahead_is_the_one_its_search_asks_for_first():
             max_trials=1,
             enough=settled_by_accumulation(snapshot, state),
             floor=plain,
+            snap=smallest_with_its_plan(snapshot, state),
         )
         assert first_saver_trial(snapshot, state, at_original) == (asked[0] if asked else None)
     # Between 16 and 31 every largest batch gives micro-batches of 16 x 2:

@@ -471,6 +471,7 @@ def search_max_batch(
     enough: Callable[[int, int], str | None] | None = None,
     floor: int = 0,
     speculate: Callable[[int], None] | None = None,
+    snap: Callable[[int, int, int], int] | None = None,
 ) -> SearchResult:
     """Find the largest batch size that fits, exactly when the trials allow.
 
@@ -487,7 +488,10 @@ def search_max_batch(
     `speculate(b)`: start the trial at b beside the next one (Replayer.ahead),
     for the search to take should it ask for b next (else the caller drops it
     once another is asked for): a quarter below an estimate from a first
-    forward's OOM, where the model is least sure.
+    forward's OOM, where the model is least sure. `snap(b, lo, hi)`: the
+    batch inside (lo, hi) to replay instead of b, that answers what the
+    search is for at less memory (a saver's search: the smallest batch with
+    b's prescription).
     """
     runs = list(runs)
     known = [run for run in runs if not run.inconclusive]
@@ -585,6 +589,8 @@ def search_max_batch(
         else:
             guided += 1
             candidate = min(max(prediction, lo + 1), hi - 1)
+        if snap is not None:
+            candidate = snap(candidate, lo, hi)
         result.predictions.append(prediction)
         run = trial(candidate)
         runs.append(run)
