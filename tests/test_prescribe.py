@@ -665,3 +665,17 @@ def test_a_first_choice_prescribed_after_its_runner_up_keeps_the_checks_it_start
     )
     assert replayer.discarded == autocast_checks
     assert not set(plain_checks) & set(replayer.discarded)
+
+
+def test_an_evaluation_batch_s_prescription_says_its_throughput_is_the_training_s():
+    """An OOM in evaluation is prescribed an evaluation batch, ranked by the
+    training steps' throughput (Candidate.trained_per_step): the report says
+    so, or the number reads as the evaluation's."""
+    snapshot, _state, _replayer = hugging_face_case()
+    prescription = Prescription(
+        fixes=[], batch_size=54, accumulation_steps=1, fits=True, samples_per_second=12.5
+    )
+    snapshot.prescription = prescription
+    assert "  throughput 12.5 samples/s" in prescription_lines(analyse(snapshot))
+    prescription.evaluation_batch_flag = "--per_device_eval_batch_size"
+    assert "  training throughput 12.5 samples/s" in prescription_lines(analyse(snapshot))

@@ -291,7 +291,10 @@ def prescription_lines(analysis: Analysis) -> list[str]:
         if checked.accumulation_covered is False:
             lines.append("    (it ended before an optimizer step and two more micro-batches)")
     if prescription.samples_per_second:
-        text = f"  throughput {prescription.samples_per_second:.1f} samples/s"
+        # An evaluation batch's prescription is ranked by its training
+        # steps' throughput (the evaluation batch does not change it).
+        kind = "training throughput" if prescription.evaluation_batch_flag else "throughput"
+        text = f"  {kind} {prescription.samples_per_second:.1f} samples/s"
         measured_at = prescription.throughput_batch_size
         if measured_at is not None and measured_at != prescription.batch_size:
             text += f" (measured at batch {measured_at})"
