@@ -161,3 +161,46 @@ def test_a_memo_reads_its_tensors_again_only_when_they_moved():
     grown = memo.read(backend, [weight, bias])
     assert grown == original([weight, bias]) and sum(grown.values()) > sum(moved.values())
     assert len(memo.read(backend, [weight, bias, torch.ones(3)])) == 3 and len(reads) == 4
+
+
+def test_the_forward_s_activations_count_from_the_gradients_alive_when_it_began():
+    """Without per-storage tags (CUDA) the activations are what was
+    allocated since the step's first forward began, less new gradients. The
+    gradients alive at that start are summed at the forward's first
+    breakdown (not before its first kernel, where a script that waits for the
+    GPU each step pays for it): a forward does not change them, so the
+    activations come out as they would have."""
+    allocated = [0]
+
+    class Counted(CpuAsDevice):
+        def allocated_bytes(self) -> int:
+            return allocated[0]
+
+    tracker = Tracker(Counted())
+    model = net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    activations = 3 * 1024 * 1024
+    samples = []
+
+    class Activations(nn.Module):
+        def forward(self, x):
+            allocated[0] += activations  # what the forward makes
+            return x
+
+    wrapped = nn.Sequential(Activations(), model)
+    tracker.install()
+    try:
+        for _ in range(3):
+            parameters, gradients, state = tracker._known_tensors()
+            known = sum(map(sum, (t.values() for t in (parameters, gradients, state))))
+            allocated[0] = known + 1024 * 1024  # a batch, and the known tensors
+            F.mse_loss(wrapped(torch.randn(8, 16)), torch.zeros(8, 4)).backward()
+            samples.append(tracker.category_peaks.get("activations"))
+            optimizer.step()
+        tracker.finish()
+    finally:
+        tracker.uninstall()
+    baseline = tracker._forward_baseline
+    assert baseline is not None and baseline["gradients"] is not None
+    assert baseline["gradients"] == sum(tracker._gradients_table.values()) > 0
+    assert samples[-1] == activations
