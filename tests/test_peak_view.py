@@ -181,6 +181,32 @@ def test_a_reset_by_the_script_keeps_oomdocs_phase_peak(fake, backend):
     assert torch.cuda.max_memory_allocated(0) == 5 * MB
 
 
+def test_oomdocs_reads_are_taken_into_the_scripts_peaks_later_and_the_same(fake, backend):
+    """oomdoc's reads at its phase boundaries are folded into the script's
+    peaks when the script reads them, or every _FOLD_EVERY reads: the same
+    peaks as folding each at once; a script's reset drops those not folded."""
+    from oomdoc.capture.peak_view import _FOLD_EVERY
+
+    fake.alloc(100 * MB)
+    fake.free(100 * MB)
+    for _ in range(2 * _FOLD_EVERY + 3):  # phase boundaries, more than are kept unfolded
+        fake.alloc(MB)
+        backend.read_and_reset_peak()
+        fake.free(MB)
+    assert len(backend._peaks._unfolded[0]) < _FOLD_EVERY
+    assert _all_equal(_script_peaks(), 100 * MB)
+    fake.alloc(40 * MB)
+    fake.free(40 * MB)
+    backend.read_and_reset_peak()  # unfolded when the script resets: dropped
+    torch.cuda.reset_peak_memory_stats(0)
+    assert _all_equal(_script_peaks(), 0)
+    fake.alloc(2 * MB)
+    fake.free(2 * MB)
+    backend.read_and_reset_peak()
+    backend.read_and_reset_peak()
+    assert _all_equal(_script_peaks(), 2 * MB)
+
+
 def test_devices_are_apart(fake, backend):
     fake.alloc(50 * MB, device=1)
     fake.free(50 * MB, device=1)
