@@ -9,6 +9,8 @@
 #   host     the capture's host time per step (benchmarks/host_overhead.py)
 #   leak     the feature-keeping leak's whole run
 #   tests    the GPU tests (tests/gpu/test_replay_gpu.py, test_cuda_capture.py)
+#   capture  ResNet-50's capture cost: host time per hook (hook_time.py) and
+#            8 interleaved rounds, plain against oomdoc (capture_parts.py)
 # Results go to $OUT/check (each part as it ends) and $OUT/check.tgz. E.g.
 #   PARTS="runs byhand" JOBS=3 bash benchmarks/gpu_check.sh
 #   PARTS="suite host leak tests" bash benchmarks/gpu_check.sh
@@ -34,5 +36,8 @@ want suite && { l=$(left 260); [ $l -gt 60 ] && timeout $l python benchmarks/sui
 want host && timeout $(left 120) python benchmarks/host_overhead.py --model hf --device cuda > "$DIR/host.txt" 2>&1; want host && cat "$DIR/host.txt"
 want leak && run keepleak 100 benchmarks/scripts/keep_features.py --steps 100000 --batch-size 4096 --inputs 1024 --width 2048
 want tests && { l=$(left 200); [ $l -gt 30 ] && timeout $l python -m pytest -q -x -m gpu tests/gpu/test_replay_gpu.py tests/gpu/test_cuda_capture.py > "$DIR/gputests.txt" 2>&1; echo "== gpu tests exit $? at $SECONDS s"; tail -3 "$DIR/gputests.txt"; }
+RESNET="benchmarks/scripts/resnet50_train.py --batch-size 128 --steps 40"
+want capture && { timeout $(left 60) python benchmarks/hook_time.py --device-memory 16GiB -- $RESNET > "$DIR/hook_time.txt" 2>&1; head -12 "$DIR/hook_time.txt"; grep "outermost" "$DIR/hook_time.txt"; }
+want capture && { l=$(left 330); [ $l -gt 120 ] && timeout $l python benchmarks/capture_parts.py --device-memory 16GiB --repeats 8 --variant "oomdoc=" -- $RESNET > "$DIR/capture_parts.txt" 2>&1; tail -4 "$DIR/capture_parts.txt"; }
 [ -n "$OUT" ] && (cd "$OUT" && tar czf check.tgz --exclude="*.pickle" check && rm -rf check)
 echo "total $SECONDS s"
