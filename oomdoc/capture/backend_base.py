@@ -53,7 +53,10 @@ class StorageTableMemo:
     the GPU each step pays for it in its step time. The tensors' addresses
     and sizes are a tenth of that, and the same addresses and sizes of live
     tensors are the same storages (a freed storage's address reused by one
-    of a different size changes the sizes)."""
+    of a different size changes the sizes). Where the table's keys name
+    storages one by one (a per-storage backend, the simulated device), a
+    storage swapped in at a freed one's address would keep the dead one's
+    key: there each table is read."""
 
     def __init__(self) -> None:
         self._signature: tuple | None = None
@@ -61,6 +64,8 @@ class StorageTableMemo:
 
     def read(self, backend: Backend, tensors) -> dict:
         present = [tensor for tensor in tensors if tensor is not None]
+        if backend.per_storage:
+            return backend.storage_table(present)
         try:  # in C-level loops
             signature: tuple | None = (
                 tuple(map(_DATA_PTR, present)),
