@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 from leak_to_oom import CAPPED
+from script_args import script_after_dashes
 from suite import STEP_RE, environment, oomdoc_command, paired_overhead, run
 from tabulate import tabulate
 
@@ -73,7 +74,7 @@ def main() -> None:
     parser.add_argument("--uncapped", action="store_true", help="and oomdoc on the whole card")
     parser.add_argument("script", nargs=argparse.REMAINDER, help="-- SCRIPT ARGS")
     args = parser.parse_args()
-    script = args.script[1:] if args.script[:1] == ["--"] else args.script
+    script = script_after_dashes(args.script)
     if not script:
         parser.error("give the script and its arguments after --")
     args.replay_jobs = None

@@ -20,6 +20,7 @@ import argparse
 import tempfile
 from pathlib import Path
 
+from script_args import script_after_dashes
 from whole_run_check import oomdoc as diagnose  # one `oomdoc run`: (snapshot, seconds)
 
 COLUMNS = (
@@ -74,7 +75,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="snapshots and logs (a temp dir)")
     parser.add_argument("script", nargs=argparse.REMAINDER, help="-- script.py ARGS")
     options = parser.parse_args()
-    script = options.script[1:] if options.script[:1] == ["--"] else options.script
+    script = script_after_dashes(options.script)
     if not script:
         parser.error("the script to diagnose comes after --")
     out = options.out or Path(tempfile.mkdtemp(prefix="oomdoc-timeline-"))

@@ -24,6 +24,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from script_args import script_after_dashes
+from suite import environment, oomdoc_command
 from tabulate import tabulate
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -139,22 +141,17 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5, help="steps left out")
     parser.add_argument("script", nargs=argparse.REMAINDER, help="-- SCRIPT ARGS")
     args = parser.parse_args()
-    script = args.script[1:] if args.script[:1] == ["--"] else args.script
+    script = script_after_dashes(args.script)
     if not script:
         parser.error("give the script and its arguments after --")
     with tempfile.TemporaryDirectory() as directory:
         Path(directory, "sitecustomize.py").write_text(SITECUSTOMIZE)
         out = Path(directory, "hook_time.json")
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (directory, str(ROOT), env.get("PYTHONPATH", "")) if p
-        )
+        env = environment(args.device)
+        env["PYTHONPATH"] = os.pathsep.join((directory, env["PYTHONPATH"]))
         env["OOMDOC_HOOK_TIME_OUT"] = str(out)
         env["OOMDOC_HOOK_TIME_WARMUP"] = str(args.warmup)
-        command = [sys.executable, "-m", "oomdoc", "run", "--no-replay", "--device", args.device]
-        if args.device_memory:
-            command += ["--device-memory", args.device_memory]
-        command += ["-o", str(Path(directory, "snapshot.json")), *script]
+        command = oomdoc_command(args, Path(directory, "snapshot.json"), False) + script
         completed = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT)
         if not out.exists():
             sys.exit(

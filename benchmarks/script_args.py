@@ -16,3 +16,9 @@ def set_flag(args: list[str], flag: str, value: str) -> list[str]:
             args[position] = f"{flag}={value}"
             return args
     return [*args, flag, value]
+
+
+def script_after_dashes(values: list[str]) -> list[str]:
+    """The script and its arguments from an argparse REMAINDER, without the
+    `--` that separates them from the benchmark's own options."""
+    return values[1:] if values[:1] == ["--"] else values

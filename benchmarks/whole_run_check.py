@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from script_args import set_flag
+from script_args import script_after_dashes, set_flag
 
 
 def oomdoc(out: Path, name: str, options: list[str], script: list[str]) -> tuple[dict, float]:
@@ -99,7 +99,7 @@ def main() -> int:
     )
     parser.add_argument("script", nargs=argparse.REMAINDER)
     options = parser.parse_args()
-    script = options.script[1:] if options.script[:1] == ["--"] else options.script
+    script = script_after_dashes(options.script)
     out = Path(options.out)
     out.mkdir(parents=True, exist_ok=True)
     common = ["--device", options.device, "--device-memory", options.device_memory]
