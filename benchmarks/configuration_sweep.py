@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import shlex
 import statistics
 import subprocess
@@ -30,13 +31,18 @@ from pathlib import Path
 from script_args import set_flag
 
 
-def run_by_hand(out: Path, name: str, device_memory: str, script_args: list[str]) -> dict:
+def run_by_hand(
+    out: Path, name: str, device_memory: str, script_args: list[str], history: bool
+) -> dict:
     snapshot = out / f"{name}.json"
     snapshot.unlink(missing_ok=True)
     command = [sys.executable, "-m", "oomdoc", "run", "--no-replay"]
     command += ["--device-memory", device_memory, "-o", str(snapshot), *script_args]
     started = time.perf_counter()
-    completed = subprocess.run(command, capture_output=True, text=True)
+    # Without the per-allocation stacks unless asked: they cost time the plain
+    # script does not pay (replays run without them too).
+    environment = {**os.environ, "OOMDOC_ALLOCATION_HISTORY": "1" if history else "0"}
+    completed = subprocess.run(command, capture_output=True, text=True, env=environment)
     (out / f"{name}.log").write_text(completed.stdout + completed.stderr)
     row = {"wall_s": round(time.perf_counter() - started, 1), "outcome": "error"}
     if not snapshot.exists():
@@ -63,6 +69,9 @@ def main() -> None:
     parser.add_argument("--batches", required=True, help="micro-batches, e.g. 16,8,4")
     parser.add_argument("--snapshot", help="oomdoc's snapshot of the same script")
     parser.add_argument("--out", default="sweep")
+    parser.add_argument(
+        "--history", action="store_true", help="record per-allocation stacks (slower steps)"
+    )
     parser.add_argument("script", nargs=argparse.REMAINDER)
     options = parser.parse_args()
     script = [arg for arg in options.script if arg != "--"]
@@ -80,7 +89,9 @@ def main() -> None:
                 for name in subset:
                     args += shlex.split(savers[name])
                 label = "+".join(subset) or "none"
-                row = run_by_hand(out, f"{label}-{micro}x{steps}", options.device_memory, args)
+                row = run_by_hand(
+                    out, f"{label}-{micro}x{steps}", options.device_memory, args, options.history
+                )
                 row.update(fixes=label, micro=micro, steps=steps)
                 if row.get("step_s") and row["outcome"] == "ok":
                     row["samples_per_second"] = micro * steps / row["step_s"]

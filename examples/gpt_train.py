@@ -108,7 +108,13 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="reference")
     parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=20, help="optimizer steps")
+    parser.add_argument(
+        "--gradient-accumulation-steps",
+        type=int,
+        default=1,
+        help="micro-batches per optimizer step (the effective batch is batch size x this)",
+    )
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--checkpoint-dir", default=None, help="save the model here at the end")
     parser.add_argument(
@@ -133,19 +139,25 @@ def main():
     model.checkpointing = args.checkpointing
     autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.autocast)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    data = RandomTokens(args.steps * args.batch_size, config["seq_len"], config["vocab"])
+    accumulation = args.gradient_accumulation_steps
+    data = RandomTokens(
+        args.steps * accumulation * args.batch_size, config["seq_len"], config["vocab"]
+    )
     loader = DataLoader(data, batch_size=args.batch_size, shuffle=False)
 
     model.train()
     last = time.perf_counter()
-    for step, (tokens, targets) in enumerate(loader):
+    for micro_step, (tokens, targets) in enumerate(loader):
         tokens, targets = tokens.to(device), targets.to(device)
         with torch.autocast(
             device_type=device, dtype=autocast_dtype, enabled=autocast_dtype is not None
         ):
             logits = model(tokens)
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
-        loss.backward()
+        (loss / accumulation).backward()
+        if (micro_step + 1) % accumulation:
+            continue  # gradients add up until the last micro-batch of the step
+        step = micro_step // accumulation
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if (step + 1) % args.sync_every:
