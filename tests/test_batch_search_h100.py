@@ -94,14 +94,15 @@ def test_a_second_backward_that_never_ran_is_the_first_moved_up_by_the_optimizer
 @pytest.mark.parametrize("case", sorted(KNOWN_MAX))
 def test_a_probe_started_ahead_never_changes_the_searchs_path(case):
     """`speculate` starts a probe a quarter below an estimate from a first
-    forward's OOM (where the model is least sure) beside it: the search runs
+    forward's OOM (where the model is least sure) beside it, and with spare
+    lanes the batches next to a trial near the limit: the search runs
     the same trials with or without it, and where it asks for the batch
     started ahead, that replay has run beside the one before."""
     grid = recorded(case)
     failing = grid.failing
     for probe in (first_probe_for(failing, grid.original), grid.original - 1):
         paths = []
-        for speculating in (False, True):
+        for speculating, lanes in ((False, 1), (True, 1), (True, 4)):
             events: list[tuple[str, int]] = []
 
             def trial(batch_size: int, events=events):
@@ -118,12 +119,14 @@ def test_a_probe_started_ahead_never_changes_the_searchs_path(case):
                 trial,
                 probe=probe,
                 speculate=speculate if speculating else None,
+                lanes=lanes,
             )
             paths.append([(run.batch_size, run.fits) for run in result.trials])
             for (kind, batch_size), after in zip(events, events[1:]):
-                if kind == "ahead":  # started beside the trial asked for next
+                if kind == "ahead" and lanes == 1:  # started beside the trial asked for next
                     assert after[0] == "trial" and batch_size == after[1] * 3 // 4
-        assert paths[0] == paths[1]
+        # Spare lanes (the endgame's bracket_fill) change no trial either.
+        assert paths[0] == paths[1] == paths[2]
     # The Lightning module's first probe at 255 runs out of memory in its
     # first forward: the estimate from it (26) gets a probe beside it (19).
     started = []

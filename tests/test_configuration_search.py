@@ -353,3 +353,19 @@ def test_a_probe_started_ahead_is_stopped_once_the_search_asks_for_another():
     assert replayer.discarded == [("probe 19",)]
     probes.drop_others(25)
     assert replayer.discarded == [("probe 19",)]
+    # Started again beside each trial (the endgame's bracket_fill): kept
+    # while it is; stopped at the trial after the one it was last started beside.
+    probes.speculate(21)
+    probes.drop_others(22)
+    probes.speculate(21)
+    probes.drop_others(20)
+    assert replayer.discarded == [("probe 19",)]
+    probes.drop_others(18)
+    assert replayer.discarded == [("probe 19",), ("probe 21",)]
+    # The search ends: what it started ahead and never asked for stops.
+    probes.speculate(30)
+    probes.speculate(31)
+    probes.drop_all()
+    assert replayer.discarded[2:] == [("probe 30",), ("probe 31",)]
+    probes.drop_all()
+    assert len(replayer.discarded) == 4

@@ -20,6 +20,7 @@ from oomdoc.replay.batch import (
     BatchRun,
     Line,
     accumulation_plan,
+    bracket_fill,
     estimated_max_batch,
     first_probe,
     first_probe_for,
@@ -191,12 +192,13 @@ def run_search(workload: Workload, batch: int, probe: int | None = None, **kwarg
     return result, calls
 
 
-def run_estimated_search(workload: Workload, batch: int, **kwargs):
+def run_estimated_search(workload: Workload, batch: int, calls: list | None = None, **kwargs):
     """The search as `oomdoc run` starts it: the first replay at the failing
-    run's own estimate of the limit (first_probe_for)."""
+    run's own estimate of the limit (first_probe_for). `calls`: where the
+    batches replayed go, as they are."""
     failing = workload.capture(batch)
     assert failing["outcome"] == "oom"
-    calls = []
+    calls = [] if calls is None else calls
 
     def trial(b):
         calls.append(b)
@@ -599,3 +601,99 @@ def test_a_search_ends_once_enough_says_its_answer_cannot_change():
     # Without a fit yet, enough is never asked: the search goes on.
     _result, calls = run_search(workload, original, probe=original - 1, enough=enough)
     assert len(calls) > 1
+
+
+def test_the_bracket_fill_is_the_batches_nearest_the_trial_when_few_are_left():
+    assert bracket_fill(162, 168, 163, 3) == [164, 165, 166]
+    assert bracket_fill(163, 168, 167, 3) == [166, 165, 164]
+    assert bracket_fill(20, 23, 21, 3) == [22]
+    assert bracket_fill(20, 22, 21, 3) == []  # nothing else is left
+    assert bracket_fill(128, 233, 162, 3) == []  # too many others: a guess
+    assert bracket_fill(162, 168, 163, 0) == []  # no spare lane
+
+
+def search_in_lanes(workload: Workload, batch: int, lanes: int):
+    """The search with `lanes`, its probes started ahead recorded: (the
+    result, its trials, the trials that started a round: not started ahead
+    beside an earlier trial, so the search waited for them)."""
+    trials: list[int] = []
+    beside: set[tuple[int, int]] = set()  # (batch, the trial it was started beside)
+
+    def speculate(b):
+        beside.add((b, len(trials)))
+
+    result, _ = run_estimated_search(
+        workload, batch, calls=trials, speculate=speculate, lanes=lanes, max_trials=20
+    )
+    # A probe runs on while it is started again beside each trial
+    # (search.BatchProbes): the one started beside the trial before is taken.
+    waited = [b for index, b in enumerate(trials) if (b, index - 1) not in beside]
+    return result, trials, waited
+
+
+def test_spare_lanes_run_the_endgame_beside_it_on_a_fragmenting_allocator():
+    """A CUDA-like allocator (2 MiB granules, reserved bytes it cannot use
+    near the limit): the search closes in one batch at a time, 56, 57, 59,
+    58. With three lanes spare, 59 and 58 were already running beside 57:
+    the same trials, two waits fewer."""
+    workload = Workload(
+        params=767 * MiB,
+        opt_state=2956 * MiB,
+        opt_temp=591 * MiB,
+        act_forward=58 * MiB + 96543,
+        act_backward=131 * MiB,
+        input_bytes=8 * 1024,
+        leftover=19 * MiB,
+        granule=2 * MiB,
+        slack_bytes=1612 * MiB,
+        slack_per_sample=3 * MiB,
+    )
+    alone, trials_alone, waited_alone = search_in_lanes(workload, 1024, 1)
+    result, trials, waited = search_in_lanes(workload, 1024, 4)
+    assert trials == trials_alone
+    assert result.exact and result.max_batch_size == alone.max_batch_size == workload.true_max(1024)
+    assert trials[-4:] == [56, 57, 59, 58], trials
+    # (87 and 65 ran beside 117 and 87 either way: a quarter below an
+    # estimate from a first forward's OOM.)
+    assert waited_alone == [156, 117, 61, 56, 57, 59, 58]
+    assert waited == [156, 117, 61, 56, 57]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    params=st.integers(100, 2000),
+    act=st.integers(16, 800),
+    slack=st.integers(0, 2000),
+    slack_per_sample=st.integers(0, 10),
+    batch=st.sampled_from([32, 64, 256, 1024]),
+)
+def test_spare_lanes_never_change_the_search_and_end_it_in_one_round(
+    params, act, slack, slack_per_sample, batch
+):
+    """Probes beside a trial only save waiting: the trials are the ones
+    asked for with one lane. Once a trial's bracket has no more other
+    batches than spare lanes, every later trial was started beside it."""
+    workload = Workload(
+        params=params * MiB,
+        opt_state=2 * params * MiB,
+        opt_temp=params * MiB // 2,
+        act_forward=act * MiB // 16 + 12345,
+        act_backward=act * MiB // 64,
+        input_bytes=8 * 1024,
+        leftover=act * MiB // 256,
+        granule=2 * MiB,
+        slack_bytes=slack * MiB,
+        slack_per_sample=slack_per_sample * MiB,
+    )
+    if workload.fits(batch) or not workload.fits(1):
+        return
+    _, trials_alone, _ = search_in_lanes(workload, batch, 1)
+    result, trials, waited = search_in_lanes(workload, batch, 4)
+    assert trials == trials_alone
+    fits = {run.batch_size: run.fits for run in result.trials}
+    lo, hi = 0, batch
+    for index, b in enumerate(trials):
+        if lo > 0 and hi - lo - 2 <= 3:  # at most 3 others beside b: all started
+            assert all(later not in waited for later in trials[index + 1 :]), (trials, waited)
+            break
+        lo, hi = (max(lo, b), hi) if fits[b] else (lo, min(hi, b))

@@ -115,7 +115,7 @@ class BatchProbes:
     payload, label and arguments of its replay), and the probes started ahead
     (search_max_batch's `speculate`, beside the trial it asks for next): one
     the search asks for after that trial is taken from its lane; one it does
-    not ask for then is stopped."""
+    not ask for then (or started again since) is stopped."""
 
     def __init__(
         self,
@@ -150,6 +150,12 @@ class BatchProbes:
         if stale:
             self.replayer.discard([self.keys.pop(size)[0] for size in stale])
         self.trials += 1
+
+    def drop_all(self) -> None:
+        """The search has ended: the probes still started ahead are stopped."""
+        if self.keys:
+            self.replayer.discard([key for key, _when in self.keys.values()])
+            self.keys.clear()
 
 
 def search_batch(
@@ -217,7 +223,11 @@ def search_batch(
         probes.trial,
         probe=batch_model.first_probe_for(snapshot, original),
         speculate=probes.speculate,
+        # Beside each trial near the limit only when the replays share the
+        # device: taking it in turn, a probe beside the trial could hold it first.
+        lanes=replayer.jobs if replayer.share_device else 1,
     )
+    probes.drop_all()
     result.trials[:0] = runs  # the DataLoader probe was a trial too
     return result, info, None
 
