@@ -369,3 +369,49 @@ def test_a_probe_started_ahead_is_stopped_once_the_search_asks_for_another():
     assert replayer.discarded[2:] == [("probe 30",), ("probe 31",)]
     probes.drop_all()
     assert len(replayer.discarded) == 4
+
+
+def test_the_savers_searches_run_side_by_side_and_one_ruled_out_stops(monkeypatch):
+    """With lanes, every configuration the decisions could search starts at
+    once, one thread each (search.SaverSearches); the decisions take them in
+    order, and one they rule out stops at its next trial."""
+    import threading
+    from types import SimpleNamespace
+
+    from oomdoc.replay import search
+
+    both_running = threading.Barrier(2, timeout=20)
+    stopped = []
+
+    def search_under(replayer, snapshot, state, fix, at_original, dropped=None):
+        if fix == "autocast+checkpointing":  # the decisions rule it out
+            assert dropped is not None and dropped.wait(20)
+            stopped.append(fix)
+            raise search.SearchDropped()
+        both_running.wait()  # one after another, this would time out
+        return f"searched {fix}"
+
+    eager = [(("autocast",), "autocast", None), (("checkpointing",), "checkpointing", None)]
+    eager.append((("autocast", "checkpointing"), "autocast+checkpointing", None))
+    monkeypatch.setattr(search, "search_under", search_under)
+    monkeypatch.setattr(search, "searchable_now", lambda *args: iter(eager))
+    replayer = SimpleNamespace(lanes=object(), settler=None)
+    with search.SaverSearches(replayer, None, None, {}, 0) as searches:  # type: ignore[arg-type]
+        assert searches.result(("autocast",), "autocast", None) == "searched autocast"  # type: ignore[arg-type]
+        searches.drop(("autocast", "checkpointing"))
+        found = searches.result(("checkpointing",), "checkpointing", None)  # type: ignore[arg-type]
+        assert found == "searched checkpointing"
+    assert stopped == ["autocast+checkpointing"]
+
+    # Without lanes, or beside the evaluation batch's settler: in order, when asked.
+    asked = []
+    monkeypatch.setattr(search, "search_under", lambda *args, **kwargs: asked.append(args[3]))
+    for replayer in (
+        SimpleNamespace(lanes=None, settler=None),
+        SimpleNamespace(lanes=1, settler=1),
+    ):
+        with search.SaverSearches(replayer, None, None, {}, 0) as searches:  # type: ignore[arg-type]
+            assert asked == []
+            searches.result(("checkpointing",), "checkpointing", None)  # type: ignore[arg-type]
+            assert asked == ["checkpointing"]
+        asked.clear()

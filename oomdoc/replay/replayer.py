@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol
 
@@ -257,6 +258,9 @@ class Replayer:
         # warmest child and the first lane.
         self._unsubmitted: list[Job] = []
         self._discarded: list[tuple[str, Job]] = []
+        # The bookkeeping above, for decisions asking from several threads
+        # (the savers' searches, search.SaverSearches); never held while waiting.
+        self._lock = threading.RLock()
         self._interrupted = False
         self.settler: ReplaySettler | None = None
 
@@ -298,12 +302,13 @@ class Replayer:
         key = replay_key(payload, label, args, extra_env, micro_batches_per_step, timed)
         if self.lanes is None or self.stopped:
             return None
-        if key not in self._ahead:
-            job = self._job(
-                payload, label, args, extra_env, priority, micro_batches_per_step, timed
-            )
-            self._ahead[key] = job
-            self._unsubmitted.append(job)
+        with self._lock:
+            if key not in self._ahead:
+                job = self._job(
+                    payload, label, args, extra_env, priority, micro_batches_per_step, timed
+                )
+                self._ahead[key] = job
+                self._unsubmitted.append(job)
         return key
 
     def run(
@@ -318,36 +323,38 @@ class Replayer:
         """The replay of these arguments: one started ahead, else run now.
         `timed=False`: its step times are never used (a check of a peak), so
         it never takes a shared device alone (ChildRequest.timed)."""
-        job = self._ahead.pop(
-            replay_key(payload, label, args, extra_env, micro_batches_per_step, timed), None
-        )
-        if job is None:
-            if self.stopped:
-                raise ReplaysInterrupted()
-            job = self._job(
-                payload, label, args, extra_env, DEMANDED, micro_batches_per_step, timed
+        with self._lock:
+            job = self._ahead.pop(
+                replay_key(payload, label, args, extra_env, micro_batches_per_step, timed), None
             )
-            if self.lanes is None:
-                job.run()
-            else:
-                self.lanes.submit(job)
-        elif self.lanes is not None:
-            if job in self._unsubmitted:
-                self._unsubmitted.remove(job)
-                job.priority = DEMANDED
-                self.lanes.submit(job)
-            else:
-                self.lanes.promote(job, DEMANDED)
-        if self.lanes is not None:
-            for waiting in self._unsubmitted:
-                self.lanes.submit(waiting)
-            self._unsubmitted.clear()
+            if job is None:
+                if self.stopped:
+                    raise ReplaysInterrupted()
+                job = self._job(
+                    payload, label, args, extra_env, DEMANDED, micro_batches_per_step, timed
+                )
+                if self.lanes is not None:
+                    self.lanes.submit(job)
+            elif self.lanes is not None:
+                if job in self._unsubmitted:
+                    self._unsubmitted.remove(job)
+                    job.priority = DEMANDED
+                    self.lanes.submit(job)
+                else:
+                    self.lanes.promote(job, DEMANDED)
+            if self.lanes is not None:
+                for waiting in self._unsubmitted:
+                    self.lanes.submit(waiting)
+                self._unsubmitted.clear()
+        if self.lanes is None:
+            job.run()
         replay = job.wait()
         if replay is None or replay.stopped_by_user or replay.cancelled:
             raise ReplaysInterrupted()  # it never ran, or Ctrl-C ended it
         if replay.outcome in ("timeout", "error"):
             replay.log_path = keep_log(replay.log_path or "", self.request.artifact_dir)
-        self.replays.append(replay)
+        with self._lock:
+            self.replays.append(replay)
         if self.settler is not None:
             replay = self.settler.settle(
                 self, replay, payload, label, args, extra_env, micro_batches_per_step
@@ -445,23 +452,25 @@ class Replayer:
     def discard_ahead(self) -> None:
         """The decisions will ask for none of the replays started ahead that
         are left: those not started never start, those running are stopped."""
-        self.discard(list(self._ahead))
+        with self._lock:
+            self.discard(list(self._ahead))
 
     def discard(self, keys: list) -> None:
         """The decisions will ask for none of these replays started ahead
         (keys from `ahead`; one already asked for, or never started, is
         passed over): as discard_ahead, for these only."""
-        for key in keys:
-            job = self._ahead.pop(key, None)
-            if job is None:
-                continue
-            job.cancel.set()
-            if job in self._unsubmitted:
-                self._unsubmitted.remove(job)
-                continue
-            if self.lanes is not None and self.lanes.withdraw(job):
-                continue
-            self._discarded.append((key[0], job))
+        with self._lock:
+            for key in keys:
+                job = self._ahead.pop(key, None)
+                if job is None:
+                    continue
+                job.cancel.set()
+                if job in self._unsubmitted:
+                    self._unsubmitted.remove(job)
+                    continue
+                if self.lanes is not None and self.lanes.withdraw(job):
+                    continue
+                self._discarded.append((key[0], job))
 
     def unused_runs(self) -> list[dict]:
         """The replays started ahead that no decision needed: their timings

@@ -7,6 +7,8 @@ runs its trials as replays.
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Optional
 
 from oomdoc.fixes import Fix, batch_fix, fix_named
@@ -347,18 +349,80 @@ def search_configurations(
     limit = capacity - int(getattr(options, "margin_fraction", 0.05) * capacity)
     by_parts = {tuple(result.parts): result for result in state.results}
     start_saver_searches_ahead(replayer, snapshot, state, by_parts, limit)
-    fitting: list[tuple[str, ...]] = []
-    for fixes in saver_configurations(snapshot, state):
-        if fits_within(by_parts.get(fixes), limit):
-            fitting.append(fixes)
-            continue
-        found = searchable(fixes, state, fitting)
-        if isinstance(found, str):
-            state.not_searched[fixes] = found
-        elif found is not None:
-            search = search_under(replayer, snapshot, state, *found)
-            if search is not None:
-                state.saver_searches[fixes] = search
+    with SaverSearches(replayer, snapshot, state, by_parts, limit) as searches:
+        for fixes, found in not_fitting(snapshot, state, by_parts, limit):
+            if isinstance(found, str):
+                state.not_searched[fixes] = found
+                searches.drop(fixes)
+            elif found is not None:
+                search = searches.result(fixes, *found)
+                if search is not None:
+                    state.saver_searches[fixes] = search
+
+
+class SearchDropped(Exception):
+    """A saver's search running beside the others is no longer wanted."""
+
+
+class SaverSearches:
+    """The savers' searches side by side, one thread each, when replays run
+    in lanes: each one's later trials no longer wait for the searches before
+    it to end (on the H200 the Lightning encoder's autocast + checkpointing
+    search waited 11 s for checkpointing's). Every configuration the
+    decisions could search is started; the decisions still take them in
+    order, as one after another would (searchable, with what the searches
+    before found), and a search they rule out is stopped at its next trial
+    and its result left out: the same decisions, sooner. Not beside a
+    settler (the evaluation batch's search, which rewrites the replays after
+    the first that needs it)."""
+
+    def __init__(
+        self,
+        replayer: Replayer,
+        snapshot: Snapshot,
+        state: ReplayState,
+        by_parts: dict[tuple[str, ...], FixResult],
+        limit: int,
+    ):
+        self.replayer, self.snapshot, self.state = replayer, snapshot, state
+        self.running: dict[tuple[str, ...], tuple[Future, threading.Event]] = {}
+        self.pool: Optional[ThreadPoolExecutor] = None
+        eager = list(searchable_now(snapshot, state, by_parts, limit))
+        # (A settler, the evaluation batch's search, changes every replay
+        # after the first that needs it: the searches then go in order.)
+        if replayer.lanes is None or replayer.settler is not None or len(eager) < 2:
+            return
+        self.pool = ThreadPoolExecutor(len(eager), thread_name_prefix="oomdoc-saver-search")
+        for fixes, fix, at_original in eager:
+            dropped = threading.Event()
+            future = self.pool.submit(
+                search_under, replayer, snapshot, state, fix, at_original, dropped
+            )
+            self.running[fixes] = (future, dropped)
+
+    def result(
+        self, fixes: tuple[str, ...], fix: Fix, at_original: batch_model.BatchRun
+    ) -> Optional[batch_model.SearchResult]:
+        """The search under `fixes`: the one running beside, else run now."""
+        started = self.running.pop(fixes, None)
+        if started is None:
+            return search_under(self.replayer, self.snapshot, self.state, fix, at_original)
+        return started[0].result()
+
+    def drop(self, fixes: tuple[str, ...]) -> None:
+        started = self.running.pop(fixes, None)
+        if started is not None:
+            started[1].set()
+
+    def __enter__(self) -> SaverSearches:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        """Those the decisions never asked for are stopped; all have ended."""
+        for _future, dropped in self.running.values():
+            dropped.set()
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
 
 
 def searchable(
@@ -399,19 +463,42 @@ def start_saver_searches_ahead(
     the HF Trainer's two searches ran one after another. A configuration
     that an earlier search turns out to rule out (estimated_no_larger) asks
     for none: its replay is wasted, the decisions are the same."""
+    for _fixes, fix, at_original in searchable_now(snapshot, state, by_parts, limit):
+        batch_size = first_saver_trial(snapshot, state, at_original)
+        if batch_size is not None:
+            payload, label, args, env = saver_trial(replayer, snapshot, state, fix, batch_size)
+            replayer.ahead(payload, label, args=args, extra_env=env, priority=SPECULATIVE)
+
+
+def searchable_now(
+    snapshot: Snapshot,
+    state: ReplayState,
+    by_parts: dict[tuple[str, ...], FixResult],
+    limit: int,
+):
+    """(fixes, its fix, its replay at the user's batch) of each configuration
+    searchable with what is known before any saver's search: those the
+    decisions search are among them (a search's result only rules more out)."""
+    for fixes, found in not_fitting(snapshot, state, by_parts, limit):
+        if isinstance(found, tuple):
+            yield (fixes, *found)
+
+
+def not_fitting(
+    snapshot: Snapshot,
+    state: ReplayState,
+    by_parts: dict[tuple[str, ...], FixResult],
+    limit: int,
+):
+    """(fixes, searchable(fixes)) of each configuration that does not fit at
+    the user's batch with the margin free, in order, each judged when taken
+    (with the searches recorded in `state` by then)."""
     fitting: list[tuple[str, ...]] = []
     for fixes in saver_configurations(snapshot, state):
         if fits_within(by_parts.get(fixes), limit):
             fitting.append(fixes)
             continue
-        found = searchable(fixes, state, fitting)
-        if not isinstance(found, tuple):
-            continue
-        fix, at_original = found
-        batch_size = first_saver_trial(snapshot, state, at_original)
-        if batch_size is not None:
-            payload, label, args, env = saver_trial(replayer, snapshot, state, fix, batch_size)
-            replayer.ahead(payload, label, args=args, extra_env=env, priority=SPECULATIVE)
+        yield fixes, searchable(fixes, state, fitting)
 
 
 # An estimated largest batch is taken this much larger before it is trusted
@@ -466,14 +553,18 @@ def search_under(
     state: ReplayState,
     fix: Fix,
     at_original: batch_model.BatchRun,
+    dropped: Optional[threading.Event] = None,
 ) -> Optional[batch_model.SearchResult]:
     """The largest batch under `fix` (a saver or a combination), starting
     where its own replay at the user's batch puts it (saver_probe), until the
-    prescription it gives is settled."""
+    prescription it gives is settled. `dropped`: set when it is no longer
+    wanted (SaverSearches): its next trial ends it."""
     assert state.search is not None
     original = state.search.original_batch_size
 
     def trial(batch_size: int) -> batch_model.BatchRun:
+        if dropped is not None and dropped.is_set():
+            raise SearchDropped()
         payload, label, args, env = saver_trial(replayer, snapshot, state, fix, batch_size)
         return to_batch_run(replayer.run(payload, label, args=args, extra_env=env), batch_size)
 
