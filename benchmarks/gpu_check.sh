@@ -11,6 +11,10 @@
 #   tests    the GPU tests (tests/gpu/test_replay_gpu.py, test_cuda_capture.py)
 #   capture  ResNet-50's capture cost: host time per hook (hook_time.py) and
 #            8 interleaved rounds, plain against oomdoc (capture_parts.py)
+#   sweeps   the ImageNet-style trainer's dense sweep by hand (configuration_sweep.py)
+#            against its diagnosis (the GPT's and Lightning's: README)
+#   stability  the ImageNet-style trainer and the Lightning encoder diagnosed
+#            again and again (stability.py; 3 runs each within one call)
 # Results go to $OUT/check (each part as it ends) and $OUT/check.tgz. E.g.
 #   PARTS="runs byhand" JOBS=3 bash benchmarks/gpu_check.sh
 #   PARTS="suite host leak tests" bash benchmarks/gpu_check.sh
@@ -39,5 +43,9 @@ want tests && { l=$(left 200); [ $l -gt 30 ] && timeout $l python -m pytest -q -
 RESNET="benchmarks/scripts/resnet50_train.py --batch-size 128 --steps 40"
 want capture && { timeout $(left 60) python benchmarks/hook_time.py --device-memory 16GiB -- $RESNET > "$DIR/hook_time.txt" 2>&1; head -12 "$DIR/hook_time.txt"; grep "outermost" "$DIR/hook_time.txt"; }
 want capture && { l=$(left 330); [ $l -gt 120 ] && timeout $l python benchmarks/capture_parts.py --device-memory 16GiB --repeats 8 --variant "oomdoc=" -- $RESNET > "$DIR/capture_parts.txt" 2>&1; tail -4 "$DIR/capture_parts.txt"; }
+IMAGENET="tests/corpus/imagenet_style.py -b 1024 -j 2 --image-size 160 --width 64 --train-samples 8192 --val-samples 512"
+LIGHTNING="tests/scripts/fw_lightning_trainer.py --accelerator gpu --width 1024 --depth 12 --seq-len 512 --vocab-size 32000 --batch-size 256 --steps 6"
+want sweeps && { timeout $(left 120) python -m oomdoc run --device-memory 16GiB -o "$DIR/imagenet.json" $IMAGENET > "$DIR/imagenet.log" 2>&1; echo "== imagenet diagnosis (default lanes) at $SECONDS s"; timeout $(left 240) python benchmarks/configuration_sweep.py --device-memory 16GiB --batch-flag=-b --accumulation-flag=--grad-accum-steps --saver "autocast=--amp" --saver "checkpointing=--checkpoint" --batches 512,256,128 --snapshot "$DIR/imagenet.json" --out "$DIR/sweep-imagenet" -- $IMAGENET > "$DIR/sweep-imagenet.txt" 2>&1; tail -18 "$DIR/sweep-imagenet.txt"; }
+want stability && for case in IMAGENET LIGHTNING; do timeout $(left 280) python benchmarks/stability.py --runs 3 --device-memory 16GiB --out "$DIR/stability-$case" -- ${!case} > "$DIR/stability-$case.txt" 2>&1; tail -7 "$DIR/stability-$case.txt"; done
 [ -n "$OUT" ] && (cd "$OUT" && tar czf check.tgz --exclude="*.pickle" check && rm -rf check)
 echo "total $SECONDS s"
