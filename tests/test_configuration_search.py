@@ -219,7 +219,7 @@ def test_a_saver_search_replays_the_smallest_batch_with_each_prescription():
     assert [snap(b, 5, 64) for b in (17, 11, 8, 63)] == [16, 8, 8, 32]
     assert snap(7, 5, 64) == 8 and snap(6, 5, 8) == 6  # nothing between changes it: as asked
 
-    def search(fits_up_to):
+    def search(fits_up_to, lanes=1, beside=None):
         asked = []
 
         def trial(batch_size):
@@ -241,11 +241,18 @@ def test_a_saver_search_replays_the_smallest_batch_with_each_prescription():
             enough=settled_by_accumulation(snapshot, state),
             floor=5,
             snap=snap,
+            speculate=None if beside is None else lambda b: beside.append((b, len(asked))),
+            lanes=lanes,
         )
         return asked, result
 
     asked, result = search(fits_up_to=5)
     assert asked == [16, 8] and result.stopped.startswith("any largest batch from 5 to 7")
+    # With spare lanes the other prescriptions' batches run beside the first
+    # (bracket_fill, snapped): 8 is running when the search asks for it.
+    beside: list[tuple[int, int]] = []
+    assert search(fits_up_to=5, lanes=4, beside=beside)[0] == [16, 8]
+    assert beside == [(8, 0), (32, 0)]
     asked, result = search(fits_up_to=20)
     assert asked[:2] == [16, 32] and result.max_batch_size == 16
     assert result.stopped.startswith("any largest batch from 16 to 31")
@@ -332,7 +339,7 @@ def test_a_probe_started_ahead_is_stopped_once_the_search_asks_for_another():
         def __init__(self):
             self.discarded: list = []
 
-        def ahead(self, payload, label, args=None):
+        def ahead(self, payload, label, args=None, extra_env=None):
             return None if label == "probe 7" else (label,)  # 7: no lane free
 
         def discard(self, keys):

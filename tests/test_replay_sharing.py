@@ -35,6 +35,9 @@ from oomdoc.child_config import DeviceLock
 lock, status, go, *actions = sys.argv[1:]
 gate = DeviceGate(DeviceLock(lock, status, shared=True, turnstile=lock + ".turnstile"))
 for action in actions:
+    # A release is logged as it starts (the lock still held): logged after,
+    # another user could take the lock and log first on a busy machine.
+    when = time.time()
     if action == "shared":
         gate.acquire()
     elif action == "alone":
@@ -47,7 +50,7 @@ for action in actions:
         while not os.path.exists(go):
             time.sleep(0.02)
     with open(status + ".log", "a") as log:
-        log.write(f"{action} {time.time()!r}\\n")
+        log.write(f"{action} {when if action == 'release' else time.time()!r}\\n")
 """
 
 

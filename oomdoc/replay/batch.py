@@ -595,7 +595,7 @@ def search_max_batch(
         if snap is not None:
             candidate = snap(candidate, lo, hi)
         if speculate is not None and lo > 0:
-            for beside in bracket_fill(lo, hi, candidate, lanes - 1):
+            for beside in bracket_fill(lo, hi, candidate, lanes - 1, snap):
                 speculate(beside)
         result.predictions.append(prediction)
         run = trial(candidate)
@@ -633,7 +633,13 @@ def search_max_batch(
     return result
 
 
-def bracket_fill(lo: int, hi: int, candidate: int, spare: int) -> list[int]:
+def bracket_fill(
+    lo: int,
+    hi: int,
+    candidate: int,
+    spare: int,
+    snap: Callable[[int, int, int], int] | None = None,
+) -> list[int]:
     """The batches to replay beside `candidate` in `spare` free lanes, once a
     fit (lo) and an OOM (hi) bracket the limit closely: those nearest the
     candidate (above first), when the bracket holds at most twice as many
@@ -641,10 +647,15 @@ def bracket_fill(lo: int, hi: int, candidate: int, spare: int) -> list[int]:
     likely among them and already running: near the limit an allocator that
     fragments takes several trials one batch apart (on the H200 the
     ImageNet-style trainer's exact search ran 162, 168, 163, 167, 165, 164
-    one after another, about 6 s each, with three lanes idle). Started again
-    each trial, so that those left outside the bracket are stopped
-    (search.BatchProbes)."""
-    others = [size for size in range(lo + 1, hi) if size != candidate]
+    one after another, about 6 s each, with three lanes idle). With `snap`
+    (a saver's search), the others are the batches it would replay: one per
+    prescription (the Lightning encoder's checkpointing search ran 128, 64
+    and 32 one after another). Started again each trial, so that those left
+    outside the bracket are stopped (search.BatchProbes)."""
+    sizes: list[int] | range = range(lo + 1, hi)
+    if snap is not None:
+        sizes = sorted({snap(size, lo, hi) for size in sizes})
+    others = [size for size in sizes if size != candidate and lo < size < hi]
     if spare < 1 or not others or len(others) > 2 * spare:
         return []
     return sorted(others, key=lambda size: (abs(size - candidate), -size))[:spare]

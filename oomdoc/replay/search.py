@@ -123,8 +123,9 @@ class BatchProbes:
         self,
         replayer: Replayer,
         probe_of: Callable[[int], tuple[dict, str, Optional[list[str]]]],
+        extra_env: Optional[dict] = None,
     ):
-        self.replayer, self.probe_of = replayer, probe_of
+        self.replayer, self.probe_of, self.extra_env = replayer, probe_of, extra_env
         self.trials = 0  # trials asked for so far
         # Batch size -> (its replay's key, the trials asked for when it started).
         self.keys: dict[int, tuple[tuple, int]] = {}
@@ -132,11 +133,12 @@ class BatchProbes:
     def trial(self, batch_size: int) -> batch_model.BatchRun:
         self.drop_others(batch_size)
         payload, label, args = self.probe_of(batch_size)
-        return to_batch_run(self.replayer.run(payload, label, args=args), batch_size)
+        replay = self.replayer.run(payload, label, args=args, extra_env=self.extra_env)
+        return to_batch_run(replay, batch_size)
 
     def speculate(self, batch_size: int) -> None:
         payload, label, args = self.probe_of(batch_size)
-        key = self.replayer.ahead(payload, label, args=args)
+        key = self.replayer.ahead(payload, label, args=args, extra_env=self.extra_env)
         if key is not None:  # (None: no lane to start it in)
             self.keys[batch_size] = (key, self.trials)
 
@@ -562,28 +564,38 @@ def search_under(
     assert state.search is not None
     original = state.search.original_batch_size
 
+    probes = BatchProbes(
+        replayer,
+        lambda batch_size: saver_trial(replayer, snapshot, state, fix, batch_size)[:3],
+        fix.request(snapshot).env,
+    )
+
     def trial(batch_size: int) -> batch_model.BatchRun:
         if dropped is not None and dropped.is_set():
             raise SearchDropped()
-        payload, label, args, env = saver_trial(replayer, snapshot, state, fix, batch_size)
-        return to_batch_run(replayer.run(payload, label, args=args, extra_env=env), batch_size)
+        return probes.trial(batch_size)
 
     probe = saver_probe(state.search, at_original)
     if probe < 1:
         return None
     # A saver fits at least where no fix fits (it only takes memory away):
     # the search stays above the plain largest batch.
-    return batch_model.search_max_batch(
-        original,
-        snapshot.device.capacity_bytes,
-        [at_original],
-        trial,
-        probe=probe,
-        max_trials=4,
-        enough=settled_by_accumulation(snapshot, state),
-        floor=state.search.max_batch_size or 0,
-        snap=smallest_with_its_plan(snapshot, state),
-    )
+    try:
+        return batch_model.search_max_batch(
+            original,
+            snapshot.device.capacity_bytes,
+            [at_original],
+            trial,
+            probe=probe,
+            max_trials=4,
+            enough=settled_by_accumulation(snapshot, state),
+            floor=state.search.max_batch_size or 0,
+            snap=smallest_with_its_plan(snapshot, state),
+            speculate=probes.speculate,
+            lanes=replayer.jobs if replayer.share_device else 1,
+        )
+    finally:
+        probes.drop_all()
 
 
 def smallest_with_its_plan(
