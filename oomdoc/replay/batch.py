@@ -652,11 +652,13 @@ def bracket_fill(
     prescription (the Lightning encoder's checkpointing search ran 128, 64
     and 32 one after another). Started again each trial, so that those left
     outside the bracket are stopped (search.BatchProbes)."""
+    if spare < 1:
+        return []
     sizes: list[int] | range = range(lo + 1, hi)
     if snap is not None:
         sizes = sorted({snap(size, lo, hi) for size in sizes})
     others = [size for size in sizes if size != candidate and lo < size < hi]
-    if spare < 1 or not others or len(others) > 2 * spare:
+    if not others or len(others) > 2 * spare:
         return []
     return sorted(others, key=lambda size: (abs(size - candidate), -size))[:spare]
 
