@@ -350,7 +350,6 @@ def search_configurations(
     capacity = snapshot.device.capacity_bytes
     limit = capacity - int(getattr(options, "margin_fraction", 0.05) * capacity)
     by_parts = {tuple(result.parts): result for result in state.results}
-    start_saver_searches_ahead(replayer, snapshot, state, by_parts, limit)
     with SaverSearches(replayer, snapshot, state, by_parts, limit) as searches:
         for fixes, found in not_fitting(snapshot, state, by_parts, limit):
             if isinstance(found, str):
@@ -393,6 +392,7 @@ class SaverSearches:
         # (A settler, the evaluation batch's search, changes every replay
         # after the first that needs it: the searches then go in order.)
         if replayer.lanes is None or replayer.settler is not None or len(eager) < 2:
+            start_saver_searches_ahead(replayer, snapshot, state, eager)
             return
         self.pool = ThreadPoolExecutor(len(eager), thread_name_prefix="oomdoc-saver-search")
         for fixes, fix, at_original in eager:
@@ -457,15 +457,18 @@ def start_saver_searches_ahead(
     replayer: Replayer,
     snapshot: Snapshot,
     state: ReplayState,
-    by_parts: dict[tuple[str, ...], FixResult],
-    limit: int,
+    eager: list[tuple[tuple[str, ...], Fix, batch_model.BatchRun]],
 ) -> None:
     """Start every saver search's first replay at once, in free lanes
-    (speculative), instead of each after the search before it: on the H100
-    the HF Trainer's two searches ran one after another. A configuration
-    that an earlier search turns out to rule out (estimated_no_larger) asks
-    for none: its replay is wasted, the decisions are the same."""
-    for _fixes, fix, at_original in searchable_now(snapshot, state, by_parts, limit):
+    (speculative), instead of each after the search before it, where the
+    searches themselves go in order (SaverSearches; `eager`: its
+    searchable_now): on the H100 the HF Trainer's two searches ran one after
+    another. A configuration that an earlier search turns out to rule out
+    (estimated_no_larger) asks for none: its replay is wasted, the decisions
+    are the same."""
+    if replayer.lanes is None:
+        return  # no lane to start them in
+    for _fixes, fix, at_original in eager:
         batch_size = first_saver_trial(snapshot, state, at_original)
         if batch_size is not None:
             payload, label, args, env = saver_trial(replayer, snapshot, state, fix, batch_size)
