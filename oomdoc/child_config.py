@@ -86,6 +86,10 @@ class ChildConfig:
     # training epoch ends once the steps are done, so that the script's own
     # evaluation runs (oomdoc.capture.whole_run). Never the failing run.
     whole_run: bool = False
+    # A replay with `whole_run`: the folder where the replays of one
+    # diagnosis share their datasets' sample sizes, read once
+    # (oomdoc.capture.shared_sizes); None: each replay reads its own.
+    dataset_sizes: str | None = None
     # A replay: the fix to apply before the script starts (oomdoc.fixes'
     # payload: its `name`, the fixes applied `also`, and the fix's settings).
     fix: dict[str, Any] | None = None

@@ -45,6 +45,9 @@ class DataLoaderRecord:
     samples: Optional[int] = None  # len(dataset)
     samples_read: Optional[int] = None  # whose sizes were read (a time budget)
     read_s: Optional[float] = None
+    # Its sizes were read by an earlier replay of the same diagnosis (and
+    # `read_s` is that read's), shared with this one (oomdoc.capture.shared_sizes).
+    sizes_shared: bool = when_set(False)
     longest_sample: Optional[int] = None
     longest_elements: Optional[int] = None
     median_elements: Optional[int] = None

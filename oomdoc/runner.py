@@ -60,6 +60,8 @@ class ChildRequest:
     # A replay: longest batches first, the script's evaluation reached
     # (oomdoc.capture.whole_run).
     whole_run: bool = False
+    # Where replays share their datasets' sample sizes (ChildConfig.dataset_sizes).
+    dataset_sizes: str | None = None
     fix: dict | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
     # Replays send the script's output to a log instead of the terminal.
@@ -264,6 +266,7 @@ def child_config(request: ChildRequest, result_path: str, artifact_dir: str) -> 
         expected_unit=request.expected_unit,
         stop_after_evaluation=request.stop_after_evaluation,
         whole_run=request.whole_run,
+        dataset_sizes=request.dataset_sizes,
         fix=request.fix,
         artifact_dir=artifact_dir,
         quick_exit=request.quick_exit,

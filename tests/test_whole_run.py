@@ -16,8 +16,15 @@ from oomdoc.runner import ChildRequest, run_child
 SCRIPT = Path(__file__).parent / "scripts" / "whole_run_loaders.py"
 
 
-def replay(tmp_path: Path, *args: str, whole_run: bool = True, steps: int = 2) -> tuple:
-    log = tmp_path / "log.txt"
+def replay(
+    tmp_path: Path,
+    *args: str,
+    whole_run: bool = True,
+    steps: int = 2,
+    sizes: Path | None = None,
+    log_name: str = "log.txt",
+) -> tuple:
+    log = tmp_path / log_name
     request = ChildRequest(
         target=str(SCRIPT),
         args=list(args),
@@ -26,6 +33,7 @@ def replay(tmp_path: Path, *args: str, whole_run: bool = True, steps: int = 2) -
         max_steps=steps,
         expected_unit="optimizer",
         whole_run=whole_run,
+        dataset_sizes=str(sizes) if sizes else None,
         output_path=str(log),
     )
     result = run_child(request)
@@ -63,6 +71,23 @@ def test_longest_batches_first_then_the_scripts_evaluation_then_one_step_after_i
     assert evaluation.batch_size == 8
     # The evaluation ran in the replay's last step: its peak is recorded.
     assert any("evaluation" in step.phase_peaks for step in capture.steps)
+
+
+def test_replays_of_one_diagnosis_read_each_dataset_once_and_order_it_alike(tmp_path):
+    """The first replay reads the datasets' sizes into the shared folder;
+    the next, at another batch, takes them from there (each once), and its
+    batches are ordered by them just the same."""
+    sizes = tmp_path / "sizes"
+    sizes.mkdir()
+    first, first_lines = replay(tmp_path, "--batch_size", "4", sizes=sizes, log_name="1.txt")
+    second, second_lines = replay(tmp_path, "--batch_size", "2", sizes=sizes, log_name="2.txt")
+    assert len(list(sizes.glob("dataset-sizes-*.json"))) == 2  # training, evaluation
+    for before, after in zip(first.data_loaders, second.data_loaders):
+        assert not before.sizes_shared and after.sizes_shared
+        assert after.read_s == before.read_s and after.samples_read == before.samples_read
+        assert after.longest_sample == before.longest_sample
+    assert shapes(first_lines, "train")[0] == "(4, 40)"
+    assert shapes(second_lines, "train")[0] == "(2, 40)"
 
 
 def test_the_failing_run_sees_its_data_as_it_would(tmp_path):

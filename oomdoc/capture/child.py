@@ -307,7 +307,7 @@ def run(
         undo_hooks.append(quick_init.install())
     whole_run = None
     if config.whole_run:  # after the fix's DataLoader edits: it orders what they made
-        whole_run, undo_whole_run = install_whole_run(tracker)
+        whole_run, undo_whole_run = install_whole_run(tracker, config.dataset_sizes)
         undo_hooks.append(undo_whole_run)
     # Processes the script starts: torch.multiprocessing.spawn's are
     # captured as ranks (oomdoc.capture.spawned) ...

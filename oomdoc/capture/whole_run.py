@@ -34,6 +34,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.utils.data
 
+from oomdoc.capture.shared_sizes import SharedSizes
 from oomdoc.capture.tracker import StopRun, Tracker
 
 # Seconds spent reading one dataset's sample sizes: a dataset that takes
@@ -79,21 +80,45 @@ def sample_elements(sample: Any, depth: int = 0) -> int:
 
 
 class DatasetSizes:
-    """The sizes of a map-style dataset's samples, read once per dataset."""
+    """The sizes of a map-style dataset's samples, read once per dataset
+    (and per diagnosis: oomdoc.capture.shared_sizes)."""
 
-    def __init__(self, dataset: Any, budget_s: float = SCAN_SECONDS):
-        self.samples = len(dataset)
-        self.sizes: list[int] = []
-        self.error: str | None = None
+    def __init__(
+        self, samples: int, sizes: list[int], error: str | None, seconds: float, shared: bool
+    ):
+        self.samples = samples
+        self.sizes = sizes
+        self.error = error
+        self.seconds = seconds
+        self.shared = shared  # read by an earlier replay of the same diagnosis
+
+    @classmethod
+    def read(cls, dataset: Any, budget_s: float = SCAN_SECONDS) -> DatasetSizes:
+        samples = len(dataset)
+        sizes: list[int] = []
+        error = None
         started = time.perf_counter()
         try:
-            for index in range(self.samples):
-                self.sizes.append(sample_elements(dataset[index]))
+            for index in range(samples):
+                sizes.append(sample_elements(dataset[index]))
                 if time.perf_counter() - started > budget_s:
                     break
         except Exception as exc:  # the script's dataset: say why, order nothing
-            self.error = f"reading sample {len(self.sizes)} failed: {type(exc).__name__}"
-        self.seconds = time.perf_counter() - started
+            error = f"reading sample {len(sizes)} failed: {type(exc).__name__}"
+        return cls(samples, sizes, error, time.perf_counter() - started, shared=False)
+
+    @classmethod
+    def from_record(cls, record: dict) -> DatasetSizes:
+        """Sizes an earlier replay read (shared_sizes' file)."""
+        sizes = [int(size) for size in record["sizes"]]
+        error = record["error"]
+        return cls(
+            int(record["samples"]),
+            sizes,
+            None if error is None else str(error),
+            float(record["seconds"]),
+            shared=True,
+        )
 
     @property
     def complete(self) -> bool:
@@ -227,9 +252,12 @@ class _Batches:
 class WholeRun:
     """Installed in a replay's child (ChildConfig.whole_run): see the module."""
 
-    def __init__(self, tracker: Tracker, budget_s: float = SCAN_SECONDS):
+    def __init__(
+        self, tracker: Tracker, budget_s: float = SCAN_SECONDS, shared: SharedSizes | None = None
+    ):
         self.tracker = tracker
         self.budget_s = budget_s
+        self.shared = shared
         self.records: list[dict] = []
         self._by_loader: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         # Sizes by dataset identity: a framework that makes a DataLoader
@@ -342,10 +370,12 @@ class WholeRun:
             return None
         sizes = self._sizes.get(key)
         if sizes is None:
-            sizes = self._sizes[key] = DatasetSizes(self._datasets[key], self.budget_s)
+            sizes = self._sizes[key] = self._read_sizes(self._datasets[key])
         record["samples"] = sizes.samples
         record["samples_read"] = len(sizes.sizes)
         record["read_s"] = round(sizes.seconds, 3)
+        if sizes.shared:
+            record["sizes_shared"] = True
         if sizes.error:
             record["not_ordered"] = sizes.error
         elif sizes.fixed and sizes.sizes:
@@ -356,6 +386,16 @@ class WholeRun:
             record["longest_elements"] = sizes.sizes[longest]
             record["median_elements"] = sorted(sizes.sizes)[len(sizes.sizes) // 2]
         return sizes
+
+    def _read_sizes(self, dataset: Any) -> DatasetSizes:
+        if self.shared is None:
+            return DatasetSizes.read(dataset, self.budget_s)
+        key = self.shared.key(dataset, lambda: sample_elements(dataset[0]))
+        found = self.shared.get(
+            key, lambda: DatasetSizes.read(dataset, self.budget_s), DatasetSizes.from_record
+        )
+        assert isinstance(found, DatasetSizes)
+        return found
 
     def longest_repeats(self, record: dict) -> int:
         """How many times a loader yields its longest batch: a training
@@ -558,6 +598,11 @@ def evaluate_at_epoch_end(record: dict) -> None:
         ask(record)
 
 
-def install(tracker: Tracker) -> tuple[WholeRun, Callable[[], None]]:
-    whole_run = WholeRun(tracker)
+def install(
+    tracker: Tracker, sizes_folder: str | None = None
+) -> tuple[WholeRun, Callable[[], None]]:
+    """`sizes_folder`: where the replays of one diagnosis share their
+    datasets' sizes (shared_sizes), None to read them here."""
+    shared = SharedSizes(sizes_folder) if sizes_folder else None
+    whole_run = WholeRun(tracker, shared=shared)
     return whole_run, whole_run.install()

@@ -395,6 +395,7 @@ class Replayer:
             expected_unit=self.step_unit,
             stop_after_evaluation=self.stop_after_evaluation,
             whole_run=bool(getattr(self.options, "whole_run", True)),
+            dataset_sizes=self.pool.log_dir,
             fix=payload,
             extra_env=env,
             output_path=log_path,
