@@ -3,6 +3,7 @@ which dataset a file stands for, and what happens to a file that is not one."""
 
 from __future__ import annotations
 
+from oomdoc.capture import whole_run
 from oomdoc.capture.shared_sizes import SharedSizes
 from oomdoc.capture.whole_run import DatasetSizes, sample_elements
 
@@ -73,3 +74,26 @@ def test_a_dataset_that_fails_to_read_is_shared_with_its_error(tmp_path):
     second = sizes_of(SharedSizes(str(tmp_path)), Broken([3, 9, 4]))
     assert first.error == second.error == "reading sample 1 failed: OSError"
     assert second.shared and second.sizes == [3]
+
+
+class Clocked(Counted):
+    """Each sample takes 1/64 s of a clock the read is timed by."""
+
+    def __init__(self, lengths: list[int], monkeypatch):
+        super().__init__(lengths)
+        self.now = 0.0
+        monkeypatch.setattr(whole_run.time, "perf_counter", lambda: self.now)
+
+    def __getitem__(self, index: int) -> list[int]:
+        self.now += 1 / 64
+        return super().__getitem__(index)
+
+
+def test_samples_all_of_one_size_are_read_for_the_shorter_budget_only(monkeypatch):
+    fixed = DatasetSizes.read(Clocked([5] * 1000, monkeypatch), budget_s=2.0, fixed_budget_s=0.125)
+    assert fixed.fixed and len(fixed.sizes) == 9  # past 1/8 s
+    # A sample of another size: the whole budget, to find the longest.
+    lengths = [5] * 1000
+    lengths[3] = 6
+    varied = DatasetSizes.read(Clocked(lengths, monkeypatch), budget_s=2.0, fixed_budget_s=0.125)
+    assert not varied.fixed and len(varied.sizes) == 129  # past 2 s
