@@ -603,6 +603,45 @@ def test_a_search_ends_once_enough_says_its_answer_cannot_change():
     assert len(calls) > 1
 
 
+def test_a_search_that_settles_says_so_once_and_goes_on_to_the_exact_batch():
+    """The plain search's plan (oomdoc.replay.plain_search): once every batch
+    left in the bracket gives one prescription, the search as it stands goes
+    to `on_settled`, and the search goes on, the same trials as without it."""
+    workload = GPT_LIKE
+    original = 2 * workload.true_max(256) - 2
+
+    def plan_settled(fit: int, oom: int):
+        plan = accumulation_plan(original, fit)
+        return "settled" if plan == accumulation_plan(original, oom - 1) else None
+
+    probe = original // 2
+    alone, alone_calls = run_search(workload, original, probe=probe)
+    settled = []
+    exact, calls = run_search(
+        workload, original, probe=probe, settles=plan_settled, on_settled=settled.append
+    )
+    assert calls == alone_calls and exact.exact and exact.max_batch_size == alone.max_batch_size
+    (early,) = settled
+    assert early.stopped == "settled" and not early.exact
+    assert [run.batch_size for run in early.trials] == [probe]
+    assert early.max_batch_size == probe and early.best_run is exact.trials[0]
+    assert accumulation_plan(original, early.max_batch_size) == accumulation_plan(
+        original, exact.max_batch_size
+    )
+
+    # Without accumulation (an evaluation batch) every batch is its own
+    # plan: nothing settles before the search is exact.
+    def own_plan(fit: int, oom: int):
+        same = accumulation_plan(original, fit, False) == accumulation_plan(
+            original, oom - 1, False
+        )
+        return "settled" if same else None
+
+    never: list = []
+    run_search(workload, original, probe=probe, settles=own_plan, on_settled=never.append)
+    assert never == []
+
+
 def test_the_bracket_fill_is_the_batches_nearest_the_trial_when_few_are_left():
     assert bracket_fill(162, 168, 163, 3) == [164, 165, 166]
     assert bracket_fill(163, 168, 167, 3) == [166, 165, 164]

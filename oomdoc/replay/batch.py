@@ -26,7 +26,7 @@ exact only when it ran and one more ran out of memory.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from oomdoc.capture import WRAPPER_ATTRIBUTES
@@ -473,6 +473,8 @@ def search_max_batch(
     speculate: Callable[[int], None] | None = None,
     snap: Callable[[int, int, int], int] | None = None,
     lanes: int = 1,
+    settles: Callable[[int, int], str | None] | None = None,
+    on_settled: Callable[[SearchResult], None] | None = None,
 ) -> SearchResult:
     """Find the largest batch size that fits, exactly when the trials allow.
 
@@ -494,7 +496,10 @@ def search_max_batch(
     search is for at less memory (a saver's search: the smallest batch with
     b's prescription). `lanes`: replays that may run at once; once a fit
     and an OOM bracket the limit closely, the spare lanes run the batches
-    next to each trial (bracket_fill), through `speculate`.
+    next to each trial (bracket_fill), through `speculate`. `settles(fit,
+    oom)`: like `enough`, but the search goes on: the first time it answers,
+    `on_settled` gets the search as it stands (what the caller needed of it
+    is known; the plain search's plan, oomdoc.replay.plain_search).
     """
     runs = list(runs)
     known = [run for run in runs if not run.inconclusive]
@@ -510,7 +515,24 @@ def search_max_batch(
     # A batch halfway into the fragmentation ran out of memory: the allocator
     # does lose about that much here.
     halfway_failed = False
+    settled = False
     while hi - lo > 1 and len(result.trials) < max_trials:
+        answer = settles(lo, hi) if settles is not None and not settled and lo > 0 else None
+        if answer and on_settled is not None:
+            settled = True
+            on_settled(
+                replace(
+                    result,
+                    max_batch_size=max(
+                        [run.batch_size for run in result.trials if run.fits] + [measured_lo]
+                    )
+                    or None,
+                    trials=list(result.trials),
+                    predictions=list(result.predictions),
+                    stopped=answer,
+                    model=fit_model(runs),
+                )
+            )
         leaking = next((run for run in runs if run.still_leaks is not None), None)
         if leaking is not None:
             result.stopped = (

@@ -28,6 +28,7 @@ from oomdoc.model import (
     BatchSearch,
     Breakdown,
     FixResult,
+    Prescription,
     ReplaySummary,
     Skipped,
     Snapshot,
@@ -37,6 +38,7 @@ from oomdoc.replay.certificate import measured_margin_fraction
 from oomdoc.replay.evaluation_batch import EvaluationApart, evaluation_option
 from oomdoc.replay.largest_batch import LargestBatchCheck, WholeRunLargest
 from oomdoc.replay.own_flags import evaluation_batch_snippet, parameter_update
+from oomdoc.replay.plain_search import PlainSearch
 from oomdoc.replay.plan import (
     LEAK_NO_BATCH_SEARCH,
     ReplayState,
@@ -59,10 +61,7 @@ from oomdoc.replay.replayer import (
     replay_jobs,
     warm_pool,
 )
-from oomdoc.replay.search import (
-    search_batch,
-    search_configurations,
-)
+from oomdoc.replay.search import search_configurations
 from oomdoc.replay.timing import (
     WARMUP_RATIO,
     StepTiming,
@@ -138,9 +137,12 @@ def replay_fixes(
             # evaluation at the script's own evaluation batch (oomdoc.replay.evaluation_batch).
             replayer.settler = EvaluationApart(snapshot, option, options.margin_fraction)
         largest: Optional[LargestBatchCheck] = None
+        plain: Optional[PlainSearch] = None
         try:
             interrupted = False
-            start_ahead(replayer, snapshot, singles, combinations, automatic=requested is None)
+            started = start_ahead(
+                replayer, snapshot, singles, combinations, automatic=requested is None
+            )
             # The decisions, one replay at a time; a replay started ahead
             # answers at once. After Ctrl-C, only replays that already ended
             # are read: each step below is skipped without them.
@@ -152,9 +154,11 @@ def replay_fixes(
                         if leak:
                             skipped.append(Skipped(name, LEAK_NO_BATCH_SEARCH))
                             continue
-                        state.search, state.batch_info, reason = search_batch(
-                            replayer, snapshot, options
-                        )
+                        # With lanes, the decisions go on once its plan is
+                        # known, the exact search beside them (plain_search).
+                        beside = replayer.lanes is not None and replayer.settler is None
+                        plain = PlainSearch(replayer, snapshot, options, beside)
+                        state.search, state.batch_info, reason = plain.settled()
                         if reason:
                             skipped.append(Skipped(name, reason))
                         continue
@@ -173,8 +177,9 @@ def replay_fixes(
                 except ReplaysInterrupted:
                     interrupted = True
             # A speculative combination no decision wanted goes.
-            replayer.discard_ahead()
-            if state.search is not None and not interrupted:
+            replayer.discard(started)
+            ahead = plain is not None and plain.ahead
+            if state.search is not None and not interrupted and not ahead:
                 # Its replays with expandable segments run beside the savers' searches.
                 largest = LargestBatchCheck(replayer, snapshot, state)
                 largest.start()
@@ -183,6 +188,20 @@ def replay_fixes(
                     search_configurations(replayer, snapshot, options, state)
                 except ReplaysInterrupted:
                     interrupted = True
+            prescribed: Optional[tuple[Optional[Prescription]]] = None
+            if plain is not None and ahead:
+                # The prescription too, from the settled plan; then the exact search.
+                settled = state.search
+                if not interrupted:
+                    prescribed = (prescription_for(snapshot, replayer, state),)
+                try:
+                    state.search = plain.final()[0]
+                except ReplaysInterrupted:
+                    interrupted = True
+                rebase_throughput_ratio(prescribed, settled, state.search)
+                if state.search is not None and not interrupted:
+                    largest = LargestBatchCheck(replayer, snapshot, state)
+                    largest.start()
             whole_run_largest = None
             if largest is not None and not interrupted:
                 try:
@@ -193,7 +212,7 @@ def replay_fixes(
                 snapshot.notes.append(
                     "Replays were interrupted: the fixes below are those measured before."
                 )
-            finish(snapshot, replayer, state, progress, whole_run_largest)
+            finish(snapshot, replayer, state, progress, whole_run_largest, prescribed)
         except Exception as exc:  # the snapshot of the OOM must be written whatever happens here
             progress.header(f"replays failed: {type(exc).__name__}: {exc}")
             snapshot.notes.append(
@@ -202,6 +221,8 @@ def replay_fixes(
             snapshot.fixes, snapshot.max_batch_size = [], None
         finally:
             replayer.close()
+            if plain is not None:
+                plain.abandon()
             if own_pool:
                 pool.close()
 
@@ -416,10 +437,12 @@ def finish(
     state: ReplayState,
     progress: Progress,
     largest: Optional[WholeRunLargest] = None,
+    prescribed: Optional[tuple[Optional[Prescription]]] = None,
 ) -> None:
     """Rank what the replays measured, choose the prescription, and record
     both in the snapshot. `largest`: the largest batch certified for the
-    whole run (oomdoc.replay.largest_batch)."""
+    whole run (oomdoc.replay.largest_batch). `prescribed`: the prescription,
+    when it was chosen already (beside the plain search's end)."""
     search = state.search
     results = state.results
     lower_bound = snapshot.oom.needed_bytes if snapshot.oom else 0
@@ -452,7 +475,9 @@ def finish(
             fix.annotate(result, static, snapshot)
     snapshot.fixes = rank_fixes(results)
     snapshot.max_batch_size = search.max_batch_size if search is not None and search.exact else None
-    snapshot.prescription = prescription_for(snapshot, replayer, state)
+    snapshot.prescription = (
+        prescribed[0] if prescribed is not None else prescription_for(snapshot, replayer, state)
+    )
     evaluation = replayer.settler if isinstance(replayer.settler, EvaluationApart) else None
     if evaluation is not None:
         evaluation.annotate(snapshot.prescription)
@@ -507,6 +532,25 @@ def finish(
     snapshot.replay = summary
     side_by_side = f", up to {replayer.jobs} side by side" if replayer.jobs > 1 else ""
     progress.header(f"{len(replayer.replays)} replays in {progress.total():.1f} s{side_by_side}")
+
+
+def rebase_throughput_ratio(
+    prescribed: Optional[tuple[Optional[Prescription]]],
+    settled: Optional[batch_model.SearchResult],
+    exact: Optional[batch_model.SearchResult],
+) -> None:
+    """A prescription chosen from the plain search as it stood when its plan
+    settled compared its throughput with that search's largest fit: now with
+    the largest batch that fits (its `throughput_ratio`)."""
+    prescription = prescribed[0] if prescribed is not None else None
+    if prescription is None or prescription.throughput_ratio is None:
+        return
+    before = settled.best_run if settled is not None else None
+    after = exact.best_run if exact is not None else None
+    if before is None or after is None or before is after or not before.step_s or not after.step_s:
+        return
+    ratio = prescription.throughput_ratio * (before.batch_size / before.step_s)
+    prescription.throughput_ratio = round(ratio / (after.batch_size / after.step_s), 3)
 
 
 def shape_warmup_note(snapshot: Snapshot, replayer: Replayer) -> Optional[str]:

@@ -234,7 +234,7 @@ def start_ahead(
     singles: list[str],
     combinations: list[str],
     automatic: bool,
-) -> None:
+) -> list[tuple]:
     """With lanes to spare, start now the replays the decisions will ask for
     whatever the others measure: each single fix and each combination asked
     for by name (the batch search is a chain: its probes run in the lane kept
@@ -242,15 +242,17 @@ def start_ahead(
     also every memory saver that shrinks what held memory at the OOM,
     together: the combination most likely to be wanted (a lighter optimizer
     cannot help an OOM before the first optimizer step). Its answer is used
-    only when combination_to_measure asks for it."""
+    only when combination_to_measure asks for it. Returns their keys
+    (Replayer.ahead)."""
     if replayer.lanes is None:
-        return
+        return []
+    keys = []
     for name in [*singles, *combinations]:
         fix = fix_named(name)
         if fix is None or fix.searches_batch:
             continue
         request = fix.request(snapshot)  # as replay_single asks for it
-        replayer.ahead(request.payload, fix.name, extra_env=request.env)
+        keys.append(replayer.ahead(request.payload, fix.name, extra_env=request.env))
     held = snapshot.breakdown
     savers = [
         fix.name
@@ -262,4 +264,9 @@ def start_ahead(
     likely = fix_named("+".join(savers)) if automatic and not replayer.leak else None
     if len(savers) >= 2 and likely is not None:
         request = likely.request(snapshot)
-        replayer.ahead(request.payload, likely.name, extra_env=request.env, priority=SPECULATIVE)
+        keys.append(
+            replayer.ahead(
+                request.payload, likely.name, extra_env=request.env, priority=SPECULATIVE
+            )
+        )
+    return [key for key in keys if key is not None]

@@ -163,10 +163,16 @@ class BatchProbes:
 
 
 def search_batch(
-    replayer: Replayer, snapshot: Snapshot, options: Any
+    replayer: Replayer,
+    snapshot: Snapshot,
+    options: Any,
+    on_settled: Optional[Callable[[batch_model.SearchResult, dict], None]] = None,
 ) -> tuple[Optional[batch_model.SearchResult], dict, Optional[str]]:
     """The largest batch size that fits. Returns (search result or None,
-    information for the report, reason when it could not be searched)."""
+    information for the report, reason when it could not be searched).
+    `on_settled(search so far, information)`: once its plan is known (any
+    largest batch left in the bracket gives the same micro-batch and
+    accumulation steps), while it goes on to the exact batch."""
     args = list(replayer.request.args)
     found = find_search_batch(args, options.batch_arg, snapshot)
     baseline = batch_model.observe(snapshot, 0)
@@ -220,6 +226,19 @@ def search_batch(
     if original <= 1:
         return None, info, "the batch size is already 1"
     baseline.batch_size = original
+    accumulates = not searches_evaluation_batch(snapshot, info)
+
+    def plan_settled(fit: int, oom: int) -> Optional[str]:
+        plan = batch_model.accumulation_plan(original, fit, accumulates)
+        if plan != batch_model.accumulation_plan(original, oom - 1, accumulates):
+            return None
+        return f"any largest batch from {fit} to {oom - 1} gives {plan[0]} x {plan[1]}"
+
+    def settled(search: batch_model.SearchResult) -> None:
+        assert on_settled is not None
+        search.trials[:0] = runs
+        on_settled(search, info)
+
     result = batch_model.search_max_batch(
         original,
         snapshot.device.capacity_bytes,
@@ -230,6 +249,8 @@ def search_batch(
         # Beside each trial near the limit only when the replays share the
         # device: taking it in turn, a probe beside the trial could hold it first.
         lanes=replayer.jobs if replayer.share_device else 1,
+        settles=plan_settled,
+        on_settled=settled if on_settled is not None else None,
     )
     probes.drop_all()
     result.trials[:0] = runs  # the DataLoader probe was a trial too
