@@ -226,13 +226,6 @@ def search_batch(
     if original <= 1:
         return None, info, "the batch size is already 1"
     baseline.batch_size = original
-    accumulates = not searches_evaluation_batch(snapshot, info)
-
-    def plan_settled(fit: int, oom: int) -> Optional[str]:
-        plan = batch_model.accumulation_plan(original, fit, accumulates)
-        if plan != batch_model.accumulation_plan(original, oom - 1, accumulates):
-            return None
-        return f"any largest batch from {fit} to {oom - 1} gives {plan[0]} x {plan[1]}"
 
     def settled(search: batch_model.SearchResult) -> None:
         assert on_settled is not None
@@ -249,7 +242,7 @@ def search_batch(
         # Beside each trial near the limit only when the replays share the
         # device: taking it in turn, a probe beside the trial could hold it first.
         lanes=replayer.jobs if replayer.share_device else 1,
-        settles=plan_settled,
+        settles=plan_settled(original, not searches_evaluation_batch(snapshot, info)),
         on_settled=settled if on_settled is not None else None,
     )
     probes.drop_all()
@@ -657,8 +650,14 @@ def settled_by_accumulation(
     batch from the fit to below the OOM gives the same micro-batch, no probe
     can change it."""
     assert state.search is not None
-    original = state.search.original_batch_size
     accumulates = not searches_evaluation_batch(snapshot, state.batch_info)
+    return plan_settled(state.search.original_batch_size, accumulates)
+
+
+def plan_settled(original: int, accumulates: bool) -> Callable[[int, int], Optional[str]]:
+    """Whether a batch that fits and a larger one that does not already give
+    the prescription's micro-batch and accumulation steps (every batch
+    between them gives the same), and which: why no probe can change it."""
 
     def enough(fit: int, oom: int) -> Optional[str]:
         plan = batch_model.accumulation_plan(original, fit, accumulates)
