@@ -25,6 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from script_args import prescription_label
+
 REPO = Path(__file__).resolve().parent.parent
 CORPUS = REPO / "tests" / "corpus"
 
@@ -179,10 +181,7 @@ def run_case(name: str, device: str, capacity: str) -> dict:
         )["outcome"]
         row["next_fits"] = plain(device, capacity, script, [*base, *split(form, maximum + 1)], spawned)["outcome"]  # fmt: skip
     prescription = document.get("prescription") or {}
-    row["prescription"] = "+".join(prescription.get("fixes") or []) or "no fix"
-    row["prescription"] += (
-        f" @ {prescription.get('batch_size')} x {prescription.get('accumulation_steps') or 1}"
-    )
+    row["prescription"] = prescription_label(prescription)
     args = prescription_args(prescription, base, form, failing, knobs) if prescription else None
     if args is not None and prescription.get("peak_allocated_bytes"):
         by_hand = plain(device, capacity, script, args, spawned)

@@ -20,7 +20,7 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from script_args import script_after_dashes
+from script_args import prescription_label, script_after_dashes
 from whole_run_check import oomdoc as diagnose  # one `oomdoc run`: (snapshot, seconds)
 
 COLUMNS = (
@@ -43,13 +43,11 @@ def cell(value) -> str:
 def table(document: dict, seconds: float) -> str:
     replay = document.get("replay") or {}
     total = float(replay.get("total_s") or 0.0)
-    prescription = document.get("prescription") or {}
-    chosen = " + ".join(prescription.get("fixes") or []) or "no fix"
+    chosen = prescription_label(document.get("prescription"))
     lines = [
         f"whole command {seconds:.1f} s, failing run about {max(seconds - total, 0):.1f} s "
         f"(the rest), {len(replay.get('runs') or [])} replays in {total:.1f} s, "
-        f"{replay.get('jobs')} lanes; prescription: {chosen} at "
-        f"{prescription.get('batch_size')} x {prescription.get('accumulation_steps')}",
+        f"{replay.get('jobs')} lanes; prescription: {chosen}",
         "",
         "| replay | " + " | ".join(COLUMNS) + " |",
         "| --- | " + " | ".join("---:" for _ in COLUMNS) + " |",

@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from script_args import script_after_dashes
+from script_args import prescription_label, script_after_dashes
 
 GiB = 1 << 30
 
@@ -39,13 +39,8 @@ def diagnose(out: Path, number: int, device_memory: str, script: list[str]) -> d
     document = json.loads(snapshot.read_text())
     prescription = document.get("prescription") or {}
     replay = document.get("replay") or {}
-    fixes = " + ".join(prescription.get("fixes") or []) or "no fix"
     row["replays"] = replay.get("replays")
-    row["prescription"] = (
-        f"{fixes} at {prescription.get('batch_size')} x {prescription.get('accumulation_steps')}"
-        if prescription
-        else "none"
-    )
+    row["prescription"] = prescription_label(prescription)
     row["samples_per_second"] = prescription.get("samples_per_second")
     row["peak"] = prescription.get("peak_allocated_bytes")
     return row

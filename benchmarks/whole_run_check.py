@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from script_args import script_after_dashes, set_flag
+from script_args import prescription_label, script_after_dashes, set_flag
 
 
 def oomdoc(out: Path, name: str, options: list[str], script: list[str]) -> tuple[dict, float]:
@@ -77,14 +77,9 @@ def by_hand_runs(
 
 def describe(document: dict) -> str:
     prescription = document.get("prescription") or {}
-    if not prescription:
-        return "none"
-    fixes = " + ".join(prescription.get("fixes") or []) or "no fix"
-    batch = prescription.get("batch_size")
-    steps = prescription.get("accumulation_steps") or 1
     certificate = prescription.get("certificate") or {}
     certified = " (certified)" if certificate.get("certified") else ""
-    return f"{fixes} at {batch} x {steps}{certified}"
+    return prescription_label(prescription) + certified
 
 
 def main() -> int:
