@@ -516,6 +516,10 @@ def search_max_batch(
     # does lose about that much here.
     halfway_failed = False
     settled = False
+
+    def largest_fit() -> int:
+        return max([run.batch_size for run in result.trials if run.fits] + [measured_lo])
+
     while hi - lo > 1 and len(result.trials) < max_trials:
         answer = settles(lo, hi) if settles is not None and not settled and lo > 0 else None
         if answer and on_settled is not None:
@@ -523,10 +527,7 @@ def search_max_batch(
             on_settled(
                 replace(
                     result,
-                    max_batch_size=max(
-                        [run.batch_size for run in result.trials if run.fits] + [measured_lo]
-                    )
-                    or None,
+                    max_batch_size=largest_fit() or None,
                     trials=list(result.trials),
                     predictions=list(result.predictions),
                     stopped=answer,
@@ -646,7 +647,7 @@ def search_max_batch(
                     f"{original_batch_size}: the batch size does not decide this OOM"
                 )
                 break
-    found = max([run.batch_size for run in result.trials if run.fits] + [measured_lo])
+    found = largest_fit()
     result.max_batch_size = found or None
     result.exact = found > 0 and hi - found == 1
     result.model = fit_model(runs)
