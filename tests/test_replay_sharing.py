@@ -223,6 +223,28 @@ def test_the_steps_whose_times_are_used_have_the_device_alone(tracker, autotunes
     assert [step.get("device_shared", False) for step in tracker.steps] == [True, False, False]
 
 
+def test_a_step_whose_work_is_done_when_the_timed_steps_end_was_timed_alone(tracker):
+    """Lightning and a plain loop fetch the next batch after the optimizer
+    step and before the next forward: the whole-run data ends the replay's
+    steps there (timed_steps_done) while the last step is still open. Its
+    time ends then, before the device is given up, so it was timed alone
+    (and the replay is not timed again); what follows is not in it."""
+    calls = []
+    tracker.share_device(lambda: calls.append("alone"), lambda: calls.append("done"), lambda: False)
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _step in range(3):
+        model(torch.randn(4, 8)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    tracker.timed_steps_done()  # the next batch is asked for: the steps are done
+    time.sleep(0.3)  # the script's own end (the device shared again)
+    tracker.finish()
+    assert calls == ["alone", "done"]
+    assert [step.get("device_shared", False) for step in tracker.steps] == [True, False, False]
+    assert tracker.steps[-1]["duration_s"] < 0.3
+
+
 @pytest.mark.parametrize("autotunes", [False, True])
 def test_an_untimed_replay_passes_the_device_on_at_each_steps_end(tracker, autotunes):
     calls = []
@@ -307,3 +329,23 @@ def test_a_replay_timed_only_while_sharing_is_timed_again_alone(tmp_path):
         }
 
     assert peaks(shared) == peaks(alone)
+
+
+def test_replays_side_by_side_with_steps_to_time_are_not_timed_again(tmp_path):
+    """A plain DataLoader loop: each replay's last step ends when the next
+    batch is asked for, with its time already taken alone (before,
+    every replay that fit was timed a second time, and the lanes stopped
+    sharing the device for the rest of the diagnosis)."""
+    snapshot = tmp_path / "steps.json"
+    result = run_oomdoc(
+        [
+            *("run", "--device", "cpu", "--device-memory", "40MiB", "-o", snapshot),
+            *("--replay-jobs", 2, "--fixes", "autocast,checkpointing"),
+            *(SCRIPTS / "replay_mlp_train.py", "--batch-size", "2048", "--steps", "8"),
+        ],
+        cwd=tmp_path,
+    )
+    assert result.returncode == 1, result.stderr[-3000:]
+    runs = load_json(snapshot)["replay"]["runs"]
+    fitted = [run for run in runs if run["outcome"] == "fits"]
+    assert fitted and not any(run.get("timed_again_alone") for run in fitted), runs

@@ -10,6 +10,7 @@ declared here, the Tracker sets it up.
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable
 
 # The units a step is counted in, from the finest: a model call, a backward,
@@ -37,6 +38,10 @@ class StepLimits:
     on_step_end: Callable[[], None] | None
     sharing_untimed: bool
     optimizer_cycle: Any  # oomdoc.capture.optimizer_cycle.OptimizerCycle
+    _step_started: float
+    _step_timer: Any  # oomdoc.capture.step_records.CudaStepTimer, on CUDA
+    # The step whose duration has ended (_end_step_timing), until it closes.
+    _timing_ended: dict[str, Any] | None = None
 
     def _first_step(self) -> None:
         hook, self.on_first_step = self.on_first_step, None
@@ -144,9 +149,31 @@ class StepLimits:
             hook()
             self.device_to_itself = True
 
+    def _end_step_timing(self) -> None:
+        """The current step's duration ends now, once: at its close, or
+        earlier when the timed steps end after its optimizer step but before
+        it closes (at the next training call). Lightning and a plain loop
+        fetch the next batch in between, and that is when the whole-run data
+        ends the replay's steps (timed_steps_done): ending its time there,
+        before the device is given up, keeps the others' work out of it, so
+        that the replay need not be timed again alone."""
+        current = self._current
+        if self._timing_ended is current:
+            return
+        self._timing_ended = current
+        current["duration_s"] = round(time.perf_counter() - self._step_started, 6)
+        if self._step_timer is not None:
+            # Step durations are compared between replays: a duration must be
+            # the step's kernels, not their launch (events, not a sync).
+            self._step_timer.close(current, self._step_started)
+        if not (self._step_alone and self.device_to_itself):
+            current["device_shared"] = True  # other replays' device work may be in its time
+
     def timed_steps_done(self) -> None:
         """No step timed from now on has the device alone (oomdoc.capture.gate),
         nor makes the replay's step time (`after_timed_steps`)."""
+        if self._pending_close and not self.timed_steps_over:
+            self._end_step_timing()  # its work is done: the rest is not its time
         self.timed_steps_over = True
         hook = self.on_timed_steps_done
         if hook is not None and (self.device_to_itself or self.sharing_untimed):

@@ -285,13 +285,7 @@ class Tracker(Attribution, LeakChecks, StepLimits, IterationSteps):
         current = self._current
         if current["end_allocated_bytes"] is None:
             current["end_allocated_bytes"] = self.backend.allocated_bytes()
-        current["duration_s"] = round(time.perf_counter() - self._step_started, 6)
-        if self._step_timer is not None:
-            # Step durations are compared between replays: a duration must be
-            # the step's kernels, not their launch (events, not a sync).
-            self._step_timer.close(current, self._step_started)
-        if not (self._step_alone and self.device_to_itself):
-            current["device_shared"] = True  # other replays' device work may be in its time
+        self._end_step_timing()
         if "retained_graphs" not in current:  # steps without an optimizer
             current["retained_graphs"] = self._find_retained_graphs(self._deep_walk_due())
         ledger = self.backend.storage_ledger()
