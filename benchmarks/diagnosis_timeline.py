@@ -70,6 +70,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--device-memory", default=None)
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--replay-jobs", type=int, default=None, help="lanes (default: oomdoc's)")
     parser.add_argument("--out", type=Path, default=None, help="snapshots and logs (a temp dir)")
     parser.add_argument("script", nargs=argparse.REMAINDER, help="-- script.py ARGS")
     options = parser.parse_args()
@@ -81,6 +82,8 @@ def main() -> None:
     flags = ["--device", options.device]
     if options.device_memory:
         flags += ["--device-memory", options.device_memory]
+    if options.replay_jobs:
+        flags += ["--replay-jobs", str(options.replay_jobs)]
     for index in range(options.runs):
         document, seconds = diagnose(out, f"run{index + 1}", flags, script)
         print(f"### run {index + 1}\n")

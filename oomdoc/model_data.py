@@ -144,6 +144,15 @@ class FlagsCheck:
     covers: List[str] = when_set(factory=list)
     # Its peak over the prescription's.
     peak_ratio: Optional[float] = when_set()
+    # Its throughput, timed as the user will run it (the prescription's
+    # samples_per_second then), its noise, and what oomdoc's own replay of
+    # the same changes measured: a framework's switch can cost more than
+    # oomdoc's fix of the same name (on an H200 the HF Trainer's
+    # --bf16 --gradient_checkpointing ran 81 samples/s where oomdoc's
+    # autocast + checkpointing replay ran 114).
+    samples_per_second: Optional[float] = when_set()
+    samples_per_second_noise: Optional[float] = when_set()
+    replay_samples_per_second: Optional[float] = when_set()
     extra: Dict[str, Any] = field(default_factory=dict)
 
     @property

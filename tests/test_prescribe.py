@@ -275,6 +275,18 @@ def hugging_face_case():
     return snapshot, state, replayer
 
 
+def prescribed_16_x_4(fixes: list[str], **measured) -> Prescription:
+    """A prescription of `fixes` at 16 x 4 that fits at 80 MiB."""
+    return Prescription(
+        fixes=fixes,
+        batch_size=16,
+        accumulation_steps=4,
+        peak_allocated_bytes=80 * MiB,
+        fits=True,
+        **measured,
+    )
+
+
 def test_the_script_own_flags_check_starts_beside_the_prescription_replay():
     """The check of a prescription with the script's own flags used to start
     only after its replay with accumulation had confirmed it: one more replay
@@ -288,9 +300,32 @@ def test_the_script_own_flags_check_starts_beside_the_prescription_replay():
     assert len(replayer.started_ahead) == 1 and len(replayer.asked) == 1
     verify_with_flags(replayer, snapshot, chosen, state)
     assert replayer.asked[1] == replayer.started_ahead[0]
-    # Its peak is reported, never its step time: it never takes the device alone.
-    assert replayer.asked[1][-1] is False and replayer.asked[0][-1] is True
-    assert replayer.untimed == [replayer.asked[1][0]]
+    # Timed as the replay with accumulation is: its throughput is the user's.
+    assert replayer.asked[1][-1] is True and replayer.asked[0][-1] is True
+    assert replayer.untimed == []
+
+
+def test_the_prescription_s_throughput_is_its_own_flags_replay_s():
+    """On an H200 the HF Trainer's --bf16 --gradient_checkpointing ran 81
+    samples/s by hand where oomdoc's own autocast + checkpointing replay
+    ran 114 (the prescription said 114): the script's own flags are what
+    the user runs, so their timed replay gives the prescription's
+    throughput, and the report shows both."""
+    snapshot, state, replayer = hugging_face_case()
+    replayer.outcomes = [("fits", 80 * MiB, 16 * 4 / 100.0)]  # an optimizer step of 4 x 16
+    prescription = prescribed_16_x_4(
+        ["autocast"], samples_per_second=140.0, samples_per_second_noise=0.01, throughput_ratio=2.8
+    )
+    verify_with_flags(replayer, snapshot, prescription, state)
+    checked = prescription.verified_by_flags
+    assert checked.samples_per_second == 100.0 and checked.replay_samples_per_second == 140.0
+    assert prescription.samples_per_second == 100.0
+    assert prescription.throughput_ratio == 2.0  # rebased with it
+    snapshot.prescription = prescription
+    lines = prescription_lines(analyse(snapshot))
+    line = next(line for line in lines if "own flags" in line)
+    assert "100.0 samples/s (oomdoc's own replay of these changes: 140.0)" in line, line
+    assert any(line.startswith("  throughput 100.0 samples/s") for line in lines), lines
 
 
 def test_a_bound_measured_slower_gives_way_to_the_fastest_measured():
@@ -523,13 +558,7 @@ def test_an_allocator_setting_is_verified_with_the_script_s_own_flags_in_its_env
     run with PYTORCH_CUDA_ALLOC_CONF set (before, no check ran at all), and
     the report prints the setting before the flags."""
     snapshot, state, replayer = hugging_face_case()
-    prescription = Prescription(
-        fixes=["expandable_segments"],
-        batch_size=16,
-        accumulation_steps=4,
-        peak_allocated_bytes=80 * MiB,
-        fits=True,
-    )
+    prescription = prescribed_16_x_4(["expandable_segments"])
     verify_with_flags(replayer, snapshot, prescription, state)
     checked = prescription.verified_by_flags
     assert checked is not None and checked.outcome == "fits"
@@ -555,14 +584,9 @@ def test_a_prescription_near_a_drifting_largest_batch_starts_its_expandable_chec
     from oomdoc.replay.own_flags import flags_replay
     from oomdoc.replay.prescription import prescription_replay, start_checks_ahead
 
-    def flags_key(flags):  # untimed: its peak is reported, never its step time
+    def flags_key(flags):  # timed: its throughput is the prescription's
         return replay_key(
-            None,
-            flags.label,
-            flags.replayed_args,
-            flags.env or None,
-            flags.micro_batches_per_step,
-            timed=False,
+            None, flags.label, flags.replayed_args, flags.env or None, flags.micro_batches_per_step
         )
 
     snapshot, state, replayer = hugging_face_case()

@@ -208,7 +208,6 @@ def start_flags_ahead(
         extra_env=flags.env or None,
         priority=SPECULATIVE,
         micro_batches_per_step=flags.micro_batches_per_step,
-        timed=False,
     )
 
 
@@ -218,7 +217,8 @@ def verify_with_flags(
     """Where the script has its own command-line flags for the prescribed
     changes (HfArgumentParser's --gradient_checkpointing, --bf16, ...), one
     replay runs the script with those flags and no fix of oomdoc's: its peak
-    is reported next to the prescription's."""
+    is reported next to the prescription's, and its throughput is the
+    prescription's (flags_throughput)."""
     flags = flags_replay(replayer, snapshot, state, prescription)
     if flags is None:
         return
@@ -228,7 +228,6 @@ def verify_with_flags(
         args=flags.replayed_args,
         extra_env=flags.env or None,
         micro_batches_per_step=flags.micro_batches_per_step,
-        timed=False,  # its peak is reported, never its step time
     )
     record = replay_record(replay, flags.args, flags.raised)
     record["covers"] = flags.covers
@@ -240,6 +239,42 @@ def verify_with_flags(
     if replay.fits and replay.peak_allocated_bytes and prescription.peak_allocated_bytes:
         ratio = replay.peak_allocated_bytes / prescription.peak_allocated_bytes
         checked.peak_ratio = round(ratio, 3)
+    flags_throughput(snapshot, state, prescription, replay)
+
+
+def flags_throughput(
+    snapshot: Snapshot, state: ReplayState, prescription: Prescription, replay: Replay
+) -> None:
+    """The prescription's throughput as its own-flags replay timed it: that
+    is the run the user will make. oomdoc's replay of the same changes
+    (kept as `replay_samples_per_second`) can differ: the framework's
+    switches are not oomdoc's fixes of the same name. Only where a step of
+    that replay is one optimizer step of the prescribed micro-batches, and
+    not for an evaluation batch (ranked by its training steps)."""
+    checked = prescription.verified_by_flags
+    capture = replay.capture
+    if (
+        checked is None
+        or not replay.fits
+        or not replay.step_s
+        or not prescription.batch_size
+        or capture is None
+        or searches_evaluation_batch(snapshot, state.batch_info)
+    ):
+        return
+    accumulation = max(1, prescription.accumulation_steps)
+    if accumulation > 1 and capture.step_unit != "optimizer":
+        return  # its steps are micro-batches, or backwards: not what is prescribed
+    speed = prescription.batch_size * accumulation / replay.step_s
+    checked.samples_per_second = round(speed, 3)
+    checked.samples_per_second_noise = replay.step_noise
+    before = prescription.samples_per_second
+    checked.replay_samples_per_second = before
+    prescription.samples_per_second = checked.samples_per_second
+    prescription.samples_per_second_noise = replay.step_noise
+    prescription.throughput_batch_size = None  # measured at the batch prescribed
+    if before and prescription.throughput_ratio:
+        prescription.throughput_ratio = round(prescription.throughput_ratio * speed / before, 3)
 
 
 # Choices given up when the script's own flags for their savers ran out of

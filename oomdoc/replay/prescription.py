@@ -43,6 +43,7 @@ from oomdoc.replay.candidates import (
 )
 from oomdoc.replay.certificate import certify_choice
 from oomdoc.replay.evaluation_batch import training_batch_size
+from oomdoc.replay.flags_choice import choose_with_flags
 from oomdoc.replay.fragmentation import (
     certify_with_expandable_segments,
     expandable_applies,
@@ -51,10 +52,7 @@ from oomdoc.replay.fragmentation import (
 )
 from oomdoc.replay.lanes import SPECULATIVE
 from oomdoc.replay.own_flags import (
-    FLAG_FALLBACKS,
     enough_steps,
-    flags_disagree,
-    mark_disagreed,
     prescription_snippet,
     replay_record,
     start_flags_ahead,
@@ -161,30 +159,20 @@ def prescription_for(
         for candidate in candidates:
             candidate.trained_per_step = trained
     measured: list[Candidate] = []
-    disagreed: dict[tuple, str] = {}  # savers whose script flags are not oomdoc's
-    chosen: Optional[Prescription] = None
-    while True:
-        pool = [c for c in candidates if tuple(c.fixes) not in disagreed]
-        choice, interrupted = measured_choice(
+    capacity = snapshot.device.capacity_bytes
+    limit = capacity - int(float(getattr(replayer.options, "margin_fraction", 0.05)) * capacity)
+    return choose_with_flags(
+        replayer,
+        candidates,
+        limit,
+        lambda pool: measured_choice(
             replayer, snapshot, state, pool, original, reference, measured
-        )
-        if choice is None:
-            break  # none without those savers: the last choice stands, its check shown
-        chosen = choice
-        complete_choice(replayer, snapshot, state, chosen, candidates + measured, original)
-        if chosen.fits and not interrupted and not replayer.stopped:
-            try:
-                verify_with_flags(replayer, snapshot, chosen, state)
-            except ReplaysInterrupted:
-                pass  # Ctrl-C during the check: the prescription stands without it
-        disagreement = flags_disagree(chosen)
-        if disagreement is None or len(disagreed) >= FLAG_FALLBACKS or replayer.stopped:
-            break
-        disagreed[tuple(chosen.fixes)] = disagreement
-    if chosen is None:
-        return None
-    mark_disagreed(chosen, disagreed)
-    return chosen
+        ),
+        lambda chosen: complete_choice(
+            replayer, snapshot, state, chosen, candidates + measured, original
+        ),
+        lambda chosen: verify_with_flags(replayer, snapshot, chosen, state),
+    )
 
 
 def complete_choice(

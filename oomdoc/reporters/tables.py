@@ -281,6 +281,13 @@ def prescription_lines(analysis: Analysis) -> list[str]:
         peak = checked.peak_allocated_bytes
         if checked.outcome == "fits" and peak is not None:
             verdict = f"fits, peak {format_bytes(peak)}"
+            if checked.samples_per_second:
+                verdict += f", {checked.samples_per_second:.1f} samples/s"
+            if checked.samples_per_second and checked.replay_samples_per_second:
+                verdict += (
+                    f" (oomdoc's own replay of these changes: "
+                    f"{checked.replay_samples_per_second:.1f})"
+                )
         else:
             verdict = f"{checked.outcome}" + (
                 f", needed more than {format_bytes(peak)}" if peak is not None else ""
@@ -374,6 +381,7 @@ VERDICT_WORDS = {
     "does_not_fit": "does not fit",
     "not_measured": "not measured",
     "flags_disagree": "not by your flags",
+    "slower_by_flags": "slower by your flags",
 }
 
 

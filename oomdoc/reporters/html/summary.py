@@ -191,6 +191,8 @@ def prescription_html(view: dict, ids: Ids) -> str:
             verdict = flags.get("outcome") or "?"
             if flags.get("peak_allocated_bytes") is not None:
                 verdict += f", peak {fmt(flags['peak_allocated_bytes'])}"
+            if flags.get("samples_per_second") is not None:
+                verdict += f", {flags['samples_per_second']:.1f} samples/s"
             facts.append(f"replayed with your script's own flags ({flags['args']}): {verdict}")
         how = {True: "measured", False: "estimated"}.get(prescription.get("measured"), "")
         fits = prescription.get("fits")

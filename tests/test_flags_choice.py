@@ -1,0 +1,106 @@
+"""The choice checked by the script's own flags (oomdoc.replay.flags_choice):
+a choice whose flags run slower than another configuration's replay is
+measured against that one by its flags too, and the faster by the flags is
+prescribed."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from oomdoc.model import ConsideredConfiguration, FlagsCheck, Prescription
+from oomdoc.replay.candidates import Candidate
+from oomdoc.replay.flags_choice import choose_with_flags, flags_slower
+
+MiB = 1 << 20
+LIMIT = 100 * MiB
+
+
+def lightning_case(flags_speeds: dict[tuple, float]):
+    """The Lightning encoder on the H200: oomdoc's replays put autocast at
+    16 x 16 (464 samples/s) above bf16 + checkpointing at 32 (404 at most);
+    `flags_speeds`: what each ran by the script's own flags."""
+    candidates = [
+        Candidate(["autocast"], 16, 60 * MiB, 16 / 464.0, "autocast 16"),
+        Candidate(["autocast", "checkpointing"], 32, 58 * MiB, 32 / 404.0, "both 32"),
+        Candidate([], 16, 90 * MiB, 16 / 73.0, "b24"),
+    ]
+    chosen_pools, verified = [], []
+
+    def choose(pool):
+        chosen_pools.append([tuple(c.fixes) for c in pool])
+        best = max(pool, key=lambda c: c.samples_per_second)
+        prescription = Prescription(
+            fixes=list(best.fixes),
+            batch_size=best.batch_size,
+            accumulation_steps=256 // best.batch_size,
+            fits=True,
+            samples_per_second=best.samples_per_second,
+        )
+        prescription.considered = [
+            ConsideredConfiguration(
+                fixes=list(c.fixes),
+                samples_per_second=c.samples_per_second,
+                samples_per_second_noise=0.01,
+                verdict="prescribed" if c is best else "slower",
+            )
+            for c in candidates
+        ]
+        return prescription, False
+
+    def verify(prescription):
+        verified.append(tuple(prescription.fixes))
+        speed = flags_speeds[tuple(prescription.fixes)]
+        prescription.verified_by_flags = FlagsCheck(
+            args=["--flags"],
+            outcome="fits",
+            samples_per_second=speed,
+            samples_per_second_noise=0.01,
+            replay_samples_per_second=prescription.samples_per_second,
+        )
+        prescription.samples_per_second = speed  # as own_flags.flags_throughput does
+
+    replayer = SimpleNamespace(stopped=False)
+    final = choose_with_flags(replayer, candidates, LIMIT, choose, lambda p: None, verify)
+    return final, chosen_pools, verified
+
+
+def verdicts(prescription):
+    return {tuple(entry.fixes): entry.verdict for entry in prescription.considered}
+
+
+def test_a_choice_slower_by_its_flags_than_another_could_be_gives_way_to_the_faster_by_flags():
+    both = ("autocast", "checkpointing")
+    final, pools, verified = lightning_case({("autocast",): 360.0, both: 409.0})
+    assert verified == [("autocast",), both]
+    assert ("autocast",) not in pools[1]  # its savers set aside for the second choice
+    assert tuple(final.fixes) == both and final.samples_per_second == 409.0
+    assert verdicts(final)[("autocast",)] == "slower_by_flags"
+    reason = next(e.reason for e in final.considered if e.fixes == ["autocast"])
+    assert "360.0 samples/s against 409.0" in reason
+
+
+def test_the_first_choice_stands_when_the_other_is_slower_by_its_flags_too():
+    both = ("autocast", "checkpointing")
+    final, _pools, verified = lightning_case({("autocast",): 380.0, both: 350.0})
+    assert verified == [("autocast",), both]
+    assert final.fixes == ["autocast"] and final.samples_per_second == 380.0
+    assert verdicts(final)[both] == "slower_by_flags"
+
+
+def test_flags_as_fast_as_the_replay_need_no_second_choice():
+    final, pools, verified = lightning_case({("autocast",): 455.0})
+    assert verified == [("autocast",)] and len(pools) == 1
+    assert final.fixes == ["autocast"]
+
+
+def test_no_second_choice_when_no_other_configuration_ran_faster_than_the_flags():
+    chosen = Prescription(fixes=["autocast"], batch_size=16, samples_per_second=300.0)
+    chosen.verified_by_flags = FlagsCheck(
+        outcome="fits", samples_per_second=300.0, replay_samples_per_second=464.0
+    )
+    slow = Candidate(["checkpointing"], 32, 50 * MiB, 32 / 58.0, "ckpt 32")
+    assert flags_slower(chosen, [slow], LIMIT) is None
+    fast = Candidate(["autocast", "checkpointing"], 32, 58 * MiB, 32 / 404.0, "both 32")
+    assert "measured by your flags too" in (flags_slower(chosen, [slow, fast], LIMIT) or "")
+    over = Candidate(["autocast", "checkpointing"], 32, 120 * MiB, 32 / 404.0, "both 32")
+    assert flags_slower(chosen, [over], LIMIT) is None  # over the margin: not a rival
