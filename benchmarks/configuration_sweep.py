@@ -1,7 +1,8 @@
 """A dense sweep by hand, to check a prescription against: every subset of
 the memory savers (given as the script's own flags) x a grid of micro-batches,
 each with the gradient accumulation that keeps the effective batch, run under
-`oomdoc run --no-replay` on the same capacity; a table of peaks and
+`oomdoc run --no-replay` on the same capacity (or, with `--plain`, as plain
+capped runs without oomdoc: benchmarks/plain_step_time.py); a table of peaks and
 throughputs (median optimizer step after the first), the best marked, and
 oomdoc's prescription (from its snapshot) against the best.
 
@@ -60,6 +61,39 @@ def run_by_hand(
     return row
 
 
+def run_plain(out: Path, name: str, device_memory: str, script_args: list[str]) -> dict:
+    """One configuration as a plain capped run (plain_step_time.py, CUDA): no
+    capture at all. On an H200 `oomdoc run --no-replay`'s capture slowed the
+    HF Trainer's bf16 + checkpointing step from 0.138 s to 0.197 s and the
+    Lightning encoder's bf16 at 16 x 16 from 0.519 s to 0.70 s (their many
+    small modules' hooks on a step the CPU launches), so the sweeps under it
+    ranked those configurations lower than the user's own runs do."""
+    here = Path(__file__).resolve().parent
+    command = [sys.executable, str(here / "plain_step_time.py"), "--device-memory", device_memory]
+    started = time.perf_counter()
+    completed = subprocess.run(
+        [*command, "--", *script_args],
+        capture_output=True,
+        text=True,
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")]),
+        },
+    )
+    (out / f"{name}.log").write_text(completed.stdout + completed.stderr)
+    row = {"wall_s": round(time.perf_counter() - started, 1), "outcome": "error"}
+    for line in completed.stdout.splitlines():
+        if line.startswith("PLAIN "):
+            measured = json.loads(line[len("PLAIN ") :])
+            row.update(
+                outcome=measured["outcome"],
+                peak=measured["peak_allocated_bytes"],
+                step_s=measured["median_step_s"],
+                steps_timed=max(0, measured["optimizer_steps"] - 2),
+            )
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device-memory", required=True)
@@ -71,6 +105,11 @@ def main() -> None:
     parser.add_argument("--out", default="sweep")
     parser.add_argument(
         "--history", action="store_true", help="record per-allocation stacks (slower steps)"
+    )
+    parser.add_argument(
+        "--plain",
+        action="store_true",
+        help="time each configuration as a plain capped run (CUDA), not under oomdoc's capture",
     )
     parser.add_argument("script", nargs=argparse.REMAINDER)
     options = parser.parse_args()
@@ -89,8 +128,11 @@ def main() -> None:
                 for name in subset:
                     args += shlex.split(savers[name])
                 label = "+".join(subset) or "none"
-                row = run_by_hand(
-                    out, f"{label}-{micro}x{steps}", options.device_memory, args, options.history
+                name = f"{label}-{micro}x{steps}"
+                row = (
+                    run_plain(out, name, options.device_memory, args)
+                    if options.plain
+                    else run_by_hand(out, name, options.device_memory, args, options.history)
                 )
                 row.update(fixes=label, micro=micro, steps=steps)
                 if row.get("step_s") and row["outcome"] == "ok":

@@ -4,16 +4,15 @@ measured, and by its flags too.
 
 oomdoc ranks the configurations by its own replays: its autocast, its
 checkpointing, its gradient accumulation. The user runs the script's own
-switches, which can do more work: on an H200 the Lightning encoder's
-`--precision bf16-mixed --accumulate-grad-batches 16` ran 356 to 368
-samples/s at 16 x 16 where oomdoc's replay of the same changes ran 464 to
-491, and bf16 + checkpointing at 32 x 8 ran 409 by its flags. oomdoc's
-ranking put 16 x 16 first; by the flags the other was faster, and the
-prescription flipped between the two from run to run. So when a choice's
-flags run slower than its replay (beyond the timing noise) and another
-configuration's replay ran faster than those flags, that one is measured as
-prescribed and by its flags as well, and the faster by the flags is
-prescribed.
+switches, which need not cost the same: on an H200 (16 GiB cap) the
+Lightning encoder's `--precision bf16-mixed --accumulate-grad-batches 16`
+at 16 x 16 ran 497.0 samples/s in its own-flags replay, 492.9 in a plain
+capped run (benchmarks/plain_step_time.py), and 433.4 in oomdoc's replay of
+the same changes. There the flags ran faster, and nothing more is needed.
+When a choice's flags run slower than its replay (beyond the timing noise)
+and another configuration's replay ran faster than those flags, which one is
+faster as the user runs it is not known: that one is measured as prescribed
+and by its flags as well, and the faster by the flags is prescribed.
 """
 
 from __future__ import annotations
