@@ -114,23 +114,16 @@ def choose_with_flags(
     # its flags' where they were timed (own_flags.flags_throughput).
     standing = [*fitting, *([chosen] if flags_disagree(chosen) is None else [])]
     final = max(standing, key=lambda p: p.samples_per_second or 0.0) if standing else chosen
-    for other in standing:
-        if other is not final:
-            disagreed[tuple(other.fixes)] = (
-                f"slower by your script's own flags: {other.samples_per_second or 0.0:.1f} "
-                f"samples/s against {final.samples_per_second or 0.0:.1f}"
-            )
-    disagreed.pop(tuple(final.fixes), None)
+    slower_by_flags = {
+        tuple(other.fixes): (
+            f"slower by your script's own flags: {other.samples_per_second or 0.0:.1f} "
+            f"samples/s against {final.samples_per_second or 0.0:.1f}"
+        )
+        for other in standing
+        if other is not final
+    }
+    for fixes in [*slower_by_flags, tuple(final.fixes)]:
+        disagreed.pop(fixes, None)
     mark_disagreed(final, disagreed)
-    for fixes, reason in disagreed.items():
-        if reason.startswith("slower by your"):
-            mark_slower(final, fixes)
+    mark_disagreed(final, slower_by_flags, verdict="slower_by_flags")
     return final
-
-
-def mark_slower(prescription: Prescription, fixes: tuple) -> None:
-    """The report's verdict for a choice given up as slower by its flags
-    (mark_disagreed listed it as not by the flags)."""
-    for entry in prescription.considered or []:
-        if tuple(entry.fixes) == fixes and entry.verdict == "flags_disagree":
-            entry.verdict = "slower_by_flags"

@@ -306,9 +306,12 @@ def flags_disagree(prescription: Prescription) -> Optional[str]:
     )
 
 
-def mark_disagreed(prescription: Prescription, disagreed: dict[tuple, str]) -> None:
+def mark_disagreed(
+    prescription: Prescription, disagreed: dict[tuple, str], verdict: str = "flags_disagree"
+) -> None:
     """Each configuration given up for its script flags, in the report's
-    list of those weighed, with why."""
+    list of those weighed, with why (`verdict`: out of memory by them, or
+    slower by them: oomdoc.replay.flags_choice)."""
     if prescription.considered is None:
         return
     listed = {tuple(entry.fixes): entry for entry in prescription.considered}
@@ -319,4 +322,4 @@ def mark_disagreed(prescription: Prescription, disagreed: dict[tuple, str]) -> N
         if entry is None:
             entry = ConsideredConfiguration(fixes=list(fixes), measured=True)
             prescription.considered.append(entry)
-        entry.verdict, entry.reason = "flags_disagree", reason
+        entry.verdict, entry.reason = verdict, reason
