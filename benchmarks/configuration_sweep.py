@@ -71,15 +71,7 @@ def run_plain(out: Path, name: str, device_memory: str, script_args: list[str]) 
     here = Path(__file__).resolve().parent
     command = [sys.executable, str(here / "plain_step_time.py"), "--device-memory", device_memory]
     started = time.perf_counter()
-    completed = subprocess.run(
-        [*command, "--", *script_args],
-        capture_output=True,
-        text=True,
-        env={
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")]),
-        },
-    )
+    completed = subprocess.run([*command, "--", *script_args], capture_output=True, text=True)
     (out / f"{name}.log").write_text(completed.stdout + completed.stderr)
     row = {"wall_s": round(time.perf_counter() - started, 1), "outcome": "error"}
     for line in completed.stdout.splitlines():

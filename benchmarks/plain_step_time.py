@@ -18,23 +18,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import runpy
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 from script_args import script_after_dashes
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-UNITS = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
-
-
-def parse_bytes(text: str) -> int:
-    for unit, scale in UNITS.items():
-        if text.endswith(unit):
-            return int(float(text[: -len(unit)]) * scale)
-    return int(text)
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+from oomdoc.sizes import parse_size  # noqa: E402 (the repository, put on the path above)
 
 
 def main() -> None:
@@ -48,7 +45,7 @@ def main() -> None:
         parser.error("the script to run comes after --")
     if options.device_memory:
         total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(parse_bytes(options.device_memory) / total)
+        torch.cuda.set_per_process_memory_fraction(parse_size(options.device_memory) / total)
     stamps: list[float] = []
 
     def after_step(_optimizer, _args, _kwargs) -> None:
@@ -57,6 +54,13 @@ def main() -> None:
 
     register_optimizer_step_post_hook(after_step)
     sys.argv = list(script)
+    # The path the script has when run as `python script.py`: its own folder
+    # first (it may import its siblings), not this one's or the repository.
+    ours = {str(HERE), str(HERE.parent)}
+    sys.path[:] = [
+        os.path.dirname(os.path.abspath(script[0])),
+        *(entry for entry in sys.path if entry not in ours),
+    ]
     outcome = "ok"
     try:
         runpy.run_path(script[0], run_name="__main__")
