@@ -12,7 +12,21 @@ sign-test interval (benchmarks/suite.py's paired_overhead).
 `--plain-capped` adds the plain run under the same cap as oomdoc's
 `--device-memory` (set_per_process_memory_fraction, as leak_to_oom.py caps
 it), and `--uncapped` oomdoc on the whole card: the cap changes what the
-caching allocator does, and is not part of the capture.
+caching allocator does, and is not part of the capture. With `--capped-only`
+the plain capped run is the only plain run and the baseline of every row.
+
+`--optimizer-steps` times scripts that print no step lines (the HF `Trainer`,
+Lightning): a `sitecustomize` put first on every run's PYTHONPATH registers
+one global optimizer-step post-hook that synchronizes and prints the interval
+since the last optimizer step, in the plain runs and in oomdoc's capture child
+(never in oomdoc's parent, which does not import torch). Each interval then
+holds the whole of a step: data loading, accumulation's micro-batches, the
+framework's own work. The same hook runs in every variant.
+
+    python benchmarks/capture_parts.py --device-memory 16GiB --repeats 2 \
+        --capped-only --optimizer-steps --warmup 3 -- \
+        tests/scripts/fw_hf_trainer.py --use_cpu False --bf16 True \
+        --gradient_checkpointing True --per_device_train_batch_size 16 --max_steps 12
 
 Variants (`--variant NAME=KEY=VALUE[,KEY=VALUE]`, repeatable) default to:
 oomdoc as it is, without the per-allocation Python stacks
@@ -23,6 +37,7 @@ oomdoc as it is, without the per-allocation Python stacks
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -43,6 +58,32 @@ DEFAULT_VARIANTS = [
 
 PLAIN_CAPPED = "plain, capped"
 UNCAPPED = "oomdoc, whole card"
+
+# Prints `step N: loss nan (T ms)` at each optimizer step, the wall time since
+# the previous one after a synchronize. In oomdoc's child only (the parent has
+# neither OOMDOC_CHILD_CONFIG nor ..._FD), or in a plain run.
+STEP_TIMER = r"""
+import os
+_mode = os.environ.get("OOMDOC_BENCH_STEP_TIMER")
+_child = os.environ.get("OOMDOC_CHILD_CONFIG") or os.environ.get("OOMDOC_CHILD_CONFIG_FD")
+if _mode == "plain" or (_mode == "oomdoc" and _child):
+    import time
+    import torch
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    _last = [None, 0]
+
+    def _after_step(_optimizer, _args, _kwargs):
+        if torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        if _last[0] is not None:
+            print(f"step {_last[1]}: loss nan ({1000 * (now - _last[0]):.3f} ms)", flush=True)
+            _last[1] += 1
+        _last[0] = now
+
+    register_optimizer_step_post_hook(_after_step)
+"""
 
 
 def parse_variant(text: str) -> tuple[str, dict]:
@@ -72,6 +113,12 @@ def main() -> None:
     parser.add_argument("--variant", action="append", default=None)
     parser.add_argument("--plain-capped", action="store_true", help="and plain under the cap")
     parser.add_argument("--uncapped", action="store_true", help="and oomdoc on the whole card")
+    parser.add_argument(
+        "--capped-only", action="store_true", help="the plain capped run is the baseline"
+    )
+    parser.add_argument(
+        "--optimizer-steps", action="store_true", help="time optimizer steps from outside"
+    )
     parser.add_argument("script", nargs=argparse.REMAINDER, help="-- SCRIPT ARGS")
     args = parser.parse_args()
     script = script_after_dashes(args.script)
@@ -79,21 +126,30 @@ def main() -> None:
         parser.error("give the script and its arguments after --")
     args.replay_jobs = None
     variants = [parse_variant(text) for text in (args.variant or DEFAULT_VARIANTS)]
-    if args.plain_capped:
+    if args.plain_capped and not args.capped_only:
         variants.insert(0, (PLAIN_CAPPED, {}))
     if args.uncapped:
         variants.append((UNCAPPED, {}))
+    baseline = PLAIN_CAPPED if args.capped_only else "plain"
     base_env = environment(args.device)
-    walls: dict[str, list[list[float]]] = {"plain": []}
-    cpus: dict[str, list[float]] = {"plain": []}
+    walls: dict[str, list[list[float]]] = {baseline: []}
+    cpus: dict[str, list[float]] = {baseline: []}
     for name, _env in variants:
         walls[name], cpus[name] = [], []
     with tempfile.TemporaryDirectory() as directory:
+        if args.optimizer_steps:
+            Path(directory, "sitecustomize.py").write_text(STEP_TIMER)
+            base_env["PYTHONPATH"] = os.pathsep.join([directory, base_env["PYTHONPATH"]])
         for round_ in range(args.repeats):
             started = time.perf_counter()
-            wall, cpu = steps_of(run([sys.executable, *script], base_env), args.warmup)
-            walls["plain"].append(wall)
-            cpus["plain"] += cpu
+            plain_env = dict(base_env, OOMDOC_BENCH_STEP_TIMER="plain")
+            if args.capped_only:
+                command = [sys.executable, "-c", CAPPED, args.device_memory, *script]
+            else:
+                command = [sys.executable, *script]
+            wall, cpu = steps_of(run(command, plain_env), args.warmup)
+            walls[baseline].append(wall)
+            cpus[baseline] += cpu
             for index, (name, env) in enumerate(variants):
                 snapshot = Path(directory) / f"{round_}-{index}.json"
                 if name == PLAIN_CAPPED:
@@ -106,7 +162,9 @@ def main() -> None:
                         False,
                     )
                     command += script
-                wall, cpu = steps_of(run(command, dict(base_env, **env)), args.warmup)
+                timer = "plain" if name == PLAIN_CAPPED else "oomdoc"
+                run_env = dict(base_env, OOMDOC_BENCH_STEP_TIMER=timer, **env)
+                wall, cpu = steps_of(run(command, run_env), args.warmup)
                 walls[name].append(wall)
                 cpus[name] += cpu
             print(
@@ -114,8 +172,8 @@ def main() -> None:
                 file=sys.stderr,
                 flush=True,
             )
-    plain_wall = statistics.median([t for run_ in walls["plain"] for t in run_])
-    plain_cpu = statistics.median(cpus["plain"]) if cpus["plain"] else None
+    plain_wall = statistics.median([t for run_ in walls[baseline] for t in run_])
+    plain_cpu = statistics.median(cpus[baseline]) if cpus[baseline] else None
     rows = []
     for name in walls:
         wall = statistics.median([t for run_ in walls[name] for t in run_])
@@ -126,10 +184,10 @@ def main() -> None:
                 f"{wall:.2f}",
                 "" if cpu is None else f"{cpu:.2f}",
                 ""
-                if name == "plain" or cpu is None or plain_cpu is None
+                if name == baseline or cpu is None or plain_cpu is None
                 else f"{cpu - plain_cpu:+.2f}",
-                "" if name == "plain" else f"{100 * (wall / plain_wall - 1):+.2f}%",
-                "" if name == "plain" else paired_overhead(walls["plain"], walls[name]),
+                "" if name == baseline else f"{100 * (wall / plain_wall - 1):+.2f}%",
+                "" if name == baseline else paired_overhead(walls[baseline], walls[name]),
             ]
         )
     print(f"{' '.join(script)}: {args.repeats} interleaved rounds, steps from {args.warmup} on")

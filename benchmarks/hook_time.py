@@ -100,7 +100,7 @@ if os.environ.get("OOMDOC_CHILD_CONFIG") or os.environ.get("OOMDOC_CHILD_CONFIG_
         "_close_step", "_outermost_forward_start", "_set_phase", "_sample_peak",
         "_fold_peak", "_find_retained_graphs", "_breakdown", "_new_step",
         "_backward_ended", "_add_model", "_call_kind", "_note_shapes",
-        "_deep_walk_due", "_known_tensors", "_remember_forward_baseline",
+        "_deep_walk_due", "_known_tensors", "_remember_forward_baseline", "_sites",
     )
     for name in [n for n in vars(Tracker) if n.startswith("_on_")] + list(named):
         _timed(Tracker, name)
@@ -108,7 +108,7 @@ if os.environ.get("OOMDOC_CHILD_CONFIG") or os.environ.get("OOMDOC_CHILD_CONFIG_
         _timed(modules.ModuleScopes, name)
     try:
         from oomdoc.capture.cuda import CudaBackend
-        for name in ("allocated_bytes", "read_and_reset_peak", "storage_table"):
+        for name in ("allocated_bytes", "read_and_reset_peak", "storage_table", "allocation_sites"):
             _timed(CudaBackend, name)
     except Exception:
         pass

@@ -212,6 +212,12 @@ class Backend:
         from here on must not count (the simulated device stops counting;
         a real device's allocator counts whatever it does)."""
 
+    def step_closed(self, step: dict) -> None:
+        """A step's record is complete (the CUDA backend decides on its stacks)."""
+
+    def phase_started(self, phase: str) -> None:
+        """The script entered `phase` (forward, backward, optimizer, evaluation)."""
+
     def capture_stats(self) -> dict[str, int]:
         """The backend's share of the capture's work counters."""
         return {}

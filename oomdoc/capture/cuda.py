@@ -15,6 +15,7 @@ from oomdoc.capture import nvml_handle
 from oomdoc.capture.backend_base import AllocationObserver, Backend
 from oomdoc.capture.modules import phase_from_frames
 from oomdoc.capture.peak_view import PeakView
+from oomdoc.capture.stack_recording import StackRecording
 
 _IS_CUDA = attrgetter("is_cuda")
 _GET_DEVICE = methodcaller("get_device")
@@ -47,7 +48,11 @@ class CudaBackend(Backend):
         if not self.deferred:
             self._read_properties()
         self.tracker: AllocationObserver | None = None
+        # `_recording`: the allocation history was set up (blocks may hold
+        # frames); `_stacks_on`: allocations record them now (stack_recording).
         self._recording = False
+        self._stacks_on = False
+        self._stack_policy: StackRecording | None = None
         self._torch_snapshot = None
         self._device_count: int | None = None
         # The script's max_memory_allocated() etc. despite the resets below.
@@ -102,18 +107,42 @@ class CudaBackend(Backend):
         # stacks (allocation sites then have no locations) for the last bit of speed.
         if os.environ.get("OOMDOC_ALLOCATION_HISTORY", "1") != "0":
             try:
-                torch.cuda.memory._record_memory_history(
-                    enabled="all",
-                    context="alloc",
-                    stacks="python",
-                    max_entries=self.HISTORY_ENTRIES,
-                )
+                self._record_stacks(True)
                 self._recording = True
+                self._stack_policy = StackRecording(self._capacity)
             except Exception as exc:  # pragma: no cover - depends on the build
                 print(f"oomdoc: allocation history unavailable: {exc}", file=sys.stderr)
         # torch's stub for torch._C omits this binding (torch/csrc/cuda/Module.cpp).
         torch._C._cuda_attach_out_of_memory_observer(self._oom_observer)  # type: ignore[attr-defined]
         self._peaks.read_and_reset(self.device_index)
+
+    def _record_stacks(self, on: bool) -> None:
+        torch.cuda.memory._record_memory_history(
+            enabled="all" if on else None,
+            context="alloc",
+            stacks="python",
+            max_entries=self.HISTORY_ENTRIES,
+        )
+        self._stacks_on = on
+
+    def _apply_stack_decision(self, wanted: bool) -> None:
+        if wanted != self._stacks_on:
+            try:
+                self._record_stacks(wanted)
+            except Exception:  # keep whatever the allocator does now
+                pass
+
+    def step_closed(self, step: dict) -> None:
+        if self._stack_policy is not None:
+            self._apply_stack_decision(self._stack_policy.step_closed(step, self._stacks_on))
+
+    def phase_started(self, phase: str) -> None:
+        if self._stack_policy is not None:
+            self._apply_stack_decision(self._stack_policy.phase_started(phase))
+
+    def capture_stats(self) -> dict[str, int]:
+        policy = self._stack_policy
+        return {} if policy is None else {"steps_without_stacks": policy.steps_without_stacks}
 
     def uninstall(self) -> None:
         self._peaks.uninstall()

@@ -279,6 +279,7 @@ class Tracker(Attribution, LeakChecks, StepLimits, IterationSteps):
             self._sample_peak()
             self._fold_peak()
             self.phase = phase
+            self.backend.phase_started(phase)
 
     def _close_step(self) -> None:
         self._fold_peak()
@@ -293,6 +294,7 @@ class Tracker(Attribution, LeakChecks, StepLimits, IterationSteps):
             current["retained_activation_bytes"] = int(
                 ledger.retained_activation_bytes(current["index"])
             )
+        self.backend.step_closed(current)
         self.steps.append(current)
         self._bounded_steps.trim(self.steps)
         self.step_index += 1

@@ -10,7 +10,7 @@ import pickle
 
 import pytest
 import torch
-from conftest import EXAMPLES, load_json, run_oomdoc
+from conftest import EXAMPLES, SCRIPTS, load_json, run_oomdoc
 
 pytestmark = [
     pytest.mark.gpu,
@@ -158,3 +158,30 @@ def test_a_warm_child_handed_expandable_segments_allocates_expandable_segments(t
             assert segments and all(flag is expected for flag in segments), segments
     finally:
         pool.close()
+
+
+def test_allocation_stacks_stop_on_steady_steps_and_stay_on_under_a_leak(tmp_path):
+    """The allocator's per-allocation Python stacks (13 to 17% of a bf16 step
+    on an H200) are recorded until training is steady: the sites of the peak,
+    read in the first steps, keep their locations; a leaking run keeps them."""
+    steady = tmp_path / "steady.json"
+    result = run_oomdoc(
+        ["run", "--device-memory", "16GiB", "--no-replay", "-o", steady, GPT]
+        + ["--batch-size", "4", "--steps", "8"],
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    document = load_json(steady)
+    assert document["capture_stats"]["steps_without_stacks"] >= 3
+    assert any(
+        (site.get("location") or {}).get("file", "").endswith("gpt_train.py")
+        for site in document["top_allocations"]
+    )
+    leaking = tmp_path / "leak.json"
+    result = run_oomdoc(
+        ["run", "--device-memory", "16GiB", "--no-replay", "-o", leaking]
+        + [SCRIPTS / "suggest_leak_total_loss.py", "--mode", "sum-retain", "--steps", "8"],
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert load_json(leaking)["capture_stats"]["steps_without_stacks"] == 0
