@@ -15,7 +15,12 @@ optimizer state and anything a leak keeps hold their sites. A block
 allocated while they were off has none: it has no location, and its phase
 reads as backward's (oomdoc.capture.modules.phase_from_frames: no Python
 frame), so it counts as activations unless it is a parameter, gradient or
-optimizer state, which are found by identity.
+optimizer state, which are found by identity. Turning the stacks off turns
+off the allocator's whole history, its event trace too (a trace without
+stacks still costs an entry per allocation and per free; torch clears the
+trace when the history goes off): PyTorch's memory snapshot of an OOM in such a step, saved for
+memory_viz, has the blocks and their frames but only the events since the
+stacks came back on (none, if they did not).
 
 Recorded:
 - every step until `STEADY_STEPS` training steps in a row were steady: a
