@@ -12,7 +12,11 @@ per-step leak check) on CPU tensors through a backend that presents them as
 the device, so the Python work is the same as on CUDA; what is left out is
 the allocator's own work (its statistics, its allocation history). With
 `--device cuda` the same models run on the GPU under the real CUDA backend,
-allocation history included (and a row without it).
+allocation history included (and a row without it); there the backend pauses
+the stacks and the module scopes itself once the steps are steady
+(oomdoc.capture.stack_recording), as the warm-up steps make them. On the CPU
+the row `oomdoc, steady steps` times that paused state, the row `oomdoc` the
+detailed one (the first steps of a run, evaluation, a run that is not steady).
 
 The models are tiny (their arithmetic is a few percent of a step), so a step
 is almost all framework Python, like a launch-bound GPU step:
@@ -81,6 +85,21 @@ class HostBackend(Backend):
 
     def read_and_reset_peak(self) -> tuple[int, int]:
         return 0, 0
+
+
+class SteadyHostBackend(HostBackend):
+    """HostBackend that answers, once `steady` is set, what the CUDA backend
+    answers on a steady run (oomdoc.capture.stack_recording): no detail for
+    training steps, so the module scopes pause (its allocator, here none,
+    would stop recording stacks)."""
+
+    steady = False
+
+    def step_closed(self, step: dict) -> bool:
+        return not self.steady
+
+    def phase_started(self, phase: str) -> bool:
+        return not self.steady or phase == "evaluation"
 
 
 class Block(nn.Module):
@@ -163,8 +182,12 @@ def time_steps(step, steps: int) -> float:
     return statistics.median(samples)
 
 
-def under_tracker(step, steps: int, device: str, pack_hook: bool, history: bool = True):
-    """(host seconds per step, capture stats) of `steps` steps under a tracker."""
+def under_tracker(
+    step, steps: int, device: str, pack_hook: bool, history: bool = True, steady: bool = False
+):
+    """(host seconds per step, capture stats) of `steps` steps under a tracker.
+    `steady` (CPU): the steps timed run as the CUDA backend runs steady steps;
+    on CUDA the backend itself decides (the warm-up steps make the run steady)."""
     switches = {
         "OOMDOC_MODULE_HOOKS": "1" if pack_hook else "0",
         "OOMDOC_ALLOCATION_HISTORY": "1" if history else "0",
@@ -176,13 +199,16 @@ def under_tracker(step, steps: int, device: str, pack_hook: bool, history: bool 
 
         backend: Backend = CudaBackend(None)
     else:
-        backend = HostBackend()
+        backend = SteadyHostBackend() if steady else HostBackend()
     tracker = Tracker(backend)
     backend.install(tracker)
     tracker.install()
     tracker.scopes.any_device = device != "cuda"
     try:
-        for _ in range(3):  # the first steps name the model and build the tables
+        for _ in range(5):  # the first steps name the model and build the tables
+            step()
+        if isinstance(backend, SteadyHostBackend):
+            backend.steady = True
             step()
         seconds = time_steps(step, steps)
         return seconds, tracker.capture_stats()
@@ -224,6 +250,8 @@ def main() -> None:
     }
     if args.device == "cuda":
         configurations["oomdoc, no allocation history"] = {"pack_hook": True, "history": False}
+    else:
+        configurations["oomdoc, steady steps"] = {"pack_hook": True, "steady": True}
     samples: dict[str, list[float]] = {"plain": [], **{name: [] for name in configurations}}
     for _ in range(args.rounds):  # interleaved
         for _ in range(3):

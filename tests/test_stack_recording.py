@@ -75,6 +75,10 @@ def test_varying_peaks_keep_them_on():
 def test_near_capacity_they_stay_on():
     policy = StackRecording(16 * GIB)
     assert all(decisions(policy, [step(14 * GIB, 3 * GIB)] * 8))
+    # Reserved memory near the cap (fragmentation) counts too.
+    policy = StackRecording(16 * GIB)
+    fragmented = dict(step(10 * GIB, 3 * GIB), peak_reserved_bytes=15 * GIB)
+    assert all(decisions(policy, [fragmented] * 8))
 
 
 def test_steps_that_do_not_train_are_not_steady():
@@ -90,3 +94,89 @@ def test_evaluation_records_them_and_training_returns_to_the_decision():
     assert policy.phase_started("forward") is False
     assert policy.phase_started("evaluation") is True
     assert policy.phase_started("forward") is False
+
+
+# ---------------------------------------------------------------- the tracker
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from conftest import benchmark_module  # noqa: E402
+
+from oomdoc.capture.tracker import Tracker  # noqa: E402
+
+# CPU tensors as the device: the tracker's CUDA code path (host_overhead.py).
+HostBackend = benchmark_module("host_overhead").HostBackend
+
+
+class SteadyAfter(HostBackend):
+    """Says, as the CUDA backend's stack_recording would, that training steps
+    from `steady_from` on are steady, and that evaluation is not."""
+
+    def __init__(self, steady_from: int):
+        self.steady_from = steady_from
+        self.training_wants = True
+
+    def step_closed(self, step):
+        self.training_wants = step["index"] + 1 < self.steady_from
+        return self.training_wants
+
+    def phase_started(self, phase):
+        return self.training_wants or phase == "evaluation"
+
+
+def test_steady_steps_skip_the_module_scopes_and_keep_the_step_model():
+    tracker = Tracker(SteadyAfter(steady_from=2))
+    pushes: list[tuple[int, str]] = []
+    push = tracker.scopes.push
+
+    def counted_push(module, outermost_inputs=None):
+        pushes.append((tracker.step_index, tracker.phase))
+        return push(module, outermost_inputs)
+
+    tracker.scopes.push = counted_push
+    seen_paths: list = []
+    pack_hooks: list[bool] = []
+    tracker.install()
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+        top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+
+        def seen(*_):
+            seen_paths.append(tracker.scopes.path)
+            pack_hooks.append(top_hooks(True) is not None)
+
+        model[1].register_forward_hook(seen)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(5):
+            loss = F.mse_loss(model(torch.randn(4, 8)), torch.zeros(4, 2))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        model.eval()
+        with torch.no_grad():
+            model(torch.randn(4, 8))
+        model.train()
+        loss = F.mse_loss(model(torch.randn(4, 8)), torch.zeros(4, 2))
+        loss.backward()
+        optimizer.step()
+        tracker.finish()
+    finally:
+        tracker.uninstall()
+    training_pushes = sorted({step for step, phase in pushes if phase != "evaluation"})
+    # Four modules a call; steps 0 and 1 in detail, then none in training.
+    assert training_pushes == [0, 1]
+    assert [phase for _step, phase in pushes].count("evaluation") == 4
+    # The module path is kept in the detailed steps and the evaluation only
+    # (the ReLU's own hook runs after the global post-hook: its parent's).
+    assert seen_paths[:2] == ["(root)", "(root)"] and seen_paths[-2] == "(root)"
+    assert set(seen_paths[2:5] + seen_paths[-1:]) == {None}
+    # The saved-tensors pack hook is set aside with them, and back in evaluation.
+    assert pack_hooks == [True, True, False, False, False, True, False]
+    assert torch._C._autograd._top_saved_tensors_default_hooks(True) is None
+    # The step model does not depend on the scopes.
+    steps = tracker.steps
+    assert [step["optimizer_steps"] for step in steps[:5]] == [1] * 5
+    assert [step["forward_calls_with_grad"] for step in steps[:5]] == [1] * 5
+    assert sum(step["evaluation_calls"] for step in steps) == 1
+    assert tracker.evaluation_passes == 1

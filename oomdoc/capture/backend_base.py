@@ -212,11 +212,16 @@ class Backend:
         from here on must not count (the simulated device stops counting;
         a real device's allocator counts whatever it does)."""
 
-    def step_closed(self, step: dict) -> None:
-        """A step's record is complete (the CUDA backend decides on its stacks)."""
+    def step_closed(self, step: dict) -> bool | None:
+        """A step's record is complete. Returns whether what follows is worth
+        the capture's detail (allocation stacks, module scopes: the CUDA
+        backend's stack_recording), None when the backend has no say."""
+        return None
 
-    def phase_started(self, phase: str) -> None:
-        """The script entered `phase` (forward, backward, optimizer, evaluation)."""
+    def phase_started(self, phase: str) -> bool | None:
+        """The script entered `phase` (forward, backward, optimizer,
+        evaluation); returns as step_closed does."""
+        return None
 
     def capture_stats(self) -> dict[str, int]:
         """The backend's share of the capture's work counters."""

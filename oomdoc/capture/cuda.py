@@ -125,20 +125,24 @@ class CudaBackend(Backend):
         )
         self._stacks_on = on
 
-    def _apply_stack_decision(self, wanted: bool) -> None:
+    def _apply_stack_decision(self, wanted: bool) -> bool:
+        """Turns the stacks on or off; returns whether they are on."""
         if wanted != self._stacks_on:
             try:
                 self._record_stacks(wanted)
             except Exception:  # keep whatever the allocator does now
                 pass
+        return self._stacks_on
 
-    def step_closed(self, step: dict) -> None:
-        if self._stack_policy is not None:
-            self._apply_stack_decision(self._stack_policy.step_closed(step, self._stacks_on))
+    def step_closed(self, step: dict) -> bool | None:
+        if self._stack_policy is None:
+            return None
+        return self._apply_stack_decision(self._stack_policy.step_closed(step, self._stacks_on))
 
-    def phase_started(self, phase: str) -> None:
-        if self._stack_policy is not None:
-            self._apply_stack_decision(self._stack_policy.phase_started(phase))
+    def phase_started(self, phase: str) -> bool | None:
+        if self._stack_policy is None:
+            return None
+        return self._apply_stack_decision(self._stack_policy.phase_started(phase))
 
     def capture_stats(self) -> dict[str, int]:
         policy = self._stack_policy

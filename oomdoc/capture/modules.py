@@ -143,6 +143,10 @@ class ModuleScopes:
         self._inputs: frozenset = frozenset()
         self._hooks_pushed = False
         self._original_disable = None
+        # CUDA, steady training steps (oomdoc.capture.stack_recording): no
+        # push/pop, no saved tensors noted; their storages go unattributed.
+        self.paused = False
+        self._hooks_set_aside = False  # the pack hook, popped while paused
         self.buffer_keys: set = set()
         # owners(): the last walk over the models' modules, and what it depended on.
         self._walk: list = []
@@ -326,6 +330,21 @@ class ModuleScopes:
             torch._C._autograd._pop_saved_tensors_default_hooks()
         self._hooks_pushed = False
 
+    def set_paused(self, paused: bool) -> None:
+        """Pause or resume the scopes (at a step or phase boundary). Paused,
+        the pack hook is popped too: with a default saved-tensors hook set,
+        autograd calls into Python for every tensor it saves."""
+        if paused == self.paused:
+            return
+        self.paused = paused
+        if paused:
+            if self._hooks_pushed and self._ours_on_top():
+                torch._C._autograd._pop_saved_tensors_default_hooks()
+                self._hooks_pushed, self._hooks_set_aside = False, True
+        elif self._hooks_set_aside:
+            torch._C._autograd._push_saved_tensors_default_hooks(self._pack, _unpack)
+            self._hooks_pushed, self._hooks_set_aside = True, False
+
     def _ours_on_top(self) -> bool:
         top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
         if top is None:
@@ -339,7 +358,7 @@ class ModuleScopes:
         return bool(hooks) and getattr(hooks[0], "__self__", None) is self
 
     def _pack(self, tensor):
-        if tensor.is_cuda or self.any_device:
+        if not self.paused and (tensor.is_cuda or self.any_device):
             self._remember_storage(tensor)
         return tensor
 

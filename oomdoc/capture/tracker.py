@@ -279,7 +279,7 @@ class Tracker(Attribution, LeakChecks, StepLimits, IterationSteps):
             self._sample_peak()
             self._fold_peak()
             self.phase = phase
-            self.backend.phase_started(phase)
+            self.scopes.set_paused(self.backend.phase_started(phase) is False)
 
     def _close_step(self) -> None:
         self._fold_peak()
@@ -294,7 +294,7 @@ class Tracker(Attribution, LeakChecks, StepLimits, IterationSteps):
             current["retained_activation_bytes"] = int(
                 ledger.retained_activation_bytes(current["index"])
             )
-        self.backend.step_closed(current)
+        self.scopes.set_paused(self.backend.step_closed(current) is False)
         self.steps.append(current)
         self._bounded_steps.trim(self.steps)
         self.step_index += 1
@@ -453,13 +453,15 @@ class Tracker(Attribution, LeakChecks, StepLimits, IterationSteps):
             if self._outer_kind != _AUXILIARY:
                 self._outermost_forward_start(module, inputs)
         self._module_depth += 1
-        self.scopes.push(module, inputs if self._module_depth == 1 else None)
+        if not self.scopes.paused:  # steady steps (stack_recording): no module scopes
+            self.scopes.push(module, inputs if self._module_depth == 1 else None)
 
     def _on_forward_post(self, module, inputs, *rest):
         # (kwargs, output); torch calls an always-called hook without the
         # kwargs when the forward raised (an OOM, StopRun): (output,).
         kwargs, output = rest if len(rest) == 2 else ({}, rest[-1])
-        self.scopes.pop(output)
+        if not self.scopes.paused:
+            self.scopes.pop(output)
         self._module_depth = max(0, self._module_depth - 1)
         if self._module_depth == 0 and self._backward_depth == 0:
             if self._outer_kind == _AUXILIARY:
