@@ -140,20 +140,18 @@ def main() -> None:
         if args.optimizer_steps:
             Path(directory, "sitecustomize.py").write_text(STEP_TIMER)
             base_env["PYTHONPATH"] = os.pathsep.join([directory, base_env["PYTHONPATH"]])
+        plain_capped = [sys.executable, "-c", CAPPED, args.device_memory, *script]
+        plain = plain_capped if args.capped_only else [sys.executable, *script]
         for round_ in range(args.repeats):
             started = time.perf_counter()
             plain_env = dict(base_env, OOMDOC_BENCH_STEP_TIMER="plain")
-            if args.capped_only:
-                command = [sys.executable, "-c", CAPPED, args.device_memory, *script]
-            else:
-                command = [sys.executable, *script]
-            wall, cpu = steps_of(run(command, plain_env), args.warmup)
+            wall, cpu = steps_of(run(plain, plain_env), args.warmup)
             walls[baseline].append(wall)
             cpus[baseline] += cpu
             for index, (name, env) in enumerate(variants):
                 snapshot = Path(directory) / f"{round_}-{index}.json"
                 if name == PLAIN_CAPPED:
-                    command = [sys.executable, "-c", CAPPED, args.device_memory, *script]
+                    command = plain_capped
                 else:
                     capped = args.device_memory if name != UNCAPPED else None
                     command = oomdoc_command(
