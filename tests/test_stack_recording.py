@@ -180,3 +180,56 @@ def test_steady_steps_skip_the_module_scopes_and_keep_the_step_model():
     assert [step["forward_calls_with_grad"] for step in steps[:5]] == [1] * 5
     assert sum(step["evaluation_calls"] for step in steps) == 1
     assert tracker.evaluation_passes == 1
+
+
+class AllocatingSteadyAfter(SteadyAfter):
+    """SteadyAfter whose allocator reports what the test sets."""
+
+    allocated = 100_000
+
+    def allocated_bytes(self):
+        return self.allocated
+
+
+def test_steady_steps_read_a_breakdown_only_at_a_new_high():
+    backend = AllocatingSteadyAfter(steady_from=2)
+    tracker = Tracker(backend)
+    tracker.install()
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        high_in_backward = [False]
+
+        def new_high(grad):
+            if high_in_backward[0]:
+                backend.allocated = 200_000
+            return grad
+
+        model[0].weight.register_hook(new_high)
+        samples_per_step = []
+        for index in range(6):
+            backend.allocated = 100_000
+            high_in_backward[0] = index == 4
+            before = tracker.stats["steady_samples"]
+            loss = F.mse_loss(model(torch.randn(4, 8)), torch.zeros(4, 2))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            samples_per_step.append(tracker.stats["steady_samples"] - before)
+        tracker.finish()
+    finally:
+        tracker.uninstall()
+    # Steps 0 and 1 in detail; steady steps skip their boundaries' breakdowns
+    # except the new high's (step 4's backward end).
+    assert samples_per_step[:2] == [0, 0]
+    assert min(samples_per_step[2:]) > 0
+    assert samples_per_step[4] < samples_per_step[3]
+    sample = tracker.peak_sample
+    assert (sample["step"], sample["phase"], sample["allocated_bytes"]) == (4, "backward", 200_000)
+    # The step's baseline keeps the gradients the detailed steps started with
+    # (none: zero_grad frees them), so the new gradients are not activations.
+    gradients = sample["breakdown"]["gradients"]
+    assert gradients > 0
+    assert sample["breakdown"]["activations"] == 100_000 - gradients
+    assert tracker.category_peaks["activations"] == 100_000 - gradients

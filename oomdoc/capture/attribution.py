@@ -83,6 +83,12 @@ class Attribution:
         self.stats["boundary_samples"] += 1
         backend = self.backend
         allocated = backend.allocated_bytes()
+        if self.scopes.paused and self.peak_sample is not None and allocated <= self._sampled_high:
+            # A steady step (oomdoc.capture.stack_recording): its boundaries
+            # repeat the steps before, whose breakdowns were folded; only a
+            # new high is read (the breakdown is most of a boundary's cost).
+            self.stats["steady_samples"] += 1
+            return
         breakdown = self._breakdown(allocated, cached=True)
         if self.peak_sample is not None and allocated <= self._sampled_high:
             self._fold_category_peaks(breakdown)
@@ -397,9 +403,12 @@ class Attribution:
         then): this runs before the forward's first kernel, where a script
         that waits for the GPU each step pays for every microsecond (0.3 ms
         of ResNet-50's step on an H200)."""
+        previous = self._forward_baseline
         self._forward_baseline = {
             "allocated": allocated,
-            "gradients": None,
+            # A steady step's boundaries may read no breakdown (_sample_peak):
+            # it starts with the gradients the steps before started with.
+            "gradients": previous["gradients"] if self.scopes.paused and previous else None,
             "optimizer_state": self._state_bytes,
         }
 

@@ -212,6 +212,7 @@ class Tracker(Attribution, LeakChecks, StepLimits, IterationSteps):
         self._step_timer = CudaStepTimer() if backend.kind == "cuda" else None
         self.stats = {
             "boundary_samples": 0,
+            "steady_samples": 0,
             "site_samples": 0,
             "leak_checks": 0,
             "leak_walks": 0,
