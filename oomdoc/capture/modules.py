@@ -48,6 +48,7 @@ import torch
 import torch.nn as nn
 
 from oomdoc.capture import WRAPPER_ATTRIBUTES
+from oomdoc.capture.compiled_models import traced_by_compile
 from oomdoc.categories import COMMUNICATION, is_communication_frame
 from oomdoc.snapshot import CATEGORIES
 
@@ -358,6 +359,8 @@ class ModuleScopes:
         return bool(hooks) and getattr(hooks[0], "__self__", None) is self
 
     def _pack(self, tensor):
+        if traced_by_compile():
+            return tensor
         if not self.paused and (tensor.is_cuda or self.any_device):
             self._remember_storage(tensor)
         return tensor

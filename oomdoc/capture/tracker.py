@@ -24,6 +24,7 @@ optimizer step belongs to that step, and `--max-steps` stops between steps.
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import sys
@@ -38,6 +39,7 @@ from oomdoc import frames
 from oomdoc.capture.attribution import Attribution
 from oomdoc.capture.backend_base import StorageTableMemo
 from oomdoc.capture.backends import Backend
+from oomdoc.capture.compiled_models import fake_tracing, hooked_compile, traced_by_compile
 from oomdoc.capture.modules import ModuleScopes
 from oomdoc.capture.optimizer_cycle import IterationSteps, OptimizerCycle
 from oomdoc.capture.repeated_blocks import checkpoint_targets, repeated_blocks
@@ -60,13 +62,10 @@ class CaptureFields(Protocol):
 
 
 class StopRun(BaseException):
-    """Raised into the script to stop it cleanly after `max_steps` steps.
-
-    A BaseException so that a script's `except Exception` does not swallow it.
-    """
+    """Stops the script after `max_steps` steps (not an Exception: a
+    script's `except Exception` must not swallow it)."""
 
 
-# Step units, in the order a run can move through them (see the module's docstring).
 # What an outermost module call is to the step model (_call_kind).
 _AUXILIARY, _EVALUATION, _TRAINING = 0, 1, 2
 
@@ -86,10 +85,9 @@ class Tracker(Attribution, LeakChecks, StepLimits, IterationSteps):
         # before it has reached that unit, so a script that evaluates or
         # warms up before it trains runs into its training steps.
         self.expected_unit = expected_unit if expected_unit in UNITS else None
-        # A replay of an evaluation OOM: it stops at the first training call
-        # after its evaluation pass number `stop_after_evaluation` (1-based)
-        # has ended, wherever the steps are (a smaller batch moves the
-        # evaluation to another step index).
+        # A replay of an evaluation OOM stops at the first training call after
+        # evaluation pass `stop_after_evaluation` (1-based) has ended, wherever
+        # the steps are (a smaller batch moves it to another step index).
         self.stop_after_evaluation = stop_after_evaluation
         # Evaluation passes begun: each entry into the evaluation phase.
         self.evaluation_passes = 0
@@ -132,18 +130,15 @@ class Tracker(Attribution, LeakChecks, StepLimits, IterationSteps):
         self.backward_start_callbacks: list = []
         # What a replayed fix did, by fix name (see oomdoc.capture.child.apply_fix).
         self.fix_applied: dict | None = None
-        # What the child notes for the capture (oomdoc.capture.child): the
-        # heavy packages the script imported, its DataLoaders' batch sizes
-        # (None: not watched, as in a replay), the DataLoader workers removed
-        # (oomdoc check), the processes it started (captured as ranks, or
-        # not), and a rank's job fields (oomdoc.capture.parallel).
+        # Noted for the capture (oomdoc.capture.child): heavy packages imported,
+        # DataLoaders' batch sizes (None: not watched, as in a replay), workers
+        # removed (oomdoc check), processes started (captured as ranks or not).
         self.imported_packages: list[str] = []
         self.dataloader_batch_sizes: list | None = None
         self.dataloader_workers_removed: list = []
         self.spawned_ranks: list[dict] = []
         self.uncaptured_processes: list[dict] = []
-        # oomdoc.capture.parallel's ParallelCapture, whose fields() the capture adds.
-        self.parallel_capture: CaptureFields | None = None
+        self.parallel_capture: CaptureFields | None = None  # a rank's job fields
         self._handles: list = []
         self._originals: list = []
         self._step_started = time.perf_counter()
@@ -307,8 +302,7 @@ class Tracker(Attribution, LeakChecks, StepLimits, IterationSteps):
     def finish(self) -> None:
         """Close the last step when the script ends (normally or not)."""
         # What the script's frames held is freed once the traceback's cycles
-        # are collected: collect now, so the last step's end does not depend
-        # on when the garbage collector happens to run.
+        # are collected: collect now, not whenever the collector runs.
         gc.collect()
         self._sample_peak()
         current = self._current
@@ -378,6 +372,8 @@ class Tracker(Attribution, LeakChecks, StepLimits, IterationSteps):
         self._patch(torch.optim.Optimizer, "__init__", optimizer_init)
         for owner in (torch.optim.Optimizer, nn.Module):
             self._patch(owner, "zero_grad", self._wrap_zero_grad(owner.zero_grad))
+        if hasattr(nn.Module, "compile"):  # model.compile(): seen from outside
+            self._patch(nn.Module, "compile", hooked_compile(self, nn.Module.compile))
         self.scopes.install(cuda=self.backend.kind == "cuda")
         # A process forked from the script (a DataLoader worker) is not the
         # script's training: its module calls neither step nor stop it.
@@ -391,12 +387,11 @@ class Tracker(Attribution, LeakChecks, StepLimits, IterationSteps):
         boundary reads them again."""
         tracker = self
 
+        @functools.wraps(original)
         def zero_grad(owner, *args, **kwargs):
             tracker._gradients_stale = True
             return original(owner, *args, **kwargs)
 
-        zero_grad.__wrapped__ = original
-        zero_grad.__doc__ = original.__doc__
         return zero_grad
 
     @staticmethod
@@ -429,7 +424,10 @@ class Tracker(Attribution, LeakChecks, StepLimits, IterationSteps):
     def _wrap_backward(self, original):
         tracker = self
 
+        @functools.wraps(original)
         def wrapped(*args, **kwargs):
+            if fake_tracing():  # AOTAutograd compiling a backward
+                return original(*args, **kwargs)
             tracker._on_backward_start(
                 args[0] if args else kwargs.get("tensors", kwargs.get("outputs"))
             )
@@ -443,12 +441,11 @@ class Tracker(Attribution, LeakChecks, StepLimits, IterationSteps):
                 if tracker._backward_depth == 0 and tracker.unit == "backward":
                     tracker._backward_ended()
 
-        wrapped.__wrapped__ = original
-        wrapped.__name__ = getattr(original, "__name__", "backward")
-        wrapped.__doc__ = getattr(original, "__doc__", None)
         return wrapped
 
     def _on_forward_pre(self, module, inputs):
+        if traced_by_compile():
+            return  # (oomdoc.capture.compiled_models)
         if self._module_depth == 0 and self._backward_depth == 0:
             self._outer_kind = self._call_kind(module)
             if self._outer_kind != _AUXILIARY:
@@ -460,6 +457,8 @@ class Tracker(Attribution, LeakChecks, StepLimits, IterationSteps):
     def _on_forward_post(self, module, inputs, *rest):
         # (kwargs, output); torch calls an always-called hook without the
         # kwargs when the forward raised (an OOM, StopRun): (output,).
+        if traced_by_compile():
+            return
         kwargs, output = rest if len(rest) == 2 else ({}, rest[-1])
         if not self.scopes.paused:
             self.scopes.pop(output)
@@ -657,6 +656,8 @@ class Tracker(Attribution, LeakChecks, StepLimits, IterationSteps):
         )
 
     def _on_optimizer_pre(self, optimizer, args, kwargs):
+        if traced_by_compile():  # a compiled optimizer step is not seen
+            return None
         if self.on_first_step is not None:
             self._first_step()
         self._add_optimizer(optimizer)
@@ -675,9 +676,10 @@ class Tracker(Attribution, LeakChecks, StepLimits, IterationSteps):
         self._set_phase("optimizer")
 
     def _on_optimizer_post(self, optimizer, args, kwargs):
-        # The bookkeeping of a finished step happens here rather than when the
-        # next step begins: on CUDA the optimizer's kernels are still queued, so
-        # this host work overlaps them instead of delaying the next forward.
+        # A finished step's bookkeeping is done here, not at the next step's
+        # start: on CUDA it overlaps the optimizer's queued kernels.
+        if traced_by_compile():
+            return
         self._state_table = None  # the step may have created or replaced state
         self._sample_peak()
         self._fold_peak()

@@ -1,0 +1,93 @@
+"""A torch.compile'd model under the capture's hooks compiles as it does
+without them (oomdoc.capture.modules.traced_by_compile): traced by Dynamo,
+the global module hooks and the saved-tensors hook do nothing, and the
+compiled model's outermost call, which runs eagerly, still makes the steps."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import REPO_ROOT, benchmark_module
+
+from oomdoc.capture.tracker import Tracker
+
+sys.path.insert(0, str(REPO_ROOT / "examples"))
+from gpt_train import GPT  # type: ignore[import-not-found]  # noqa: E402
+
+# CPU tensors as the device: the tracker's CUDA code path (pack hook included).
+HostBackend = benchmark_module("host_overhead").HostBackend
+
+
+def compiled_training(tracker: Tracker | None, in_place: bool = False) -> dict:
+    """Dynamo's counts for 4 steps of a compiled 2-layer GPT (aot_eager: no
+    C++ compiler needed), under `tracker` when given; `in_place`:
+    `model.compile()` rather than `torch.compile(model)`."""
+    from torch._dynamo import reset
+    from torch._dynamo.utils import counters
+
+    reset()
+    counters.clear()
+    if tracker is not None:
+        tracker.install()
+        tracker.scopes.any_device = True
+    try:
+        torch.manual_seed(0)
+        model = GPT(layers=2, width=32, heads=2, seq_len=8, vocab=64)
+        if in_place:
+            model.compile(backend="aot_eager")
+            compiled = model
+        else:
+            compiled = torch.compile(model, backend="aot_eager")
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        ids = torch.randint(0, 64, (2, 8))
+        for _ in range(4):
+            logits = compiled(ids)
+            loss = F.cross_entropy(logits.reshape(-1, 64), ids.reshape(-1))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        if tracker is not None:
+            tracker.finish()
+    finally:
+        if tracker is not None:
+            tracker.uninstall()
+        graph_breaks = sum(counters["graph_break"].values())
+        graphs = counters["stats"]["unique_graphs"]
+        reset()
+    return {"graphs": graphs, "graph_breaks": graph_breaks}
+
+
+@pytest.mark.filterwarnings("ignore:Using `torch.compile\\(module\\)`")
+@pytest.mark.parametrize("in_place", [False, True], ids=["torch.compile(model)", "model.compile()"])
+def test_a_compiled_model_compiles_as_without_the_capture_and_makes_steps(in_place):
+    plain = compiled_training(None, in_place)
+    assert plain == {"graphs": 1, "graph_breaks": 0}
+    tracker = Tracker(HostBackend())
+    assert compiled_training(tracker, in_place) == plain
+    steps = tracker.steps
+    assert len(steps) == 4
+    assert [step["forward_calls_with_grad"] for step in steps] == [1] * 4
+    # AOTAutograd's own autograd.grad on fake tensors, compiling, is no backward.
+    assert [step["backward_calls"] for step in steps] == [1] * 4
+    assert [step["optimizer_steps"] for step in steps] == [1] * 4
+    assert [model["class"] for model in tracker.models] == [
+        "GPT" if in_place else "OptimizedModule"
+    ]
+    assert tracker.models[0]["repeated_blocks"]
+    assert tracker._module_depth == 0
+
+
+def test_a_model_compiled_in_place_runs_alone_once_the_capture_is_gone():
+    tracker = Tracker(HostBackend())
+    tracker.install()
+    try:
+        model = GPT(layers=1, width=16, heads=2, seq_len=4, vocab=32)
+        model.compile(backend="eager")
+    finally:
+        tracker.uninstall()
+    ids = torch.randint(0, 32, (1, 4))
+    assert model(ids).shape == (1, 4, 32)
+    assert tracker.steps == [] and tracker._current["forward_calls"] == 0
