@@ -1,6 +1,6 @@
 """When the CUDA capture records a stack per allocation (stack_recording)."""
 
-from oomdoc.capture.stack_recording import StackRecording
+from oomdoc.capture.stack_recording import FirstStepDetail, StackRecording, detail_policy
 
 GIB = 1 << 30
 
@@ -94,6 +94,46 @@ def test_evaluation_records_them_and_training_returns_to_the_decision():
     assert policy.phase_started("forward") is False
     assert policy.phase_started("evaluation") is True
     assert policy.phase_started("forward") is False
+
+
+def test_a_replay_keeps_its_module_scopes_for_its_first_training_step_only():
+    policy = FirstStepDetail()
+    # A script that evaluates before it trains: that step keeps them.
+    assert policy.phase_started("evaluation") is True
+    assert policy.step_closed(step(5 * GIB, 3 * GIB, trained=False), True) is True
+    assert policy.phase_started("forward") is True
+    # The first training step closes: none after it, whatever the memory
+    # (near the capacity too: a replay's timed steps cost the same).
+    assert (
+        decisions(policy, [step(15 * GIB, 3 * GIB), step(15.5 * GIB, 4 * GIB)] * 2) == [False] * 4
+    )
+    assert policy.phase_started("evaluation") is True
+    assert policy.phase_started("forward") is False
+    assert policy.stats() == {"steps_without_module_scopes": 3}
+
+
+def test_the_policy_follows_the_capture(monkeypatch):
+    monkeypatch.delenv("OOMDOC_MODULE_SCOPES", raising=False)
+    assert isinstance(detail_policy(True, 16 * GIB), StackRecording)
+    assert detail_policy(False, 16 * GIB) is None
+    from oomdoc.replay.replayer import REPLAY_ENV
+
+    for name, value in REPLAY_ENV.items():
+        monkeypatch.setenv(name, value)
+    assert isinstance(detail_policy(False, 16 * GIB), FirstStepDetail)
+
+
+def test_the_cuda_backend_applies_a_policy_without_stacks():
+    from oomdoc.capture.cuda import CudaBackend
+
+    backend = CudaBackend(16 * GIB, deferred=True)  # starts nothing
+    backend._detail_policy = FirstStepDetail()
+    assert backend.phase_started("forward") is True
+    assert backend.step_closed(step(5 * GIB, 3 * GIB)) is False
+    assert backend.step_closed(step(5 * GIB, 3 * GIB)) is False
+    assert backend.phase_started("evaluation") is True
+    assert backend.capture_stats() == {"steps_without_module_scopes": 1}
+    assert not backend._stacks_on
 
 
 # ---------------------------------------------------------------- the tracker

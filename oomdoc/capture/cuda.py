@@ -15,7 +15,7 @@ from oomdoc.capture import nvml_handle
 from oomdoc.capture.backend_base import AllocationObserver, Backend
 from oomdoc.capture.modules import phase_from_frames
 from oomdoc.capture.peak_view import PeakView
-from oomdoc.capture.stack_recording import StackRecording
+from oomdoc.capture.stack_recording import DetailPolicy, detail_policy
 
 _IS_CUDA = attrgetter("is_cuda")
 _GET_DEVICE = methodcaller("get_device")
@@ -52,7 +52,10 @@ class CudaBackend(Backend):
         # frames); `_stacks_on`: allocations record them now (stack_recording).
         self._recording = False
         self._stacks_on = False
-        self._stack_policy: StackRecording | None = None
+        # When stacks (where recorded) and module scopes are on; `_detailed`:
+        # whether they are now.
+        self._detail_policy: DetailPolicy | None = None
+        self._detailed = True
         self._torch_snapshot = None
         self._device_count: int | None = None
         # The script's max_memory_allocated() etc. despite the resets below.
@@ -109,9 +112,9 @@ class CudaBackend(Backend):
             try:
                 self._record_stacks(True)
                 self._recording = True
-                self._stack_policy = StackRecording(self._capacity)
             except Exception as exc:  # pragma: no cover - depends on the build
                 print(f"oomdoc: allocation history unavailable: {exc}", file=sys.stderr)
+        self._detail_policy = detail_policy(self._recording, self._capacity)
         # torch's stub for torch._C omits this binding (torch/csrc/cuda/Module.cpp).
         torch._C._cuda_attach_out_of_memory_observer(self._oom_observer)  # type: ignore[attr-defined]
         self._peaks.read_and_reset(self.device_index)
@@ -125,28 +128,31 @@ class CudaBackend(Backend):
         )
         self._stacks_on = on
 
-    def _apply_stack_decision(self, wanted: bool) -> bool:
-        """Turns the stacks on or off; returns whether they are on."""
-        if wanted != self._stacks_on:
+    def _apply_detail(self, wanted: bool) -> bool:
+        """Turns the detail on or off; returns whether it is on (the stacks,
+        where recorded, may fail to change: then the scopes follow them)."""
+        if self._recording and wanted != self._stacks_on:
             try:
                 self._record_stacks(wanted)
             except Exception:  # keep whatever the allocator does now
                 pass
-        return self._stacks_on
+            wanted = self._stacks_on
+        self._detailed = wanted
+        return wanted
 
     def step_closed(self, step: dict) -> bool | None:
-        if self._stack_policy is None:
+        if self._detail_policy is None:
             return None
-        return self._apply_stack_decision(self._stack_policy.step_closed(step, self._stacks_on))
+        return self._apply_detail(self._detail_policy.step_closed(step, self._detailed))
 
     def phase_started(self, phase: str) -> bool | None:
-        if self._stack_policy is None:
+        if self._detail_policy is None:
             return None
-        return self._apply_stack_decision(self._stack_policy.phase_started(phase))
+        return self._apply_detail(self._detail_policy.phase_started(phase))
 
     def capture_stats(self) -> dict[str, int]:
-        policy = self._stack_policy
-        return {} if policy is None else {"steps_without_stacks": policy.steps_without_stacks}
+        policy = self._detail_policy
+        return {} if policy is None else policy.stats()
 
     def uninstall(self) -> None:
         self._peaks.uninstall()

@@ -71,8 +71,14 @@ OPTIMIZER_REPLAY_STEPS = 4
 # Every replay's environment: scripts may skip side effects under
 # OOMDOC_REPLAY=1; a replay needs peaks and step times, not allocation sites,
 # and without the allocator's history (and the _snapshot() calls it feeds)
-# each CUDA replay starts and runs faster.
-REPLAY_ENV = {"OOMDOC_REPLAY": "1", "OOMDOC_ALLOCATION_HISTORY": "0"}
+# each CUDA replay starts and runs faster; its module scopes run in its first
+# training step only (oomdoc.capture.stack_recording.FirstStepDetail), so
+# that its timed steps carry the same little capture whatever the fix.
+REPLAY_ENV = {
+    "OOMDOC_REPLAY": "1",
+    "OOMDOC_ALLOCATION_HISTORY": "0",
+    "OOMDOC_MODULE_SCOPES": "first-step",
+}
 
 
 @dataclass
