@@ -273,3 +273,40 @@ def test_steady_steps_read_a_breakdown_only_at_a_new_high():
     assert gradients > 0
     assert sample["breakdown"]["activations"] == 100_000 - gradients
     assert tracker.category_peaks["activations"] == 100_000 - gradients
+
+
+def test_a_step_after_the_first_does_not_take_the_first_steps_gradients():
+    """A replay pauses from its second step (FirstStepDetail): that step
+    starts with the gradients the first one's backward left (zeroed, not
+    freed), which the first step's own start did not have."""
+    backend = AllocatingSteadyAfter(steady_from=1)
+    tracker = Tracker(backend)
+    tracker.install()
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        high_in_backward = [False]
+
+        def new_high(grad):
+            if high_in_backward[0]:
+                backend.allocated = 200_000
+            return grad
+
+        model[0].weight.register_hook(new_high)
+        for index in range(3):
+            backend.allocated = 100_000
+            high_in_backward[0] = index == 1
+            loss = F.mse_loss(model(torch.randn(4, 8)), torch.zeros(4, 2))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=False)
+        tracker.finish()
+    finally:
+        tracker.uninstall()
+    sample = tracker.peak_sample
+    assert (sample["step"], sample["allocated_bytes"]) == (1, 200_000)
+    # The gradients were there when the step began: all of the growth is
+    # the step's activations.
+    assert sample["breakdown"]["gradients"] > 0
+    assert sample["breakdown"]["activations"] == 100_000

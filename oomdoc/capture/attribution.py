@@ -404,12 +404,15 @@ class Attribution:
         that waits for the GPU each step pays for every microsecond (0.3 ms
         of ResNet-50's step on an H200)."""
         previous = self._forward_baseline
+        # A steady step's boundaries may read no breakdown (_sample_peak): it
+        # starts with the gradients the step before started with, unless that
+        # was the first (which starts before any backward made them).
+        carried = self.scopes.paused and previous is not None and previous["step"] > 0
         self._forward_baseline = {
             "allocated": allocated,
-            # A steady step's boundaries may read no breakdown (_sample_peak):
-            # it starts with the gradients the steps before started with.
-            "gradients": previous["gradients"] if self.scopes.paused and previous else None,
+            "gradients": previous["gradients"] if carried else None,
             "optimizer_state": self._state_bytes,
+            "step": self.step_index,
         }
 
     def _address_categories(self, parameters, gradients, state) -> dict:
