@@ -407,10 +407,12 @@ class Attribution:
         # A steady step's boundaries may read no breakdown (_sample_peak): it
         # starts with the gradients the step before started with, unless that
         # was the first (which starts before any backward made them).
-        carried = self.scopes.paused and previous is not None and previous["step"] > 0
+        gradients = None
+        if self.scopes.paused and previous is not None and previous["step"] > 0:
+            gradients = previous["gradients"]
         self._forward_baseline = {
             "allocated": allocated,
-            "gradients": previous["gradients"] if carried else None,
+            "gradients": gradients,
             "optimizer_state": self._state_bytes,
             "step": self.step_index,
         }
