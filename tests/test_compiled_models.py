@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from conftest import REPO_ROOT, benchmark_module
 
-from oomdoc.capture.tracker import Tracker
+from oomdoc.capture.tracker import StopRun, Tracker
 
 sys.path.insert(0, str(REPO_ROOT / "examples"))
 from gpt_train import GPT  # type: ignore[import-not-found]  # noqa: E402
@@ -91,3 +91,45 @@ def test_a_model_compiled_in_place_runs_alone_once_the_capture_is_gone():
     ids = torch.randint(0, 32, (1, 4))
     assert model(ids).shape == (1, 4, 32)
     assert tracker.steps == [] and tracker._current["forward_calls"] == 0
+
+
+def test_a_compiled_step_function_makes_steps_at_its_backwards_and_stops_at_the_limit():
+    """`loss = compiled_step(x, y); loss.backward()`: the model call is inside
+    the compiled function (traced, unseen, as Lightning's compiled
+    training_step): each backward after an optimizer step begins the next
+    step, and a replay's step limit stops the run there."""
+    from torch._dynamo import reset
+
+    reset()
+    tracker = Tracker(HostBackend(), max_steps=2)
+    tracker.install()
+    tracker.scopes.any_device = True
+    stopped = False
+    backwards = 0
+    try:
+        torch.manual_seed(0)
+        model = GPT(layers=1, width=16, heads=2, seq_len=4, vocab=32)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+        @torch.compile(backend="aot_eager")
+        def loss_of(ids):
+            logits = model(ids)
+            return F.cross_entropy(logits.reshape(-1, 32), ids.reshape(-1))
+
+        ids = torch.randint(0, 32, (2, 4))
+        try:
+            for _ in range(4):
+                loss = loss_of(ids)
+                loss.backward()
+                backwards += 1
+                optimizer.step()
+                optimizer.zero_grad()
+        except StopRun:
+            stopped = True
+    finally:
+        tracker.uninstall()
+        reset()
+    assert stopped and backwards == 2
+    steps = tracker.steps
+    assert [(s["backward_calls"], s["optimizer_steps"]) for s in steps] == [(1, 1)] * 2
+    assert not any(step["forward_calls"] for step in steps)

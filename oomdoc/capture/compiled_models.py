@@ -12,7 +12,12 @@ script's own; the steps are made where the compiled model is called:
   eagerly: the global hooks see that call;
 - `model.compile()` compiles the module's own call, hooks included: the
   module's compiled call is wrapped (`hooked_compile`) so that the
-  hooks see it from outside, eagerly.
+  hooks see it from outside, eagerly;
+- a model called inside a compiled function (`loss = compiled_step(x, y)`,
+  Lightning's compiled `training_step`) is not seen: with no model call seen,
+  a step begins at the first backward after the last one's optimizer step
+  (the tracker's `_on_backward_start`), and the model is not named (no
+  module table, no blocks for checkpointing).
 
 AOTAutograd, compiling, calls torch.autograd.grad on fake tensors: that is
 not a backward of the script's (`fake_tracing`).

@@ -18,6 +18,11 @@ from typing import Any, Callable
 UNITS = ("module", "backward", "optimizer")
 
 
+class StopRun(BaseException):
+    """Stops the script after `max_steps` steps (not an Exception: a
+    script's `except Exception` must not swallow it)."""
+
+
 class StepLimits:
     """The Tracker's step limit and device-sharing hooks."""
 
@@ -36,6 +41,8 @@ class StepLimits:
     on_timed_steps: Callable[[], None] | None
     on_timed_steps_done: Callable[[], None] | None
     on_step_end: Callable[[], None] | None
+    may_stop: Callable[[], bool] | None
+    _close_step: Callable[[], None]
     sharing_untimed: bool
     optimizer_cycle: Any  # oomdoc.capture.optimizer_cycle.OptimizerCycle
     _step_started: float
@@ -62,6 +69,23 @@ class StepLimits:
         if self.unit == "module":
             limit *= self.micro_batches_per_step
         return limit
+
+    def _close_before_next_step(self) -> None:
+        """The step that ended closes as the next one begins (its first
+        training call, else its backward); past the limit, the run stops."""
+        limit = self._step_limit()
+        last = limit is not None and self.step_index + 1 >= limit
+        if last and self.may_stop is not None and not self.may_stop():
+            last = False  # a batch fetched before its epoch was cut (whole_run)
+        if not last:
+            # Taken before this step's end is timed: a wait for it is left
+            # out of this step (exclude_seconds), and the next step starts
+            # with the device alone.
+            self._timed_steps_begin()
+        self._close_step()
+        if last:
+            self.timed_steps_done()
+            raise StopRun()
 
     def steps_done(self) -> bool:
         """Whether a replay has run all its steps (the last closed or ending),

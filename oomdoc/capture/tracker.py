@@ -49,7 +49,7 @@ from oomdoc.capture.retained_graphs import (
     output_tensors,
     stamp_graph,
 )
-from oomdoc.capture.step_limits import UNITS, StepLimits
+from oomdoc.capture.step_limits import UNITS, StepLimits, StopRun
 from oomdoc.capture.step_records import BoundedSteps, CudaStepTimer
 from oomdoc.snapshot import CATEGORIES
 
@@ -59,11 +59,6 @@ class CaptureFields(Protocol):
     provides it, oomdoc.capture.parallel, imports the tracker)."""
 
     def fields(self) -> dict: ...
-
-
-class StopRun(BaseException):
-    """Stops the script after `max_steps` steps (not an Exception: a
-    script's `except Exception` must not swallow it)."""
 
 
 # What an outermost module call is to the step model (_call_kind).
@@ -547,19 +542,7 @@ class Tracker(Attribution, LeakChecks, StepLimits, IterationSteps):
                 current["forward_calls"] or current["evaluation_calls"]
             )
         if closes:
-            limit = self._step_limit()
-            last = limit is not None and self.step_index + 1 >= limit
-            if last and self.may_stop is not None and not self.may_stop():
-                last = False  # a batch fetched before its epoch was cut (whole_run)
-            if not last:
-                # Taken before this step's end is timed: a wait for it is
-                # left out of this step (exclude_seconds), and the next step
-                # starts with the device alone.
-                self._timed_steps_begin()
-            self._close_step()
-            if last:
-                self.timed_steps_done()
-                raise StopRun()
+            self._close_before_next_step()
             current = self._current
         self._add_model(module)
         evaluation = not training or not module.training
@@ -613,6 +596,10 @@ class Tracker(Attribution, LeakChecks, StepLimits, IterationSteps):
         if self.unit == "module":
             self._raise_unit("backward")
         if self._backward_depth == 0:
+            if self._pending_close and not self.modules:
+                # No model call seen (one inside a compiled step function:
+                # oomdoc.capture.compiled_models): the next step begins here.
+                self._close_before_next_step()
             stamp_graph(roots, self.step_index)
             self._set_phase("backward")
             self._current["backward_calls"] += 1
