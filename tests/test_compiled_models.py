@@ -133,3 +133,54 @@ def test_a_compiled_step_function_makes_steps_at_its_backwards_and_stops_at_the_
     steps = tracker.steps
     assert [(s["backward_calls"], s["optimizer_steps"]) for s in steps] == [(1, 1)] * 2
     assert not any(step["forward_calls"] for step in steps)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_lightning_given_a_compiled_module_makes_a_step_per_optimizer_step(tmp_path):
+    """Lightning's Trainer given `torch.compile(module)` compiles the module's
+    training_step (lightning.pytorch.utilities.compile.from_compiled): the
+    model call is inside it, unseen; the steps still follow the optimizer."""
+    lightning = pytest.importorskip("lightning")
+    from torch._dynamo import reset
+
+    class Classifier(lightning.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Sequential(
+                torch.nn.Linear(16, 16), torch.nn.GELU(), torch.nn.Linear(16, 2)
+            )
+
+        def forward(self, x):
+            return self.net(x)
+
+        def training_step(self, batch, batch_index):
+            x, y = batch
+            return F.cross_entropy(self(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    reset()
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 16), torch.randint(0, 2, (64,)))
+    trainer = lightning.Trainer(
+        accelerator="cpu",
+        max_steps=5,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    tracker = Tracker(HostBackend())
+    tracker.install()
+    tracker.scopes.any_device = True
+    try:
+        compiled = torch.compile(Classifier(), backend="aot_eager")
+        trainer.fit(compiled, torch.utils.data.DataLoader(data, batch_size=8))
+        tracker.finish()
+    finally:
+        tracker.uninstall()
+        reset()
+    steps = tracker.steps
+    assert [(s["backward_calls"], s["optimizer_steps"]) for s in steps] == [(1, 1)] * 5
