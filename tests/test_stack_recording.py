@@ -128,12 +128,36 @@ def test_the_cuda_backend_applies_a_policy_without_stacks():
 
     backend = CudaBackend(16 * GIB, deferred=True)  # starts nothing
     backend._detail_policy = FirstStepDetail()
+    toggled: list[bool] = []
+    backend._record_stacks = toggled.append  # type: ignore[method-assign]
     assert backend.phase_started("forward") is True
     assert backend.step_closed(step(5 * GIB, 3 * GIB)) is False
     assert backend.step_closed(step(5 * GIB, 3 * GIB)) is False
     assert backend.phase_started("evaluation") is True
     assert backend.capture_stats() == {"steps_without_module_scopes": 1}
-    assert not backend._stacks_on
+    assert toggled == []  # no history set up: no stacks turned on or off
+
+
+def test_the_cuda_backend_turns_the_stacks_with_the_detail_and_keeps_them_if_it_cannot():
+    from oomdoc.capture.cuda import CudaBackend
+
+    backend = CudaBackend(16 * GIB, deferred=True)  # starts nothing
+    backend._recording = True  # as _start leaves it, stacks on
+    backend._detail_policy = StackRecording(16 * GIB)
+    toggled: list[bool] = []
+    backend._record_stacks = toggled.append  # type: ignore[method-assign]
+    steady = [step(5 * GIB, 3 * GIB)] * 3
+    assert [backend.step_closed(record) for record in steady] == [True, True, False]
+    assert toggled == [False]
+    assert backend.phase_started("evaluation") is True and toggled == [False, True]
+
+    def refuse(on):
+        raise RuntimeError("the allocator refused")
+
+    backend._record_stacks = refuse  # type: ignore[method-assign]
+    # Back in training the stacks cannot go off: the detail stays with them.
+    assert backend.phase_started("forward") is True
+    assert backend.capture_stats() == {"steps_without_stacks": 0}
 
 
 # ---------------------------------------------------------------- the tracker

@@ -49,11 +49,10 @@ class CudaBackend(Backend):
             self._read_properties()
         self.tracker: AllocationObserver | None = None
         # `_recording`: the allocation history was set up (blocks may hold
-        # frames); `_stacks_on`: allocations record them now (stack_recording).
+        # frames). `_detailed`: the module scopes run now, and where the
+        # history was set up, allocations record their stacks
+        # (stack_recording decides when: `_detail_policy`).
         self._recording = False
-        self._stacks_on = False
-        # When stacks (where recorded) and module scopes are on; `_detailed`:
-        # whether they are now.
         self._detail_policy: DetailPolicy | None = None
         self._detailed = True
         self._torch_snapshot = None
@@ -126,17 +125,15 @@ class CudaBackend(Backend):
             stacks="python",
             max_entries=self.HISTORY_ENTRIES,
         )
-        self._stacks_on = on
 
     def _apply_detail(self, wanted: bool) -> bool:
         """Turns the detail on or off; returns whether it is on (the stacks,
         where recorded, may fail to change: then the scopes follow them)."""
-        if self._recording and wanted != self._stacks_on:
+        if self._recording and wanted != self._detailed:
             try:
                 self._record_stacks(wanted)
             except Exception:  # keep whatever the allocator does now
-                pass
-            wanted = self._stacks_on
+                wanted = self._detailed
         self._detailed = wanted
         return wanted
 
