@@ -57,38 +57,66 @@ class DetailPolicy(Protocol):
     def stats(self) -> dict[str, int]: ...
 
 
-class StackRecording:
+class _TrainingAndEvaluation:
+    """What both policies share: every evaluation phase in detail (its
+    allocations are not the training step's), training as the policy decides
+    at each step's close (`_training_wants`), and a count of the steps closed
+    without detail for capture_stats (under `STEPS_WITHOUT`)."""
+
+    STEPS_WITHOUT = ""
+
+    def __init__(self) -> None:
+        self.training_wants = True
+        self.in_evaluation = False
+        self.steps_without = 0
+
+    @property
+    def wanted(self) -> bool:
+        return self.training_wants or self.in_evaluation
+
+    def _training_wants(self, step: dict[str, Any]) -> bool:
+        raise NotImplementedError
+
+    def step_closed(self, step: dict[str, Any], recorded: bool) -> bool:
+        """Notes a closed step (`recorded`: whether it ran in detail);
+        returns whether the next one does."""
+        if not recorded:
+            self.steps_without += 1
+        self.training_wants = self._training_wants(step)
+        return self.wanted
+
+    def phase_started(self, phase: str) -> bool:
+        """Returns whether `phase` runs in detail."""
+        self.in_evaluation = phase == "evaluation"
+        return self.wanted
+
+    def stats(self) -> dict[str, int]:
+        return {self.STEPS_WITHOUT: self.steps_without}
+
+
+class StackRecording(_TrainingAndEvaluation):
     """Decides, at each step's close and phase change, whether the next
-    allocations record their stacks (and the module scopes run). Holds no device state: the backend
-    applies the decision."""
+    allocations record their stacks (and the module scopes run). Holds no
+    device state: the backend applies the decision."""
 
     STEADY_STEPS = 2
     GROWTH_STEPS = 2
     TOLERANCE = 0.01
     NEAR_CAPACITY = 0.85
+    # Steps closed without stacks: capture_stats, so a snapshot says
+    # whether its allocation sites can miss the locations of a late step.
+    STEPS_WITHOUT = "steps_without_stacks"
 
     def __init__(self, capacity_bytes: int):
+        super().__init__()
         self.capacity_bytes = capacity_bytes
         self.highest_peak = 0
         self.highest_reserved = 0
         self.last_end: int | None = None
         self.steady_steps = 0
         self.growth_streak = 0
-        self.training_wants = True
-        self.in_evaluation = False
-        # Steps closed without stacks: capture_stats, so a snapshot says
-        # whether its allocation sites can miss the locations of a late step.
-        self.steps_without_stacks = 0
 
-    @property
-    def wanted(self) -> bool:
-        return self.training_wants or self.in_evaluation
-
-    def step_closed(self, step: dict[str, Any], recorded: bool) -> bool:
-        """Notes a closed step (`recorded`: whether its stacks were on);
-        returns whether the next step records them."""
-        if not recorded:
-            self.steps_without_stacks += 1
+    def _training_wants(self, step: dict[str, Any]) -> bool:
         peak = int(step.get("peak_allocated_bytes") or 0)
         end = int(step.get("end_allocated_bytes") or 0)
         trained = bool(step.get("optimizer_steps") or step.get("backward_calls"))
@@ -112,19 +140,10 @@ class StackRecording:
         self.steady_steps = self.steady_steps + 1 if steady else 0
         fullest = max(self.highest_peak, self.highest_reserved)
         near = fullest >= self.NEAR_CAPACITY * self.capacity_bytes
-        self.training_wants = near or self.steady_steps < self.STEADY_STEPS
-        return self.wanted
-
-    def phase_started(self, phase: str) -> bool:
-        """Returns whether the allocations of `phase` record their stacks."""
-        self.in_evaluation = phase == "evaluation"
-        return self.wanted
-
-    def stats(self) -> dict[str, int]:
-        return {"steps_without_stacks": self.steps_without_stacks}
+        return near or self.steady_steps < self.STEADY_STEPS
 
 
-class FirstStepDetail:
+class FirstStepDetail(_TrainingAndEvaluation):
     """A replay's detail (it records no allocation history: only the module
     scopes): until its first training step has closed, and in evaluation.
 
@@ -138,24 +157,11 @@ class FirstStepDetail:
     ranking of configurations by step time with it (an HF `Trainer` replay
     with the scopes on: 99.5 samples/s, the same run plain 116.3, H200)."""
 
-    def __init__(self) -> None:
-        self.training_wants = True
-        self.in_evaluation = False
-        self.steps_without_module_scopes = 0
+    STEPS_WITHOUT = "steps_without_module_scopes"
 
-    def step_closed(self, step: dict[str, Any], recorded: bool) -> bool:
-        if not recorded:
-            self.steps_without_module_scopes += 1
-        if step.get("optimizer_steps") or step.get("backward_calls"):
-            self.training_wants = False
-        return self.training_wants or self.in_evaluation
-
-    def phase_started(self, phase: str) -> bool:
-        self.in_evaluation = phase == "evaluation"
-        return self.training_wants or self.in_evaluation
-
-    def stats(self) -> dict[str, int]:
-        return {"steps_without_module_scopes": self.steps_without_module_scopes}
+    def _training_wants(self, step: dict[str, Any]) -> bool:
+        trained = step.get("optimizer_steps") or step.get("backward_calls")
+        return self.training_wants and not trained
 
 
 def detail_policy(recording_stacks: bool, capacity_bytes: int) -> DetailPolicy | None:
