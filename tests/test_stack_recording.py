@@ -29,7 +29,7 @@ def test_stacks_stop_after_two_steady_steps_and_count_the_steps_without():
     steps = [step(4 * GIB, 2 * GIB), step(5 * GIB, 3 * GIB)] + [step(5 * GIB, 3 * GIB)] * 5
     assert decisions(policy, steps) == [True, True, True, False, False, False, False]
     # The steps after the third steady one ran without stacks.
-    assert policy.steps_without_stacks == 3
+    assert policy.stats() == {"steps_without_stacks": 3}
 
 
 def test_a_new_high_or_growth_turns_them_back_on():
@@ -168,24 +168,20 @@ from conftest import benchmark_module  # noqa: E402
 
 from oomdoc.capture.tracker import Tracker  # noqa: E402
 
-# CPU tensors as the device: the tracker's CUDA code path (host_overhead.py).
-HostBackend = benchmark_module("host_overhead").HostBackend
+# CPU tensors as the device, answering as the CUDA backend does on a steady
+# run once `steady` is set: the tracker's CUDA code path (host_overhead.py).
+SteadyHostBackend = benchmark_module("host_overhead").SteadyHostBackend
 
 
-class SteadyAfter(HostBackend):
-    """Says, as the CUDA backend's stack_recording would, that training steps
-    from `steady_from` on are steady, and that evaluation is not."""
+class SteadyAfter(SteadyHostBackend):
+    """Training steps from `steady_from` on are steady (evaluation is not)."""
 
     def __init__(self, steady_from: int):
         self.steady_from = steady_from
-        self.training_wants = True
 
     def step_closed(self, step):
-        self.training_wants = step["index"] + 1 < self.steady_from
-        return self.training_wants
-
-    def phase_started(self, phase):
-        return self.training_wants or phase == "evaluation"
+        self.steady = step["index"] + 1 >= self.steady_from
+        return super().step_closed(step)
 
 
 def test_steady_steps_skip_the_module_scopes_and_keep_the_step_model():
@@ -255,10 +251,14 @@ class AllocatingSteadyAfter(SteadyAfter):
         return self.allocated
 
 
-def test_steady_steps_read_a_breakdown_only_at_a_new_high():
-    backend = AllocatingSteadyAfter(steady_from=2)
+def train_with_a_new_high(steady_from: int, steps: int, high_at: int, set_to_none: bool):
+    """A tracker over `steps` SGD steps of a small MLP whose allocator reads
+    100,000 bytes, and 200,000 from step `high_at`'s backward on (a new
+    high); returns it and the steady samples of each step."""
+    backend = AllocatingSteadyAfter(steady_from)
     tracker = Tracker(backend)
     tracker.install()
+    samples_per_step = []
     try:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
@@ -271,19 +271,25 @@ def test_steady_steps_read_a_breakdown_only_at_a_new_high():
             return grad
 
         model[0].weight.register_hook(new_high)
-        samples_per_step = []
-        for index in range(6):
+        for index in range(steps):
             backend.allocated = 100_000
-            high_in_backward[0] = index == 4
+            high_in_backward[0] = index == high_at
             before = tracker.stats["steady_samples"]
             loss = F.mse_loss(model(torch.randn(4, 8)), torch.zeros(4, 2))
             loss.backward()
             optimizer.step()
-            optimizer.zero_grad()
+            optimizer.zero_grad(set_to_none=set_to_none)
             samples_per_step.append(tracker.stats["steady_samples"] - before)
         tracker.finish()
     finally:
         tracker.uninstall()
+    return tracker, samples_per_step
+
+
+def test_steady_steps_read_a_breakdown_only_at_a_new_high():
+    tracker, samples_per_step = train_with_a_new_high(
+        steady_from=2, steps=6, high_at=4, set_to_none=True
+    )
     # Steps 0 and 1 in detail; steady steps skip their boundaries' breakdowns
     # except the new high's (step 4's backward end).
     assert samples_per_step[:2] == [0, 0]
@@ -303,31 +309,7 @@ def test_a_step_after_the_first_does_not_take_the_first_steps_gradients():
     """A replay pauses from its second step (FirstStepDetail): that step
     starts with the gradients the first one's backward left (zeroed, not
     freed), which the first step's own start did not have."""
-    backend = AllocatingSteadyAfter(steady_from=1)
-    tracker = Tracker(backend)
-    tracker.install()
-    try:
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        high_in_backward = [False]
-
-        def new_high(grad):
-            if high_in_backward[0]:
-                backend.allocated = 200_000
-            return grad
-
-        model[0].weight.register_hook(new_high)
-        for index in range(3):
-            backend.allocated = 100_000
-            high_in_backward[0] = index == 1
-            loss = F.mse_loss(model(torch.randn(4, 8)), torch.zeros(4, 2))
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=False)
-        tracker.finish()
-    finally:
-        tracker.uninstall()
+    tracker, _ = train_with_a_new_high(steady_from=1, steps=3, high_at=1, set_to_none=False)
     sample = tracker.peak_sample
     assert (sample["step"], sample["allocated_bytes"]) == (1, 200_000)
     # The gradients were there when the step began: all of the growth is
