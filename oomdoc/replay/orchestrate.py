@@ -35,6 +35,7 @@ from oomdoc.model import (
 )
 from oomdoc.replay import batch as batch_model
 from oomdoc.replay.certificate import measured_margin_fraction
+from oomdoc.replay.early_trials import EarlySaverTrials
 from oomdoc.replay.evaluation_batch import EvaluationApart, evaluation_option
 from oomdoc.replay.largest_batch import LargestBatchCheck, WholeRunLargest
 from oomdoc.replay.own_flags import evaluation_batch_snippet, parameter_update
@@ -157,8 +158,15 @@ def replay_fixes(
                         # With lanes, the decisions go on once its plan is
                         # known, the exact search beside them (plain_search).
                         beside = replayer.lanes is not None and replayer.settler is None
+                        # The savers' searches, speculatively, while its plan settles.
+                        early = EarlySaverTrials(replayer, snapshot, options, singles)
+                        if requested is None:
+                            early.start()
                         plain = PlainSearch(replayer, snapshot, options, beside)
-                        state.search, state.batch_info, reason = plain.settled()
+                        try:
+                            state.search, state.batch_info, reason = plain.settled()
+                        finally:
+                            early.stop()
                         if reason:
                             skipped.append(Skipped(name, reason))
                         continue

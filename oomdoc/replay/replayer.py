@@ -26,6 +26,7 @@ from oomdoc.replay.lanes import (
     AHEAD,
     CUDA_CONTEXT_BYTES,
     DEMANDED,
+    SPECULATIVE,
     Job,
     Lanes,
     cuda_free_bytes,
@@ -264,6 +265,8 @@ class Replayer:
         # warmest child and the first lane.
         self._unsubmitted: list[Job] = []
         self._discarded: list[tuple[str, Job]] = []
+        # The replays the decisions have asked for (`run`), by replay_key.
+        self._asked: set[tuple] = set()
         # The bookkeeping above, for decisions asking from several threads
         # (the savers' searches, search.SaverSearches); never held while waiting.
         self._lock = threading.RLock()
@@ -317,6 +320,37 @@ class Replayer:
                 self._unsubmitted.append(job)
         return key
 
+    def speculate(
+        self,
+        payload: Optional[dict],
+        label: str,
+        args: list[str] | None = None,
+        extra_env: dict | None = None,
+    ) -> Optional[tuple]:
+        """`ahead` at SPECULATIVE, into a free lane at once once the decisions
+        have asked for a replay (before, it waits for that with the others):
+        for replays started beside the decisions (oomdoc.replay.early_trials)."""
+        with self._lock:
+            # One the decisions asked for already is never started again.
+            if replay_key(payload, label, args, extra_env) in self._asked:
+                return None
+            key = self.ahead(payload, label, args=args, extra_env=extra_env, priority=SPECULATIVE)
+            if self._asked:
+                self._submit_waiting()
+        return key
+
+    def _submit_waiting(self) -> None:
+        if self.lanes is not None:
+            for waiting in self._unsubmitted:
+                self.lanes.submit(waiting)
+        self._unsubmitted.clear()
+
+    def started_ahead(self, key: tuple) -> Optional[Job]:
+        """The job of a replay started ahead and not yet asked for (None: no
+        such replay, or taken): its answer can be read without asking for it."""
+        with self._lock:
+            return self._ahead.get(key)
+
     def run(
         self,
         payload: Optional[dict],
@@ -329,10 +363,10 @@ class Replayer:
         """The replay of these arguments: one started ahead, else run now.
         `timed=False`: its step times are never used (a check of a peak), so
         it never takes a shared device alone (ChildRequest.timed)."""
+        key = replay_key(payload, label, args, extra_env, micro_batches_per_step, timed)
         with self._lock:
-            job = self._ahead.pop(
-                replay_key(payload, label, args, extra_env, micro_batches_per_step, timed), None
-            )
+            self._asked.add(key)
+            job = self._ahead.pop(key, None)
             if job is None:
                 if self.stopped:
                     raise ReplaysInterrupted()
@@ -348,10 +382,7 @@ class Replayer:
                     self.lanes.submit(job)
                 else:
                     self.lanes.promote(job, DEMANDED)
-            if self.lanes is not None:
-                for waiting in self._unsubmitted:
-                    self.lanes.submit(waiting)
-                self._unsubmitted.clear()
+            self._submit_waiting()
         if self.lanes is None:
             job.run()
         replay = job.wait()

@@ -578,9 +578,6 @@ def search_under(
     where its own replay at the user's batch puts it (saver_probe), until the
     prescription it gives is settled. `dropped`: set when it is no longer
     wanted (SaverSearches): its next trial ends it."""
-    assert state.search is not None
-    original = state.search.original_batch_size
-
     probes = BatchProbes(
         replayer,
         lambda batch_size: saver_trial(replayer, snapshot, state, fix, batch_size)[:3],
@@ -592,27 +589,42 @@ def search_under(
             raise SearchDropped()
         return probes.trial(batch_size)
 
+    try:
+        return saver_search(replayer, snapshot, state, at_original, trial, probes.speculate)
+    finally:
+        probes.drop_all()
+
+
+def saver_search(
+    replayer: Replayer,
+    snapshot: Snapshot,
+    state: ReplayState,
+    at_original: batch_model.BatchRun,
+    trial: Callable[[int], batch_model.BatchRun],
+    speculate: Callable[[int], None],
+) -> Optional[batch_model.SearchResult]:
+    """search_max_batch as a saver's search runs it, with its trials given:
+    one place, so that the trials started early (oomdoc.replay.early_trials)
+    are the ones the search asks for."""
+    assert state.search is not None
     probe = saver_probe(state.search, at_original)
     if probe < 1:
         return None
     # A saver fits at least where no fix fits (it only takes memory away):
     # the search stays above the plain largest batch.
-    try:
-        return batch_model.search_max_batch(
-            original,
-            snapshot.device.capacity_bytes,
-            [at_original],
-            trial,
-            probe=probe,
-            max_trials=4,
-            enough=settled_by_accumulation(snapshot, state),
-            floor=state.search.max_batch_size or 0,
-            snap=smallest_with_its_plan(snapshot, state),
-            speculate=probes.speculate,
-            lanes=replayer.jobs if replayer.share_device else 1,
-        )
-    finally:
-        probes.drop_all()
+    return batch_model.search_max_batch(
+        state.search.original_batch_size,
+        snapshot.device.capacity_bytes,
+        [at_original],
+        trial,
+        probe=probe,
+        max_trials=4,
+        enough=settled_by_accumulation(snapshot, state),
+        floor=state.search.max_batch_size or 0,
+        snap=smallest_with_its_plan(snapshot, state),
+        speculate=speculate,
+        lanes=replayer.jobs if replayer.share_device else 1,
+    )
 
 
 def smallest_with_its_plan(
