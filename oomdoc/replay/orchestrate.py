@@ -162,8 +162,8 @@ def replay_fixes(
                         early = EarlySaverTrials(replayer, snapshot, options, singles)
                         if requested is None:
                             early.start()
-                        plain = PlainSearch(replayer, snapshot, options, beside)
                         try:
+                            plain = PlainSearch(replayer, snapshot, options, beside)
                             state.search, state.batch_info, reason = plain.settled()
                         finally:
                             early.stop()
