@@ -45,6 +45,16 @@ CASES = {
     # Two optimizers in turn (pytorch/examples' DCGAN idiom): no knob for a fix.
     "dcgan": (CORPUS / "dcgan_style.py", DCGAN_H100, "--batchSize {}", 8192, None),
     "dcgan-cpu": (CORPUS / "dcgan_style.py", ["--samples", "256"], "--batchSize {}", 64, None),
+    # Lightning Fabric (examples/fabric/language_model's loop, the Transformer
+    # shipped in lightning.pytorch.demos); no accumulation flag: the
+    # prescription's loop is code. --device-memory 96MiB on the simulated device.
+    "fabric-lm-cpu": (
+        CORPUS / "fabric_lm.py",
+        ["--epochs", "1", "--max-steps", "4", "--vocab-size", "8000"],
+        "--batch-size {}",
+        64,
+        None,
+    ),
     "imagenet": (
         CORPUS / "imagenet_style.py",
         ["-j", "2", *IMAGENET_H100],

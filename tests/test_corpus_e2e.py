@@ -16,6 +16,7 @@ CORPUS = REPO_ROOT / "tests" / "corpus"
 GPT = CORPUS / "gpt_configurator.py"
 WORD_LM = CORPUS / "word_lm_style.py"
 IMAGENET = CORPUS / "imagenet_style.py"
+FABRIC_LM = CORPUS / "fabric_lm.py"
 VARLEN = CORPUS / "varlen_text_classifier.py"
 SEQ2SEQ = CORPUS / "seq2seq_generate.py"
 
@@ -294,15 +295,19 @@ def test_an_evaluation_oom_is_named_and_its_held_outputs_measured(tmp_path):
     assert peak_of(by_hand) == pytest.approx(prescription["peak_allocated_bytes"], rel=0.05)
 
 
-@pytest.mark.parametrize("script", [GPT, WORD_LM, IMAGENET], ids=lambda p: Path(p).stem)
+@pytest.mark.parametrize("script", [GPT, WORD_LM, IMAGENET, FABRIC_LM], ids=lambda p: Path(p).stem)
 def test_corpus_scripts_run_plainly(script, tmp_path):
     """The corpus scripts are ordinary scripts: they run without oomdoc."""
     import subprocess
     import sys
 
-    args = {GPT: ["--max_iters=1"], WORD_LM: ["--epochs", "1", "--train_tokens", "2000"]}.get(
-        script, ["--train-samples", "32", "--val-samples", "16", "-b", "16"]
-    )
+    if script == FABRIC_LM:
+        pytest.importorskip("lightning")
+    args = {
+        GPT: ["--max_iters=1"],
+        WORD_LM: ["--epochs", "1", "--train_tokens", "2000"],
+        FABRIC_LM: ["--epochs", "1", "--max-steps", "2", "--vocab-size", "1000"],
+    }.get(script, ["--train-samples", "32", "--val-samples", "16", "-b", "16"])
     completed = subprocess.run(
         [sys.executable, str(script), *args],
         capture_output=True,

@@ -368,6 +368,20 @@ def test_a_bound_below_the_best_measured_is_not_replayed_and_says_why():
     assert "bounds it from above" in entries[1].reason
 
 
+def test_a_configuration_over_the_margin_is_listed_at_the_plan_it_would_have():
+    """A Fabric language model at batch 64: autocast never fit above no
+    fix's largest batch, 11, which left the margin short; its entry was
+    "autocast 8 x 1", a plan that trains on 8 samples a step instead of 64."""
+    plain = Candidate([], 10, 80 * MiB, 10 / 8.0, "b10")
+    autocast = Candidate(["autocast"], 8, 96 * MiB, None, "a", plan_limit=11)
+    chosen = Prescription(fixes=[], batch_size=8, accumulation_steps=8, fits=True)
+    chosen.samples_per_second = 8.0
+    entries = considered([(), ("autocast",)], [plain, autocast], chosen, {}, 64, 95 * MiB, True)
+    over = next(entry for entry in entries if entry.fixes == ["autocast"])
+    assert over.verdict == "over_margin"
+    assert (over.batch_size, over.accumulation_steps) == (8, 8)
+
+
 def test_throughputs_within_the_timing_noise_prefer_fewer_changes():
     one = Candidate(["checkpointing"], 16, 60 * MiB, 16 / 40.0, "c", exact=True, step_noise=0.03)
     two = Candidate(["autocast", "checkpointing"], 16, 50 * MiB, 16 / 41.0, "ac", exact=True)

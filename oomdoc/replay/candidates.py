@@ -287,6 +287,18 @@ def prescription_from(
     return prescription
 
 
+def planned_micro(candidate: Candidate, original: int, accumulates: bool) -> tuple[int, int]:
+    """The micro-batch and accumulation steps `candidate` would be
+    prescribed with: those it ran when measured exactly, else the plan of
+    the largest batch it allows. (A configuration whose every batch left the
+    margin short was listed at the batch it ran with 1 accumulation step:
+    "autocast 8 x 1" for a user's batch of 64, on a Fabric script.)"""
+    if candidate.exact:
+        return candidate.batch_size, candidate.accumulation_steps
+    largest = max(candidate.batch_size, candidate.plan_limit or 0)
+    return batch_model.accumulation_plan(original, min(largest, original), accumulates)
+
+
 def considered(
     configurations: list[tuple[str, ...]],
     candidates: list[Candidate],
@@ -324,8 +336,9 @@ def considered(
             if own:
                 lowest = min(own, key=lambda candidate: candidate.peak_allocated_bytes)
                 entry.peak_allocated_bytes = lowest.peak_allocated_bytes
-                entry.batch_size = lowest.batch_size
-                entry.accumulation_steps = lowest.accumulation_steps
+                entry.batch_size, entry.accumulation_steps = planned_micro(
+                    lowest, original, accumulates
+                )
                 entry.measured = True
                 entry.reason = (
                     "every batch it ran left the safety margin short "
@@ -341,13 +354,7 @@ def considered(
         best = max(
             within, key=lambda candidate: (candidate.exact, candidate.samples_per_second or 0.0)
         )
-        if best.exact:
-            micro, steps = best.batch_size, best.accumulation_steps
-        else:
-            largest = max(best.batch_size, best.plan_limit or 0)
-            micro, steps = batch_model.accumulation_plan(
-                original, min(largest, original), accumulates
-            )
+        micro, steps = planned_micro(best, original, accumulates)
         entry.batch_size, entry.accumulation_steps = micro, steps
         entry.peak_allocated_bytes = best.peak_allocated_bytes
         throughput = best.samples_per_second
