@@ -7,6 +7,7 @@ plain search is open; a replay the decisions asked for is never started again.""
 from __future__ import annotations
 
 import re
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -159,8 +160,13 @@ def test_each_savers_search_runs_when_its_replay_at_the_users_batch_ends():
     early = EarlySaverTrials(replayer, snap, None, SINGLES).start()  # type: ignore[arg-type]
     replayer.end("checkpointing")
     replayer.end("autocast")
-    early.join(2)  # (the watcher waits on the combination, whose replay runs on)
     asked = {name: asked_by_the_search(snap, name, 24) for name in ("autocast", "checkpointing")}
+    deadline = time.monotonic() + 30  # (the watcher waits on the combination's replay)
+    while time.monotonic() < deadline and any(
+        len(by_fix(replayer.speculated, name)) < len(labels) for name, labels in asked.items()
+    ):
+        time.sleep(0.02)
+    time.sleep(0.2)  # nothing more comes
     for name, labels in asked.items():
         # The trials themselves, in order, and no side bets (early_trials).
         assert labels and by_fix(replayer.speculated, name) == labels, name
