@@ -248,3 +248,18 @@ def test_a_replay_the_decisions_asked_for_is_never_started_again():
     assert replayer.speculate({"name": "autocast"}, "autocast (--batch-size 128)") is None
     assert replayer.speculate({"name": "autocast"}, "autocast (--batch-size 64)") is not None
     assert lanes.ran[-1] == "autocast (--batch-size 64)"  # into the lanes at once
+
+
+def test_a_failure_of_the_early_searches_is_kept_for_the_report(monkeypatch):
+    """Speculation only: an error there never reaches the decisions, and is
+    kept (the orchestrator notes it in the snapshot)."""
+
+    def broken(*args):
+        raise ValueError("no guess")
+
+    monkeypatch.setattr(early_trials, "provisional_state", broken)
+    snap = snapshot()
+    early = EarlySaverTrials(AheadReplayer(snap, []), snap, None, SINGLES).start()  # type: ignore[arg-type]
+    early.join(5)
+    early.stop()
+    assert [str(error) for error in early.errors] == ["no guess"]

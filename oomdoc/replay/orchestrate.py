@@ -167,6 +167,12 @@ def replay_fixes(
                             state.search, state.batch_info, reason = plain.settled()
                         finally:
                             early.stop()
+                        if early.errors:
+                            snapshot.notes.append(
+                                "The savers' searches started early failed "
+                                f"({type(early.errors[0]).__name__}: {early.errors[0]}); "
+                                "they ran once the batch search had settled."
+                            )
                         if reason:
                             skipped.append(Skipped(name, reason))
                         continue
