@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 from oomdoc.model import ConsideredConfiguration, FlagsCheck, Prescription
 from oomdoc.replay.candidates import Candidate
-from oomdoc.replay.flags_choice import choose_with_flags, flags_slower
+from oomdoc.replay.flags_choice import choose_with_flags, rival_by_flags
 
 MiB = 1 << 20
 LIMIT = 100 * MiB
@@ -111,8 +111,8 @@ def test_no_second_choice_when_no_other_configuration_ran_faster_than_the_flags(
         outcome="fits", samples_per_second=300.0, replay_samples_per_second=464.0
     )
     slow = Candidate(["checkpointing"], 32, 50 * MiB, 32 / 58.0, "ckpt 32")
-    assert flags_slower(chosen, [slow], LIMIT) is None
+    assert rival_by_flags(chosen, [slow], LIMIT) is None
     fast = Candidate(["autocast", "checkpointing"], 32, 58 * MiB, 32 / 404.0, "both 32")
-    assert "measured by your flags too" in (flags_slower(chosen, [slow, fast], LIMIT) or "")
+    assert "measured by your flags too" in (rival_by_flags(chosen, [slow, fast], LIMIT) or "")
     over = Candidate(["autocast", "checkpointing"], 32, 120 * MiB, 32 / 404.0, "both 32")
-    assert flags_slower(chosen, [over], LIMIT) is None  # over the margin: not a rival
+    assert rival_by_flags(chosen, [over], LIMIT) is None  # over the margin: not a rival

@@ -39,7 +39,7 @@ from oomdoc.replay.replayer import Replayer, ReplaysInterrupted
 REPLAY_UNDERSTATES = 0.2
 
 
-def flags_slower(chosen: Prescription, pool: list[Candidate], limit_bytes: int) -> Optional[str]:
+def rival_by_flags(chosen: Prescription, pool: list[Candidate], limit_bytes: int) -> Optional[str]:
     """Why another configuration may be faster than `chosen` as the user
     runs it, or None: its replay (within the margin), taken
     REPLAY_UNDERSTATES faster, ran faster than `chosen` by its flags."""
@@ -80,8 +80,8 @@ def choose_with_flags(
 ) -> Optional[Prescription]:
     """The prescription: `choose` among the candidates, `complete` its
     report, `verify` it by the script's own flags; a choice whose flags ran
-    out of memory (flags_disagree) or ran slower than another could
-    (flags_slower) sets its savers aside and the choice is made again, up to
+    out of memory (flags_disagree) or may run slower than another
+    configuration by its flags (rival_by_flags) sets its savers aside and the choice is made again, up to
     FLAG_FALLBACKS times. Of the choices whose flags fit, the fastest by
     its flags is prescribed."""
     disagreed: dict[tuple, str] = {}  # savers set aside, and why
@@ -102,11 +102,11 @@ def choose_with_flags(
         if len(disagreed) >= FLAG_FALLBACKS or replayer.stopped:
             break
         disagreement = flags_disagree(chosen)
-        slower = None if disagreement else flags_slower(chosen, pool, limit_bytes)
-        if disagreement is None and slower is None:
+        rival = None if disagreement else rival_by_flags(chosen, pool, limit_bytes)
+        if disagreement is None and rival is None:
             break
-        disagreed[tuple(chosen.fixes)] = disagreement or slower or ""
-        if slower is not None:
+        disagreed[tuple(chosen.fixes)] = disagreement or rival or ""
+        if rival is not None:
             fitting.append(chosen)
     if chosen is None:
         return None
