@@ -66,6 +66,7 @@ class AheadReplayer:
                 name
             ]
         self.speculated: list[str] = []
+        self.replays: list[Replay] = []  # those the decisions asked for
 
     def started_ahead(self, key):
         return self.keys.get(key)
@@ -263,3 +264,23 @@ def test_a_failure_of_the_early_searches_is_kept_for_the_report(monkeypatch):
     early.join(5)
     early.stop()
     assert [str(error) for error in early.errors] == ["no guess"]
+
+
+def test_the_searches_stop_once_the_plain_search_ran_out_of_memory_at_the_guess():
+    """The guess (the plain search's first probe, 24) ran out of memory: the
+    plain largest batch is below it, and the savers' searches would start
+    above a batch no fix fits (a Fabric language model: first probe 39,
+    largest batch 11). Nothing more starts early."""
+    snap = snapshot()
+    replayer = AheadReplayer(snap, ["autocast", "checkpointing"])
+    early = EarlySaverTrials(replayer, snap, None, SINGLES).start()  # type: ignore[arg-type]
+    replayer.end("autocast")
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not by_fix(replayer.speculated, "autocast"):
+        time.sleep(0.02)
+    assert by_fix(replayer.speculated, "autocast")  # started while the guess stood
+    replayer.replays.append(Replay(label="smaller_batch (--batch-size 24)", outcome="oom"))
+    assert early.guess_refuted() and not early.open
+    replayer.end("checkpointing")
+    early.join(5)
+    assert not by_fix(replayer.speculated, "checkpointing") and early.errors == []

@@ -28,6 +28,12 @@ equally speculative). On the H200 the Lightning encoder's checkpointing
 search started 128, 64 and 32 at once, taking all three such lanes, while
 autocast's first trial waited behind its own side bets at 64 and 128 and the
 combination's search waited 14 s for a lane.
+
+When the plain search's replay at the guessed batch runs out of memory, the
+guess is wrong (the savers' searches would start above a batch no fix fits:
+a Fabric language model's first probe, 39, did, and its largest batch was
+11): the searches started early stop there, their replays left for the
+decisions to ask for or discard.
 """
 
 from __future__ import annotations
@@ -42,6 +48,8 @@ from oomdoc.replay.lanes import Job
 from oomdoc.replay.plan import ReplayState
 from oomdoc.replay.replayer import Replay, Replayer, replay_key
 from oomdoc.replay.search import (
+    by_flag,
+    find_batch_arg,
     find_search_batch,
     first_saver_trial,
     saver_search,
@@ -116,6 +124,8 @@ class EarlySaverTrials:
         self.errors: list[BaseException] = []
         self._open = threading.Event()
         self._threads: list[threading.Thread] = []
+        # The label of the plain search's replay at the guessed batch.
+        self._guess_label: Optional[str] = None
 
     def start(self) -> EarlySaverTrials:
         if self.replayer.lanes is not None:
@@ -132,7 +142,15 @@ class EarlySaverTrials:
 
     @property
     def open(self) -> bool:
-        return self._open.is_set() and not self.replayer.stopped
+        return self._open.is_set() and not self.replayer.stopped and not self.guess_refuted()
+
+    def guess_refuted(self) -> bool:
+        """The plain search's replay at the guessed batch ran out of memory."""
+        label = self._guess_label
+        return label is not None and any(
+            replay.label == label and replay.outcome == "oom"
+            for replay in list(self.replayer.replays)
+        )
 
     def _spawn(self, target: Callable[..., None], *args: Any) -> None:
         def run() -> None:
@@ -152,8 +170,13 @@ class EarlySaverTrials:
         state = provisional_state(self.snapshot, list(self.replayer.request.args), self.options)
         if state is None:
             return
-        assert state.search is not None
+        assert state.search is not None and state.search.max_batch_size is not None
         original = state.search.original_batch_size
+        args, flag = list(self.replayer.request.args), state.batch_info["source"]
+        found = find_batch_arg(args, flag)
+        assert found is not None  # (provisional_state found it)
+        probe = by_flag(args, found[0], flag, self.snapshot)
+        self._guess_label = probe(state.search.max_batch_size)[1]
         waiting = saver_replays_ahead(self.replayer, self.snapshot, self.singles)
         while waiting and self.open:
             ended = [(fix, job) for fix, job in waiting if job.finished.is_set()]
