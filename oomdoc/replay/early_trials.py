@@ -109,7 +109,8 @@ def provisional_state(snapshot: Snapshot, args: list[str], options: Any) -> Opti
 
 
 class Closed(Exception):
-    """The plain search has settled (or oomdoc stops): the decisions take over."""
+    """The plain search has settled, or its replay at the guess ran out of
+    memory, or oomdoc stops: the decisions take over."""
 
 
 class EarlySaverTrials:
