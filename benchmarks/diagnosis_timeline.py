@@ -11,7 +11,10 @@ command's time, the failing run's, and the replays'.
         --per_device_train_batch_size 32 --max_steps 32 --eval_steps 16 --use_cpu False
 
 The critical chain shows as replays that start when another ends; waits for
-warm children as `ready_wait_s`, for the device as `lock_wait_s`.
+warm children as `ready_wait_s`, for the device as `lock_wait_s`; `beside`:
+how many other replays ran during each. Below each table, the prescription's
+own-flags timing and the configurations its flags ruled out (whether the
+replays that decide were timed beside others or alone).
 """
 
 from __future__ import annotations
@@ -49,20 +52,61 @@ def table(document: dict, seconds: float) -> str:
         f"(the rest), {len(replay.get('runs') or [])} replays in {total:.1f} s, "
         f"{replay.get('jobs')} lanes; prescription: {chosen}",
         "",
-        "| replay | " + " | ".join(COLUMNS) + " |",
-        "| --- | " + " | ".join("---:" for _ in COLUMNS) + " |",
+        "| replay | " + " | ".join(COLUMNS) + " | beside |",
+        "| --- | " + " | ".join("---:" for _ in COLUMNS) + " | ---: |",
     ]
     unused = [
         dict(run, outcome=f"unused: {run.get('outcome')}")
         for run in replay.get("unused_runs") or []
     ]
-    for run in [*(replay.get("runs") or []), *unused]:
+    every = [*(replay.get("runs") or []), *unused]
+    for run in every:
         lines.append(
             f"| {run.get('label', '?')[:60]} | "
             + " | ".join(cell(run.get(column)) for column in COLUMNS)
-            + " |"
+            + f" | {cell(beside(run, every))} |"
         )
-    return "\n".join(lines)
+    flags = flags_lines(document.get("prescription") or {})
+    return "\n".join([*lines, *([""] + flags if flags else [])])
+
+
+def beside(run: dict, every: list[dict]) -> int | None:
+    """How many other replays ran during this one (their intervals overlap):
+    the own-flags replays that decide the prescription were timed beside
+    others or alone."""
+    start, wall = run.get("started_s"), run.get("wall_s")
+    if start is None or wall is None:
+        return None
+    return sum(
+        1
+        for other in every
+        if other is not run
+        and other.get("started_s") is not None
+        and other.get("wall_s") is not None
+        and other["started_s"] < start + wall
+        and other["started_s"] + other["wall_s"] > start
+    )
+
+
+def flags_lines(prescription: dict) -> list[str]:
+    """The prescription's own-flags timing against oomdoc's replay of it, and
+    every configuration the flags ruled out, with their timings."""
+    checked = prescription.get("verified_by_flags") or {}
+    if not checked.get("samples_per_second"):
+        return []
+    lines = [
+        f"by its flags: {checked['samples_per_second']} samples/s "
+        f"(noise {checked.get('samples_per_second_noise')}; oomdoc's replay of it: "
+        f"{checked.get('replay_samples_per_second')})"
+    ]
+    for entry in prescription.get("considered") or []:
+        if entry.get("verdict") == "slower_by_flags":
+            fixes = " + ".join(entry.get("fixes") or []) or "no fix"
+            lines.append(
+                f"{fixes} at {entry.get('batch_size')} x {entry.get('accumulation_steps')}: "
+                f"{entry.get('reason')}"
+            )
+    return lines
 
 
 def main() -> None:
