@@ -155,8 +155,10 @@ def test_each_savers_search_runs_when_its_replay_at_the_users_batch_ends():
     snap = snapshot()
     names = ["autocast", "checkpointing", "autocast+checkpointing"]
     replayer = AheadReplayer(snap, names)
-    state = provisional_state(snap, ARGS, SimpleNamespace(batch_arg=None))
-    assert state is not None and state.search is not None
+    guessed = provisional_state(snap, ARGS, SimpleNamespace(batch_arg=None))
+    assert guessed is not None
+    state, label = guessed
+    assert state.search is not None and label == "smaller_batch (--batch-size 24)"
     assert state.search.max_batch_size == 24  # the plain search's first probe
     early = EarlySaverTrials(replayer, snap, None, SINGLES).start()  # type: ignore[arg-type]
     replayer.end("checkpointing")

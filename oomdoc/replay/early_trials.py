@@ -49,7 +49,6 @@ from oomdoc.replay.plan import ReplayState
 from oomdoc.replay.replayer import Replay, Replayer, replay_key
 from oomdoc.replay.search import (
     by_flag,
-    find_batch_arg,
     find_search_batch,
     first_saver_trial,
     saver_search,
@@ -87,25 +86,29 @@ def saver_replays_ahead(
     return found
 
 
-def provisional_state(snapshot: Snapshot, args: list[str], options: Any) -> Optional[ReplayState]:
+def provisional_state(
+    snapshot: Snapshot, args: list[str], options: Any
+) -> Optional[tuple[ReplayState, str]]:
     """What the savers' searches will know once the plain search settles, as
     guessed now: its batch flag and the user's batch (as search.search_batch
-    finds them), its largest batch at its first probe. None where the guess
-    cannot be made: no batch flag on the command line (a DataLoader's batch
-    is found by a replay), or an evaluation batch (the search may turn to
-    the training batch, search.training_instead)."""
+    finds them), its largest batch at its first probe; and the label of the
+    plain search's replay at that probe. None where the guess cannot be
+    made: no batch flag on the command line (a DataLoader's batch is found by
+    a replay), or an evaluation batch (the search may turn to the training
+    batch, search.training_instead)."""
     found = find_search_batch(args, getattr(options, "batch_arg", None), snapshot)
     if found is None:
         return None
-    _position, flag, original = found
+    position, flag, original = found
     if original <= 1 or (flag in EVAL_BATCH_FLAGS and snapshot.oom_in_evaluation):
         return None
     guess = batch_model.first_probe_for(snapshot, original)
-    return ReplayState(
+    state = ReplayState(
         skipped=[],
         search=batch_model.SearchResult(original, guess, False, [], []),
         batch_info={"source": flag, "original_batch_size": original},
     )
+    return state, by_flag(args, position, flag, snapshot)(guess)[1]
 
 
 class Closed(Exception):
@@ -168,16 +171,12 @@ class EarlySaverTrials:
 
     def _watch(self) -> None:
         """Each saver's search, once its replay at the user's batch has ended."""
-        state = provisional_state(self.snapshot, list(self.replayer.request.args), self.options)
-        if state is None:
+        guessed = provisional_state(self.snapshot, list(self.replayer.request.args), self.options)
+        if guessed is None:
             return
-        assert state.search is not None and state.search.max_batch_size is not None
+        state, self._guess_label = guessed
+        assert state.search is not None
         original = state.search.original_batch_size
-        args, flag = list(self.replayer.request.args), state.batch_info["source"]
-        found = find_batch_arg(args, flag)
-        assert found is not None  # (provisional_state found it)
-        probe = by_flag(args, found[0], flag, self.snapshot)
-        self._guess_label = probe(state.search.max_batch_size)[1]
         waiting = saver_replays_ahead(self.replayer, self.snapshot, self.singles)
         while waiting and self.open:
             ended = [(fix, job) for fix, job in waiting if job.finished.is_set()]
