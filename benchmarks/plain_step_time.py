@@ -81,6 +81,10 @@ def main() -> None:
             else None
         ),
         "peak_allocated_bytes": torch.cuda.max_memory_allocated(),
+        "peak_reserved_bytes": torch.cuda.max_memory_reserved(),
+        # The allocator's frees of its cache and retries at the cap: each
+        # synchronizes and calls cudaFree, a step cost near the cap.
+        "alloc_retries": int(torch.cuda.memory_stats().get("num_alloc_retries", 0)),
     }
     print("PLAIN " + json.dumps(row), file=sys.__stdout__, flush=True)
 

@@ -454,7 +454,7 @@ class ConsideredConfiguration:
     # estimate (from a larger batch it ran, or not replayed at all).
     measured: bool = False
     # prescribed | slower | over_margin | does_not_fit | not_measured | flags_disagree
-    # | slower_by_flags
+    # | slower_by_flags | tied_by_flags
     verdict: str = "not_measured"
     reason: str = ""
     extra: Dict[str, Any] = field(default_factory=dict)

@@ -34,6 +34,17 @@ def test_a_timing_is_the_median_of_the_steps_after_the_first_and_their_spread():
     assert step_timing([]) is None
 
 
+def test_a_replay_s_record_keeps_the_step_durations_its_timing_came_from():
+    """The snapshot's replay runs say which step was slow, not only the
+    median: what the flags timings that decide were made of."""
+    capture = Snapshot(steps=steps(9.0, 0.17, 0.16, 0.27))
+    replay = Replay("flags", "fits", step_s=0.17, step_noise=0.0588, capture=capture)
+    record = replay.timing()
+    assert record["step_s"] == 0.17 and record["step_noise"] == 0.0588
+    assert record["timed_steps_s"] == [0.17, 0.16, 0.27]  # the first step is never timed
+    assert "timed_steps_s" not in Replay("b8", "oom").timing()
+
+
 def test_a_ratio_carries_the_noise_of_both_timings():
     assert ratio_noise(0.03, 0.04) == 0.05
     assert ratio_noise(None, None) == round((2 * 0.05**2) ** 0.5, 4)  # unseen: 5% each

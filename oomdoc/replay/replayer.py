@@ -36,7 +36,7 @@ from oomdoc.replay.lanes import (
 )
 from oomdoc.replay.leaks import StillLeaks, leak_growth_per_step, still_leaks
 from oomdoc.replay.progress import Progress
-from oomdoc.replay.timing import step_timing
+from oomdoc.replay.timing import step_timing, timed_steps
 from oomdoc.runner import (
     ChildRequest,
     ChildResult,
@@ -127,7 +127,25 @@ class Replay:
             "started_s": round(self.started_s, 2),
             "peak_allocated_bytes": self.peak_allocated_bytes,
             **({"timed_again_alone": True} if self.timed_again_alone else {}),
+            **self.timed_steps(),
             **timings,
+        }
+
+    def timed_steps(self) -> dict:
+        """The step time decided on and the durations it came from, so that
+        a timing's noise can be read from the snapshot (which step was
+        slow), not only its summary."""
+        if self.step_s is None or self.capture is None:
+            return {}
+        durations = [
+            round(float(step.duration_s), 4)
+            for step in timed_steps(self.capture.steps)
+            if step.duration_s is not None
+        ]
+        return {
+            "step_s": round(self.step_s, 4),
+            "step_noise": self.step_noise,
+            "timed_steps_s": durations,
         }
 
     @property

@@ -382,6 +382,7 @@ VERDICT_WORDS = {
     "not_measured": "not measured",
     "flags_disagree": "not by your flags",
     "slower_by_flags": "slower by your flags",
+    "tied_by_flags": "no faster by your flags",
 }
 
 
