@@ -176,10 +176,10 @@ def choose_with_flags(
     if without is not None:
         extra = [name for name in final.fixes if name not in without.fixes]
         tied[tuple(final.fixes)] = (
-            f"no faster by your script's own flags: {final.samples_per_second or 0.0:.1f} "
-            f"samples/s against {without.samples_per_second or 0.0:.1f} without "
-            f"{' + '.join(extra)}, within the {FLAGS_NOISE:.0%} those timings move "
-            "from run to run, and what it adds is work"
+            f"{final.samples_per_second or 0.0:.1f} samples/s by your script's own flags "
+            f"against {without.samples_per_second or 0.0:.1f} without {' + '.join(extra)}: "
+            f"within the {FLAGS_NOISE:.0%} those timings move from run to run, and "
+            f"{' + '.join(extra)} only adds work"
         )
         final = without
     slower_by_flags = {
