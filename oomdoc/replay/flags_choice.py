@@ -35,7 +35,7 @@ from oomdoc.model import Prescription
 from oomdoc.replay.candidates import Candidate
 from oomdoc.replay.own_flags import FLAG_FALLBACKS, flags_disagree, mark_disagreed
 from oomdoc.replay.replayer import Replayer, ReplaysInterrupted
-from oomdoc.replay.search import only_adds_work
+from oomdoc.replay.search import extra_savers, fewer_savers
 
 # How much faster a configuration's own flags may run than oomdoc's replay
 # of it: a rival's replay taken this much faster that beats the choice's
@@ -56,19 +56,12 @@ REPLAY_UNDERSTATES = 0.2
 FLAGS_NOISE = 0.25
 
 
-def fewer_savers(fixes: list[str], than: list[str]) -> bool:
-    """`fixes` are some of `than`'s, and those left out only add work."""
-    return set(fixes) < set(than) and only_adds_work(
-        tuple(name for name in than if name not in fixes)
-    )
-
-
 def extra_work_unproven(
     final: Prescription, standing: list[Prescription]
 ) -> Optional[Prescription]:
     """A standing choice with fewer savers than `final`, those it lacks
     savers that only add work (checkpointing recomputes the forward:
-    search.only_adds_work), whose flags ran within FLAGS_NOISE of `final`'s;
+    search.fewer_savers), whose flags ran within FLAGS_NOISE of `final`'s;
     or None. What such savers buy is a larger micro-batch; where the flags'
     timings cannot tell the two apart, that is not shown to pay, and the
     choice without them is prescribed, the same from run to run."""
@@ -117,7 +110,7 @@ def rival_by_flags(chosen: Prescription, pool: list[Candidate], limit_bytes: int
         f"within the {REPLAY_UNDERSTATES:.0%} oomdoc's replays have run below a script's own flags"
     )
     if fewer_savers(rival.fixes, chosen.fixes):
-        extra = " + ".join(name for name in chosen.fixes if name not in rival.fixes)
+        extra = " + ".join(extra_savers(rival.fixes, chosen.fixes))
         within += f" and the {FLAGS_NOISE:.0%} a flags timing moves, without {extra}'s extra work"
     return (
         f"your script's own flags ran it at {flags:.1f} samples/s{replayed}, and "
@@ -174,12 +167,12 @@ def choose_with_flags(
     tied: dict[tuple, str] = {}
     without = extra_work_unproven(final, standing)
     if without is not None:
-        extra = [name for name in final.fixes if name not in without.fixes]
+        extra = " + ".join(extra_savers(without.fixes, final.fixes))
         tied[tuple(final.fixes)] = (
             f"{final.samples_per_second or 0.0:.1f} samples/s by your script's own flags "
-            f"against {without.samples_per_second or 0.0:.1f} without {' + '.join(extra)}: "
+            f"against {without.samples_per_second or 0.0:.1f} without {extra}: "
             f"within the {FLAGS_NOISE:.0%} those timings move from run to run, and "
-            f"{' + '.join(extra)} only adds work"
+            f"{extra} only adds work"
         )
         final = without
     slower_by_flags = {

@@ -70,8 +70,9 @@ from oomdoc.replay.replayer import (
 )
 from oomdoc.replay.search import (
     batch_size_in,
+    extra_savers,
+    fewer_savers,
     micro_batches,
-    only_adds_work,
     saver_configurations,
 )
 from oomdoc.replay.timing import RETIME_NOISE, pooled
@@ -234,8 +235,8 @@ def untimed_savers(state: ReplayState, original: int, accumulates: bool) -> list
         if any(run.fits for run in searched.trials):
             continue
         for smaller, smaller_micro in known.items():
-            extra = tuple(name for name in fixes if name not in smaller)
-            if set(smaller) < set(fixes) and only_adds_work(extra) and smaller_micro >= micro:
+            if fewer_savers(smaller, fixes) and smaller_micro >= micro:
+                extra = extra_savers(smaller, fixes)
                 state.not_searched[fixes] = (
                     f"no batch above {plain.batch_size} fit under it, and at micro-batches of "
                     f"{micro} {' + '.join(extra)} only adds work to {' + '.join(smaller) or 'no fix'}"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from oomdoc.fixes import Fix, batch_fix, fix_named
 from oomdoc.model import (
@@ -337,13 +337,23 @@ def only_adds_work(fixes: tuple[str, ...]) -> bool:
     )
 
 
+def extra_savers(fixes: Sequence[str], than: Sequence[str]) -> tuple[str, ...]:
+    """The savers of `than` that `fixes` lacks, in `than`'s order."""
+    return tuple(name for name in than if name not in fixes)
+
+
+def fewer_savers(fixes: Sequence[str], than: Sequence[str]) -> bool:
+    """`fixes` are some of `than`'s savers, and those it lacks only add work."""
+    return set(fixes) < set(than) and only_adds_work(extra_savers(fixes, than))
+
+
 def dominated(fixes: tuple[str, ...], fitting: list[tuple[str, ...]]) -> Optional[str]:
     """Why the configuration `fixes` cannot be the fastest, when it cannot:
     fewer of its savers already fit at the user's batch, and the rest only
     add work."""
     for smaller in fitting:
-        extra = tuple(name for name in fixes if name not in smaller)
-        if set(smaller) < set(fixes) and only_adds_work(extra):
+        if fewer_savers(smaller, fixes):
+            extra = extra_savers(smaller, fixes)
             own = " + ".join(smaller) or "no fix"
             return (
                 f"{own} already fits at the user's batch and {' + '.join(extra)} only adds "
@@ -555,8 +565,8 @@ def estimated_no_larger(
     generous = min(original, max(1, int(estimate * ESTIMATE_ALLOWANCE)))
     micro = batch_model.accumulation_plan(original, generous)[0]
     for smaller, smaller_micro in known_micro.items():
-        extra = tuple(name for name in fixes if name not in smaller)
-        if set(smaller) < set(fixes) and only_adds_work(extra) and smaller_micro >= micro:
+        if fewer_savers(smaller, fixes) and smaller_micro >= micro:
+            extra = extra_savers(smaller, fixes)
             own = " + ".join(smaller) or "no fix"
             return (
                 f"its largest batch, estimated at {estimate} from its replay at the user's batch, "
