@@ -353,7 +353,7 @@ def test_a_probe_started_ahead_is_stopped_once_the_search_asks_for_another():
         def ahead(self, payload, label, args=None, extra_env=None):
             return None if label == "probe 7" else (label,)  # 7: no lane free
 
-        def discard(self, keys):
+        def discard(self, keys, keep_finished=False):
             self.discarded.extend(keys)
 
     replayer = Lanes()

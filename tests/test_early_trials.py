@@ -98,7 +98,7 @@ class AskingReplayer(AheadReplayer):
     def ahead(self, payload, label, args=None, extra_env=None):
         return (label,)
 
-    def discard(self, keys):
+    def discard(self, keys, keep_finished=False):
         pass
 
 

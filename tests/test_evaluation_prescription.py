@@ -103,7 +103,7 @@ class EvaluationReplayer:
     def ahead(self, *args, **kwargs):
         return None
 
-    def discard(self, keys):
+    def discard(self, keys, keep_finished=False):
         pass
 
     def run(self, payload, label, args=None, extra_env=None, **kwargs):

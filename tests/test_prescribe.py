@@ -83,7 +83,7 @@ class ScriptedReplayer:
     def ahead(self, payload, label, args=None, extra_env=None, priority=0, **kwargs):
         return None  # no lanes: nothing starts ahead, as the Replayer without them
 
-    def discard(self, keys):
+    def discard(self, keys, keep_finished=False):
         assert not keys  # nothing was started ahead
 
     def run(
@@ -234,8 +234,8 @@ class LanedReplayer(ScriptedReplayer):
         self.started_ahead.append(key)
         return key
 
-    def discard(self, keys):
-        self.discarded += keys
+    def discard(self, keys, keep_finished=False):
+        self.discarded += keys  # none has run: scripted replays run when asked for
 
     def run(
         self, payload, label, args=None, extra_env=None, micro_batches_per_step=None, timed=True

@@ -493,3 +493,25 @@ def test_a_warm_child_imports_ahead_while_it_waits(tmp_path):
     timings = result.capture["timings"]
     assert timings["preimport_s"] >= 1.0  # done while it waited...
     assert timings["script_s"] < timings["preimport_s"]  # ...not by the script
+
+
+def test_discarding_checks_a_choice_may_come_back_to_keeps_those_that_have_run():
+    """measured_choice discards the checks of configurations it did not
+    choose; for one measured within the margin, the flags rule may come
+    back to it (flags_choice), so a check that has already run is kept for
+    that (it costs nothing more) while one still running is stopped."""
+    from oomdoc.replay.replayer import Replayer
+
+    replayer = Replayer.__new__(Replayer)  # only what discard() reads
+    replayer._lock = threading.RLock()
+    replayer.lanes = None
+    replayer._unsubmitted = []
+    replayer._discarded = []
+    done, running = Job(lambda job: "timed", 0), Job(lambda job: None, 0)
+    done.run()
+    replayer._ahead = {("flags", 1): done, ("expandable", 2): running}
+    replayer.discard([("flags", 1), ("expandable", 2)], keep_finished=True)
+    assert list(replayer._ahead) == [("flags", 1)]
+    assert running.cancel.is_set() and not done.cancel.is_set()
+    replayer.discard([("flags", 1)])
+    assert not replayer._ahead and done.cancel.is_set()

@@ -231,18 +231,45 @@ def test_a_step_whose_work_is_done_when_the_timed_steps_end_was_timed_alone(trac
     (and the replay is not timed again); what follows is not in it."""
     calls = []
     tracker.share_device(lambda: calls.append("alone"), lambda: calls.append("done"), lambda: False)
-    model = Net()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    for _step in range(3):
-        model(torch.randn(4, 8)).square().mean().backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    three_updates(Net())
     tracker.timed_steps_done()  # the next batch is asked for: the steps are done
     time.sleep(0.3)  # the script's own end (the device shared again)
     tracker.finish()
     assert calls == ["alone", "done"]
     assert [step.get("device_shared", False) for step in tracker.steps] == [True, False, False]
     assert tracker.steps[-1]["duration_s"] < 0.3
+
+
+def three_updates(model: nn.Module, after_each: float = 0.0) -> None:
+    """Three SGD steps; `after_each`: seconds of the loop's own work after
+    each update (zero_grad, a scheduler, logging: the step's)."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _step in range(3):
+        model(torch.randn(4, 8)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        time.sleep(after_each)
+
+
+@pytest.mark.parametrize("evaluates", [False, True], ids=["checkpoint", "evaluation"])
+def test_a_step_the_scripts_end_closes_is_timed_to_its_optimizer_step(tracker, evaluates):
+    """A loop that ends on its own after an optimizer step (a framework
+    whose step limit is reached: Lightning counting oomdoc's accumulated
+    micro-batches as its steps) closes its last step only at the script's
+    end, after the framework's end of training (a checkpoint written, a
+    final evaluation): that is not the step's time. Every step before is
+    timed as before: to the next step's start."""
+    model = Net()
+    three_updates(model, after_each=0.05)
+    if evaluates:
+        with torch.no_grad():
+            model.eval()(torch.randn(4, 8))
+    time.sleep(0.4)  # the end of training
+    tracker.finish()
+    durations = [step["duration_s"] for step in tracker.steps]
+    assert len(durations) == 3
+    assert all(duration >= 0.05 for duration in durations[:2]), durations
+    assert durations[-1] < 0.3, durations
 
 
 @pytest.mark.parametrize("autotunes", [False, True])

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from typing import Any
 
 import torch
 
@@ -69,16 +70,37 @@ class CudaStepTimer:
         self._last_event = None
         self._pending: deque = deque()
 
-    def close(self, step: dict, started: float) -> None:
+    def mark(self) -> Any:
+        """An event recorded now (where a step's work ends), or None."""
         try:
             event = torch.cuda.Event(enable_timing=True)
-            if self._last_event is None:
-                torch.cuda.synchronize()
-                step["duration_s"] = round(time.perf_counter() - started, 6)
-                event.record()
+            event.record()
+            return event
+        except Exception:
+            return None
+
+    def close(
+        self, step: dict, started: float, ended_at: float | None = None, mark: Any = None
+    ) -> None:
+        """The step ends now, or at `mark` (an event from mark(), recorded
+        at host time `ended_at`)."""
+        try:
+            if mark is not None:
+                event = mark
+                if self._last_event is None:
+                    event.synchronize()
+                    step["duration_s"] = round(float(ended_at or time.perf_counter()) - started, 6)
+                else:
+                    self._pending.append((step, self._last_event, event))
             else:
-                event.record()
-                self._pending.append((step, self._last_event, event))
+                event = torch.cuda.Event(enable_timing=True)
+                if self._last_event is None:
+                    torch.cuda.synchronize()
+                    step["duration_s"] = round(time.perf_counter() - started, 6)
+                    event.record()
+                else:
+                    event.record()
+                    self._pending.append((step, self._last_event, event))
             self._last_event = event
             self.collect(block=False)
         except Exception:  # a broken context: keep the host-measured duration

@@ -307,6 +307,7 @@ class Tracker(Attribution, LeakChecks, StepLimits, IterationSteps):
             or current["optimizer_steps"]
             or current["backward_calls"]
         ):
+            self._end_step_timing(at_work_end=True)
             self._close_step()
         else:
             self._fold_peak()
@@ -685,6 +686,8 @@ class Tracker(Attribution, LeakChecks, StepLimits, IterationSteps):
             # _sample_peak() above has just read the state the step made.
             known = self._known if self._known is not None else self._known_tensors()
             self._state_bytes = sum(known[2].values())
+        if ends:
+            self.step_work_ended()
         self._pending_close = self._pending_close or ends
         self.phase = "idle"
 

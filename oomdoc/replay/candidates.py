@@ -60,6 +60,17 @@ class Candidate:
     # evaluation's size must not count as training throughput); None: the
     # candidate's own batch.
     trained_per_step: Optional[int] = None
+    # The candidate measured exactly as prescribed that took this one's place
+    # (measured_choice): a later choice (flags_choice) weighs that one, with
+    # its timing, not this bound again.
+    measured_as: Optional[Candidate] = field(default=None, repr=False, compare=False)
+
+    def latest(self) -> Candidate:
+        """This candidate as last measured (measured_as, followed)."""
+        candidate = self
+        while candidate.measured_as is not None:
+            candidate = candidate.measured_as
+        return candidate
 
     @property
     def samples_per_second(self) -> Optional[float]:

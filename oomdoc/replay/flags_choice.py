@@ -138,7 +138,10 @@ def choose_with_flags(
     fitting: list[Prescription] = []  # choices whose flags fit, set aside as maybe slower
     chosen: Optional[Prescription] = None
     while True:
-        pool = [c for c in candidates if tuple(c.fixes) not in disagreed]
+        # Each candidate as last measured: a bound that an earlier choice's
+        # replay measured as prescribed is weighed by that timing (a rival
+        # by its flags too) and not replayed again.
+        pool = [c.latest() for c in candidates if tuple(c.fixes) not in disagreed]
         choice, interrupted = choose(pool)
         if choice is None:
             break  # none without those savers: the last choice stands, its check shown
@@ -152,7 +155,9 @@ def choose_with_flags(
         if len(disagreed) >= FLAG_FALLBACKS or replayer.stopped:
             break
         disagreement = flags_disagree(chosen)
-        rival = None if disagreement else rival_by_flags(chosen, pool, limit_bytes)
+        # The pool as this choice left it: bounds it measured weigh as measured.
+        weighed = [c.latest() for c in pool]
+        rival = None if disagreement else rival_by_flags(chosen, weighed, limit_bytes)
         if disagreement is None and rival is None:
             break
         disagreed[tuple(chosen.fixes)] = disagreement or rival or ""

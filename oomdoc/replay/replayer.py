@@ -511,15 +511,18 @@ class Replayer:
         with self._lock:
             self.discard(list(self._ahead))
 
-    def discard(self, keys: list) -> None:
+    def discard(self, keys: list, keep_finished: bool = False) -> None:
         """The decisions will ask for none of these replays started ahead
         (keys from `ahead`; one already asked for, or never started, is
-        passed over): as discard_ahead, for these only."""
+        passed over): as discard_ahead, for these only. `keep_finished`: a
+        decision may still ask for them; those that have already run are
+        kept (they cost nothing more), the others stopped."""
         with self._lock:
             for key in keys:
-                job = self._ahead.pop(key, None)
-                if job is None:
+                job = self._ahead.get(key)
+                if job is None or (keep_finished and job.finished.is_set()):
                     continue
+                del self._ahead[key]
                 job.cancel.set()
                 if job in self._unsubmitted:
                     self._unsubmitted.remove(job)
