@@ -145,6 +145,17 @@ class HeldOutputs:
 
 
 @dataclass
+class UncalledModel:
+    """At an OOM: the outermost module holding weights on the device that no
+    model call nor optimizer of the run made known (an EMA copy of the
+    model, a model kept for later); those weights count as `other`."""
+
+    class_name: str = field(default="?", metadata={"key": "class"})
+    bytes: int = 0
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
 class Oom:
     step: Optional[int] = None
     phase: Optional[str] = None
@@ -162,6 +173,9 @@ class Oom:
     # The module whose forward (or backward) asked for the memory, as in
     # `modules`; None outside any module and in older snapshots.
     module: Optional[str] = when_set()
+    # Modules with weights on the device that the run never called nor
+    # optimised, largest first (absent when none, and in older snapshots).
+    uncalled_models: List[UncalledModel] = when_set(factory=list)
     extra: Dict[str, Any] = field(default_factory=dict)
 
     @property

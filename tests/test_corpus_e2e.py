@@ -19,6 +19,7 @@ IMAGENET = CORPUS / "imagenet_style.py"
 FABRIC_LM = CORPUS / "fabric_lm.py"
 VARLEN = CORPUS / "varlen_text_classifier.py"
 SEQ2SEQ = CORPUS / "seq2seq_generate.py"
+EMA = CORPUS / "ema_json_config.py"
 
 
 def plain(tmp_path, capacity, script, args, env=None) -> dict:
@@ -515,3 +516,35 @@ def test_a_seq2seq_trainer_generating_in_evaluation_gets_an_evaluation_batch_tha
     assert peak_of(prescribed) == pytest.approx(prescription["peak_allocated_bytes"], rel=0.05)
     assert fits["outcome"] == "ok", fits.get("oom")
     assert one_more["outcome"] == "oom" and one_more["oom"]["phase"] == "evaluation"
+
+
+def test_an_ema_copy_of_the_model_is_named_not_guessed_a_dataset(tmp_path):
+    """A JSON config and an EMA of the weights (tests/corpus/ema_json_config.py:
+    torch.optim.swa_utils.AveragedModel, never called in training). Its weights
+    sit on the device outside every model call and optimizer, so they count
+    as `other`, whose advice guessed "a dataset moved to the device up
+    front": the OOM now names AveragedModel with its bytes and says to keep
+    it on the CPU. By hand, the same OOM without the EMA has exactly that
+    much less `other`; the called model's BatchNorm buffers and its frozen
+    projection (in no optimizer) are never named."""
+    config = {"dim": 512, "depth": 6, "batch_size": 512, "lr": 1e-3, "epochs": 1}
+    config.update(samples=2048, ema_decay=0.999)
+
+    def run(ema: bool) -> tuple:
+        (tmp_path / f"cfg-{ema}.json").write_text(json.dumps({**config, "ema": ema}))
+        snapshot = tmp_path / f"ema-{ema}.json"
+        args = ["--config", f"cfg-{ema}.json"]
+        return snapshot, run_capped(snapshot, "40MiB", EMA, args, ["--no-replay"], cwd=tmp_path)[1]
+
+    (snapshot, with_ema), (_path, without) = two_at_a_time(run, [True, False])
+    assert with_ema["outcome"] == without["outcome"] == "oom"
+    assert (with_ema["oom"]["step"], with_ema["oom"]["phase"]) == (1, "forward")
+    assert (without["oom"]["step"], without["oom"]["phase"]) == (1, "forward")
+    uncalled = with_ema["oom"]["uncalled_models"]
+    assert [entry["class"] for entry in uncalled] == ["AveragedModel"]
+    extra = with_ema["breakdown"]["other"] - without["breakdown"]["other"]
+    assert abs(uncalled[0]["bytes"] - extra) <= 0.05 * extra, (uncalled, extra)
+    assert "uncalled_models" not in without["oom"]
+    report = run_oomdoc(["suggest", str(snapshot)])
+    assert "are the weights of AveragedModel, a model the run never called" in report.stdout
+    assert "AveragedModel(model, device='cpu')" in report.stdout

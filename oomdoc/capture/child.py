@@ -148,6 +148,7 @@ def tracker_for(config: ChildConfig, backend: Backend) -> Tracker:
         micro_batches_per_step=config.micro_batches_per_step,
         expected_unit=config.expected_unit,
         stop_after_evaluation=config.stop_after_evaluation,
+        names_uncalled_models=not config.quick_exit,  # a replay's OOM is diagnosed by no one
     )
 
 

@@ -73,8 +73,12 @@ class Tracker(Attribution, LeakChecks, StepLimits, IterationSteps):
         micro_batches_per_step: int | None = None,
         expected_unit: str | None = None,
         stop_after_evaluation: int | None = None,
+        names_uncalled_models: bool = True,
     ):
         self.backend = backend
+        # At an OOM, name the models no call nor optimizer made known
+        # (Attribution.uncalled_models: a scan of the collector's objects).
+        self.names_uncalled_models = names_uncalled_models
         self.max_steps = max_steps
         # A replay knows the failing run's unit: it never stops (max_steps)
         # before it has reached that unit, so a script that evaluates or
@@ -754,6 +758,10 @@ class Tracker(Attribution, LeakChecks, StepLimits, IterationSteps):
             "modules": self.last_modules,
             "allocator": self.backend.allocator_stats(),
         }
+        if self.names_uncalled_models and breakdown.get("other"):
+            uncalled = self.uncalled_models()
+            if uncalled:
+                self.oom["uncalled_models"] = uncalled
         if self.phase == "evaluation":
             self.oom["evaluation_pass"] = self.evaluation_passes
             held = self._held_previous_outputs(sys._getframe(1))

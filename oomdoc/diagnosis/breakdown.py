@@ -19,6 +19,14 @@ CATEGORY_SHARE = 0.2
 EVALUATION_ACTIVATIONS_ADVICE = "a smaller evaluation batch, autocast to bf16, or free each batch's outputs before the next forward (see evaluation_oom)"
 
 
+# Weights of a model the run never called nor optimised (Oom.uncalled_models).
+UNCALLED_MODELS_ADVICE = (
+    "weights of a model the run never called nor optimised (an EMA copy): keep it on the CPU "
+    "(AveragedModel(model, device='cpu'), timm's ModelEmaV2(model, device='cpu')) "
+    "or in bfloat16, or free it where it is not needed"
+)
+
+
 def rule(snapshot: Snapshot) -> list[Diagnosis]:
     breakdown = snapshot.breakdown
     total = breakdown.total
@@ -45,6 +53,8 @@ def rule(snapshot: Snapshot) -> list[Diagnosis]:
         name, advice = entry.title, entry.advice
         if category == "activations" and in_evaluation:
             advice = EVALUATION_ACTIVATIONS_ADVICE
+        if category == "other" and snapshot.oom is not None and snapshot.oom.uncalled_models:
+            advice = f"{UNCALLED_MODELS_ADVICE}; for the rest, {advice}"
         summary = (
             f"{name}: {'the largest' if category == largest else 'a large'} share, "
             f"{percent(nbytes, total, 0)} of the memory in use {snapshot.moment_label}; {advice}"
@@ -101,6 +111,12 @@ def _category_evidence(snapshot: Snapshot, category: str) -> list[str]:
             if any(STATE_TENSORS_PER_PARAMETER.get(name) == 2 for name in optimizers):
                 line += " (two state tensors per parameter: exp_avg and exp_avg_sq)"
             evidence.append(line)
+    elif category == "other":
+        for uncalled in snapshot.oom.uncalled_models if snapshot.oom else []:
+            evidence.append(
+                f"{format_bytes(uncalled.bytes)} are the weights of {uncalled.class_name}, a "
+                "model the run never called nor optimised (an EMA copy, a model kept for later)"
+            )
     elif category == "parameters":
         for model in snapshot.models[:3]:
             if model.parameters_bytes:
