@@ -162,7 +162,9 @@ class Attribution:
         held: dict[int, tuple[nn.Module, int]] = {}
         for candidate in gc.get_objects():
             try:
-                if not isinstance(candidate, nn.Module) or id(candidate) in called:
+                # type(), not isinstance(): no attribute of a stranger's
+                # object is read (a deprecated alias warns when it is).
+                if not issubclass(type(candidate), nn.Module) or id(candidate) in called:
                     continue
                 weights = backend.storage_table(list(candidate.parameters()))
                 if not weights or not weights.keys() - parameters.keys() - state.keys():

@@ -758,7 +758,8 @@ class Tracker(Attribution, LeakChecks, StepLimits, IterationSteps):
             "modules": self.last_modules,
             "allocator": self.backend.allocator_stats(),
         }
-        if self.names_uncalled_models and breakdown.get("other"):
+        # Once a model was called (loading one, every model is still uncalled).
+        if self.names_uncalled_models and breakdown.get("other") and self._live_models():
             uncalled = self.uncalled_models()
             if uncalled:
                 self.oom["uncalled_models"] = uncalled

@@ -1,0 +1,58 @@
+"""The models no call nor optimizer made known (Attribution.uncalled_models):
+at an OOM their weights are `other`, and the OOM names them."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+from oomdoc.capture.backends import OutOfMemoryError, SimulatedBackend
+from oomdoc.capture.tracker import Tracker
+
+MiB = 1 << 20
+
+
+def model() -> nn.Module:
+    # BatchNorm buffers, and a frozen layer left out of the optimizer.
+    net = nn.Sequential(nn.Linear(256, 256), nn.BatchNorm1d(256), nn.Linear(256, 256))
+    net[0].requires_grad_(False)
+    return net
+
+
+def oom_of(train_first: bool, with_ema: bool) -> dict:
+    backend = SimulatedBackend(8 * MiB)
+    tracker = Tracker(backend)
+    tracker.install()
+    backend.install(tracker)
+    try:
+        net = model()
+        ema = copy.deepcopy(net).eval() if with_ema else None  # YOLO's ModelEMA
+        optimizer = torch.optim.SGD([p for p in net.parameters() if p.requires_grad], lr=0.1)
+        if train_first:
+            net(torch.randn(8, 256)).square().mean().backward()
+            optimizer.step()
+        with pytest.raises(OutOfMemoryError):
+            torch.empty(16 * MiB, dtype=torch.uint8)  # more than the device holds
+        assert ema is None or ema.training is False
+        return tracker.oom or {}
+    finally:
+        backend.uninstall()
+        tracker.uninstall()
+
+
+def test_an_ema_copy_is_named_with_its_weights_and_the_called_models_buffers_are_not():
+    named = oom_of(train_first=True, with_ema=True)["uncalled_models"]
+    # Its two Linear layers and BatchNorm's weights, and BatchNorm's buffers.
+    weights = (2 * (256 * 256 + 256) + 2 * 256) * 4 + (2 * 256 * 4 + 8)
+    assert [entry["class"] for entry in named] == ["Sequential"]
+    assert named[0]["bytes"] == weights, named
+    assert "uncalled_models" not in oom_of(train_first=True, with_ema=False)
+
+
+def test_no_model_is_named_before_one_was_called():
+    """An OOM while the models are built or moved: every model is one not
+    called yet, and naming it as a copy kept aside would mislead."""
+    assert "uncalled_models" not in oom_of(train_first=False, with_ema=True)
