@@ -148,10 +148,12 @@ class HeldOutputs:
 class UncalledModel:
     """At an OOM: the outermost module holding weights on the device that no
     model call nor optimizer of the run made known (an EMA copy of the
-    model, a model kept for later); those weights count as `other`."""
+    model, a model kept for later; before any call, the model being built or
+    moved to the device); those weights count as `other`."""
 
     class_name: str = field(default="?", metadata={"key": "class"})
-    bytes: int = 0
+    bytes: int = 0  # its weights on the device
+    weights_bytes: int = 0  # all its parameters and buffers, wherever they are
     extra: Dict[str, Any] = field(default_factory=dict)
 
 

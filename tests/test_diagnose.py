@@ -513,3 +513,49 @@ def test_a_request_larger_than_the_device_is_said_first_with_its_line():
     assert "cannot fit" in first["summary"]
     fitting = oom_document(allocated=120 * MiB, requested=16 * MiB, capacity=128 * MiB)
     assert "oversized_request" not in [d["kind"] for d in diagnose(fitting)]
+
+
+def uncalled_oom(models: list, *, allocated: int, capacity: int, phase: str) -> dict:
+    """An OOM with `models` (Oom.uncalled_models) holding `allocated` in `other`."""
+    document = oom_document(
+        allocated=allocated, requested=500 * MiB, capacity=capacity, phase=phase
+    )
+    document["oom"]["uncalled_models"] = models
+    document["breakdown"] = dict.fromkeys(
+        ("parameters", "gradients", "optimizer_state", "activations"), 0
+    )
+    document["breakdown"]["other"] = allocated
+    return document
+
+
+def test_an_oom_while_the_model_is_moved_to_the_device_says_its_weights_do_not_fit():
+    """A 7B model in float32 moved to a 16 GiB card: the OOM comes before any
+    step, with 15.5 GiB of its 26 GiB of weights there. Not "a dataset moved
+    to the device": the model's weights, and no batch or saver helps."""
+    llama = {"class": "LlamaForCausalLM", "bytes": 15 * GiB + GiB // 2, "weights_bytes": 26 * GiB}
+    document = uncalled_oom([llama], allocated=llama["bytes"], capacity=16 * GiB, phase="setup")
+    document["models"] = []  # no model was called
+    found = diagnose(document)
+    first = found[0]
+    assert first["kind"] == "model_load"
+    assert "LlamaForCausalLM" in first["summary"]
+    assert "its weights alone, 26.00 GiB, are more than the device's 16.00 GiB" in first["summary"]
+    assert "torch_dtype=torch.bfloat16" in first["remedy"]
+    other = next(d for d in found if d["kind"] == "unattributed")
+    assert "being built or moved to the device" in other["summary"]
+    assert "a dataset moved to the device" not in other["summary"].split("; for the rest")[0]
+
+
+def test_an_ema_copy_named_mid_training_is_no_model_load():
+    """The same record once a model was called (an EMA copy): the weights of
+    a model kept aside, not a model that does not load."""
+    ema = {"class": "AveragedModel", "bytes": 2 * GiB, "weights_bytes": 2 * GiB}
+    document = uncalled_oom([ema], allocated=6 * GiB, capacity=8 * GiB, phase="forward")
+    assert document["models"], "the builder's run called a model"
+    found = diagnose(document)
+    assert "model_load" not in [d["kind"] for d in found]
+    other = next(d for d in found if d["kind"] == "unattributed")
+    assert "AveragedModel(model, device='cpu')" in other["summary"]
+    assert any(
+        "weights of AveragedModel, a model the run never called" in e for e in other["evidence"]
+    )

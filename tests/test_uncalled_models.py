@@ -13,6 +13,8 @@ from oomdoc.capture.backends import OutOfMemoryError, SimulatedBackend
 from oomdoc.capture.tracker import Tracker
 
 MiB = 1 << 20
+# model()'s two Linear layers and BatchNorm's weights, and BatchNorm's buffers.
+WEIGHTS = (2 * (256 * 256 + 256) + 2 * 256) * 4 + (2 * 256 * 4 + 8)
 
 
 def model() -> nn.Module:
@@ -45,14 +47,17 @@ def oom_of(train_first: bool, with_ema: bool) -> dict:
 
 def test_an_ema_copy_is_named_with_its_weights_and_the_called_models_buffers_are_not():
     named = oom_of(train_first=True, with_ema=True)["uncalled_models"]
-    # Its two Linear layers and BatchNorm's weights, and BatchNorm's buffers.
-    weights = (2 * (256 * 256 + 256) + 2 * 256) * 4 + (2 * 256 * 4 + 8)
     assert [entry["class"] for entry in named] == ["Sequential"]
-    assert named[0]["bytes"] == weights, named
+    assert named[0]["bytes"] == named[0]["weights_bytes"] == WEIGHTS, named
     assert "uncalled_models" not in oom_of(train_first=True, with_ema=False)
 
 
-def test_no_model_is_named_before_one_was_called():
-    """An OOM while the models are built or moved: every model is one not
-    called yet, and naming it as a copy kept aside would mislead."""
-    assert "uncalled_models" not in oom_of(train_first=False, with_ema=True)
+def test_before_any_call_the_models_on_the_device_are_named_as_being_loaded():
+    """An OOM before any model call (the models built or moved to the
+    device): each model holding weights there is named, with all of its
+    weights (the diagnosis, model_load, says they do not fit)."""
+    named = oom_of(train_first=False, with_ema=True)["uncalled_models"]
+    assert [entry["class"] for entry in named] == ["Sequential", "Sequential"]
+    # The EMA copy all unknown; the model less what its optimizer knows.
+    assert named[0]["bytes"] == named[0]["weights_bytes"] == WEIGHTS
+    assert named[1]["weights_bytes"] == WEIGHTS

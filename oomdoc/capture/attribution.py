@@ -152,10 +152,12 @@ class Attribution:
         """The outermost modules holding parameters or buffers on the device
         that no model call and no optimizer of the run made known, largest
         first: an EMA copy (AveragedModel, timm's ModelEmaV2, YOLO's
-        deepcopy), a model kept for later. Their weights count as `other`,
-        and the report must say whose they are, not guess a dataset. Scans
-        the collector's objects (0.1 s in a transformers process): at an
-        OOM only."""
+        deepcopy), a model kept for later, or, before any call, the model
+        being built or moved to the device. Their weights count as `other`,
+        and the report must say whose they are, not guess a dataset. Each
+        with `bytes` (those on the device) and `weights_bytes` (all its
+        parameters and buffers, wherever they are). Scans the collector's
+        objects (0.1 s in a transformers process): at an OOM only."""
         parameters, _gradients, state = self._known_tensors()
         backend = self.backend
         called = {id(module) for model in self._live_models() for module in model.modules()}
@@ -187,7 +189,11 @@ class Attribution:
         outermost = [(module, nbytes) for key, (module, nbytes) in held.items() if key not in inner]
         outermost.sort(key=lambda entry: -entry[1])
         return [
-            {"class": type(module).__name__, "bytes": int(nbytes)}
+            {
+                "class": type(module).__name__,
+                "bytes": int(nbytes),
+                "weights_bytes": _weights(module),
+            }
             for module, nbytes in outermost[:limit]
         ]
 
@@ -538,3 +544,16 @@ def _group_sites(sites, known: dict, phase: str, limit: int, label=None) -> list
         entry["bytes"] += int(site["bytes"])
         entry["count"] += 1
     return sorted(grouped.values(), key=lambda entry: entry["bytes"], reverse=True)[:limit]
+
+
+def _weights(module: nn.Module) -> int:
+    """The bytes of a module's parameters and buffers, wherever they are
+    (each storage once)."""
+    sizes: dict = {}
+    for tensor in [*module.parameters(), *module.buffers()]:
+        try:
+            storage = tensor.untyped_storage()
+            sizes[storage._cdata] = storage.nbytes()
+        except Exception:  # storage-less layouts (sparse, meta)
+            sizes[id(tensor)] = tensor.numel() * tensor.element_size()
+    return int(sum(sizes.values()))

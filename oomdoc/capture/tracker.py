@@ -758,8 +758,7 @@ class Tracker(Attribution, LeakChecks, StepLimits, IterationSteps):
             "modules": self.last_modules,
             "allocator": self.backend.allocator_stats(),
         }
-        # Once a model was called (loading one, every model is still uncalled).
-        if self.names_uncalled_models and breakdown.get("other") and self._live_models():
+        if self.names_uncalled_models and breakdown.get("other"):
             uncalled = self.uncalled_models()
             if uncalled:
                 self.oom["uncalled_models"] = uncalled

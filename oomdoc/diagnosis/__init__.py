@@ -6,7 +6,8 @@ one line each. Order, most important first: bugs (grad_in_eval, leak), then
 causes that decided the OOM on their own (fragmentation, other processes, a
 host that ran out of RAM), then what filled the device, largest first.
 
-Kinds: oversized_request (one request larger than the device), leak, grad_in_eval, evaluation_oom, fragmentation, other_processes, host_memory,
+Kinds: oversized_request (one request larger than the device), model_load
+(the OOM came while a model was built or moved to the device), leak, grad_in_eval, evaluation_oom, fragmentation, other_processes, host_memory,
 activations, optimizer_state, parameters, gradients, communication,
 unattributed (the breakdown's `other`: tensors made outside the model and
 optimizer): one per category, named in oomdoc.categories.
@@ -24,6 +25,7 @@ from oomdoc.diagnosis import (
     grad_in_eval,
     host_memory,
     leak,
+    model_load,
     other_processes,
     oversized_request,
 )
@@ -52,6 +54,7 @@ RuleResult = Union[Diagnosis, "list[Diagnosis]", None]
 
 RULES: tuple[Callable[[Snapshot], RuleResult], ...] = (
     oversized_request.rule,
+    model_load.rule,
     grad_in_eval.rule,
     leak.rule,
     evaluation.rule,

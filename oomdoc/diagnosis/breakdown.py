@@ -4,6 +4,7 @@ large share, each with the fixes that shrink it."""
 from __future__ import annotations
 
 from oomdoc.categories import BY_NAME
+from oomdoc.diagnosis import model_load
 from oomdoc.diagnosis.base import TIER_BREAKDOWN, Diagnosis
 from oomdoc.fixes import FIXES
 from oomdoc.formatting import format_location, percent, tensor_description
@@ -25,6 +26,9 @@ UNCALLED_MODELS_ADVICE = (
     "(AveragedModel(model, device='cpu'), timm's ModelEmaV2(model, device='cpu')) "
     "or in bfloat16, or free it where it is not needed"
 )
+
+# ... and before any model call, those of the model being built or moved.
+LOADING_ADVICE = "weights of the model being built or moved to the device (see model_load)"
 
 
 def rule(snapshot: Snapshot) -> list[Diagnosis]:
@@ -54,7 +58,8 @@ def rule(snapshot: Snapshot) -> list[Diagnosis]:
         if category == "activations" and in_evaluation:
             advice = EVALUATION_ACTIVATIONS_ADVICE
         if category == "other" and snapshot.oom is not None and snapshot.oom.uncalled_models:
-            advice = f"{UNCALLED_MODELS_ADVICE}; for the rest, {advice}"
+            named = LOADING_ADVICE if model_load.loading(snapshot) else UNCALLED_MODELS_ADVICE
+            advice = f"{named}; for the rest, {advice}"
         summary = (
             f"{name}: {'the largest' if category == largest else 'a large'} share, "
             f"{percent(nbytes, total, 0)} of the memory in use {snapshot.moment_label}; {advice}"
@@ -114,8 +119,12 @@ def _category_evidence(snapshot: Snapshot, category: str) -> list[str]:
     elif category == "other":
         for uncalled in snapshot.oom.uncalled_models if snapshot.oom else []:
             evidence.append(
-                f"{format_bytes(uncalled.bytes)} are the weights of {uncalled.class_name}, a "
-                "model the run never called nor optimised (an EMA copy, a model kept for later)"
+                f"{format_bytes(uncalled.bytes)} are the weights of {uncalled.class_name}, "
+                + (
+                    "being built or moved to the device"
+                    if model_load.loading(snapshot)
+                    else "a model the run never called nor optimised (an EMA copy, a model kept for later)"
+                )
             )
     elif category == "parameters":
         for model in snapshot.models[:3]:
