@@ -158,6 +158,12 @@ class Attribution:
         with `bytes` (those on the device) and `weights_bytes` (all its
         parameters and buffers, wherever they are). Scans the collector's
         objects (0.1 s in a transformers process): at an OOM only."""
+        try:
+            return self._uncalled_models(limit)
+        except Exception:  # at an OOM: never lose the OOM's record to this
+            return []
+
+    def _uncalled_models(self, limit: int) -> list[dict]:
         parameters, _gradients, state = self._known_tensors()
         backend = self.backend
         called = {id(module) for model in self._live_models() for module in model.modules()}
