@@ -185,3 +185,32 @@ def test_allocation_stacks_stop_on_steady_steps_and_stay_on_under_a_leak(tmp_pat
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert load_json(leaking)["capture_stats"]["steps_without_stacks"] == 0
+
+
+def test_a_model_moved_to_a_card_too_small_for_its_weights_is_a_model_load(tmp_path):
+    """A 2.25 GiB float32 model built on the CPU and moved to a card capped at
+    1 GiB: the OOM comes in `.to("cuda")`, before any step. The snapshot names
+    the model with its weights on the card and in all, and the first
+    diagnosis is model_load (not "a dataset moved to the device")."""
+    script = tmp_path / "load.py"
+    script.write_text(
+        "import torch, torch.nn as nn\n"
+        "model = nn.Sequential(*[nn.Linear(8192, 8192) for _ in range(9)])\n"
+        "model.to('cuda')\n"
+        "print(model(torch.randn(2, 8192, device='cuda')).sum())\n"
+    )
+    snapshot_path = tmp_path / "load.json"
+    result = run_oomdoc(
+        ["run", "--device-memory", "1GiB", "-o", snapshot_path, script], timeout=600
+    )
+    assert result.returncode == 1, result.stderr[-3000:]
+    document = load_json(snapshot_path)
+    oom = document["oom"]
+    assert oom["phase"] == "setup"
+    [named] = oom["uncalled_models"]
+    weights = 9 * (8192 * 8192 + 8192) * 4
+    assert named["class"] == "Sequential" and named["weights_bytes"] == weights
+    assert 0.5 * GIB < named["bytes"] <= GIB
+    report = run_oomdoc(["suggest", snapshot_path])
+    first = report.stdout.split("Diagnosis (most important first)")[1].split("\n")[1]
+    assert first.startswith("1. model_load: The model does not fit"), report.stdout[-3000:]
