@@ -559,3 +559,16 @@ def test_an_ema_copy_named_mid_training_is_no_model_load():
     assert any(
         "weights of AveragedModel, a model the run never called" in e for e in other["evidence"]
     )
+
+
+def test_a_small_model_beside_a_dataset_moved_up_front_is_no_model_load():
+    """Before any call, a 1 GiB model and 14 GiB of a dataset moved to the
+    16 GiB card: the weights did not fill it; no model_load, and the
+    unattributed advice still names the dataset's kind of tensor."""
+    small = {"class": "ResNet", "bytes": GiB, "weights_bytes": GiB}
+    document = uncalled_oom([small], allocated=15 * GiB, capacity=16 * GiB, phase="setup")
+    document["models"] = []
+    found = diagnose(document)
+    assert "model_load" not in [d["kind"] for d in found]
+    other = next(d for d in found if d["kind"] == "unattributed")
+    assert "a dataset moved to the device up front" in other["summary"]

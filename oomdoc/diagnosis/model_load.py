@@ -26,6 +26,11 @@ REMEDY = (
 )
 
 
+# The weights must hold at least this share of the memory in use at the OOM
+# (or be more than the device by themselves) for the OOM to be their load's.
+WEIGHTS_SHARE = 0.5
+
+
 def loading(snapshot: Snapshot) -> bool:
     """The OOM came before any model call, with modules holding weights on
     the device (the model being built or moved there)."""
@@ -41,6 +46,8 @@ def rule(snapshot: Snapshot) -> Optional[Diagnosis]:
     models = oom.uncalled_models
     on_device = sum(model.bytes for model in models)
     weights = sum(max(model.weights_bytes, model.bytes) for model in models)
+    if not (capacity and weights > capacity) and on_device < WEIGHTS_SHARE * oom.allocated_bytes:
+        return None  # the weights were not what filled it (a dataset moved there up front)
     names = ", ".join(dict.fromkeys(model.class_name for model in models))
     evidence = [
         f"{model.class_name}: {format_bytes(model.bytes)} of its weights on the device at the OOM"
