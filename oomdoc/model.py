@@ -26,6 +26,7 @@ from typing import Any, Dict, List, Optional
 
 from oomdoc.categories import CATEGORIES  # noqa: F401  (oomdoc.model's API)
 from oomdoc.model_data import Certificate, DataLoaderRecord, FirstBatch, FlagsCheck  # noqa: F401
+from oomdoc.model_oom import UncalledModel, WeightCopy  # noqa: F401
 from oomdoc.records import parse, to_dict, when_set  # noqa: F401  (oomdoc.model's API)
 
 OUTCOMES = ("oom", "ok", "error", "interrupted")
@@ -145,19 +146,6 @@ class HeldOutputs:
 
 
 @dataclass
-class UncalledModel:
-    """At an OOM: the outermost module holding weights on the device that no
-    model call nor optimizer of the run made known (an EMA copy of the
-    model, a model kept for later; before any call, the model being built or
-    moved to the device); those weights count as `other`."""
-
-    class_name: str = field(default="?", metadata={"key": "class"})
-    bytes: int = 0  # its weights on the device
-    weights_bytes: int = 0  # all its parameters and buffers, wherever they are
-    extra: Dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
 class Oom:
     step: Optional[int] = None
     phase: Optional[str] = None
@@ -178,6 +166,8 @@ class Oom:
     # Modules with weights on the device that the run never called nor
     # optimised, largest first (absent when none, and in older snapshots).
     uncalled_models: List[UncalledModel] = when_set(factory=list)
+    # Plain tensors shaped like a called model's parameters (absent when none).
+    weight_copies: List[WeightCopy] = when_set(factory=list)
     extra: Dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -572,3 +572,20 @@ def test_a_small_model_beside_a_dataset_moved_up_front_is_no_model_load():
     assert "model_load" not in [d["kind"] for d in found]
     other = next(d for d in found if d["kind"] == "unattributed")
     assert "a dataset moved to the device up front" in other["summary"]
+
+
+def test_copies_of_the_weights_in_other_are_said_with_their_model():
+    """A saved state_dict and an EMA's shadow list on the device
+    (Oom.weight_copies): the unattributed diagnosis says whose weights they
+    are and to keep them on the CPU, not only "a dataset moved up front"."""
+    document = uncalled_oom([], allocated=6 * GiB, capacity=8 * GiB, phase="forward")
+    del document["oom"]["uncalled_models"]
+    document["oom"]["weight_copies"] = [
+        {"of": "GPT", "copies": 2, "tensors": 296, "bytes": 3 * GiB}
+    ]
+    other = next(d for d in diagnose(document) if d["kind"] == "unattributed")
+    assert "{k: v.to('cpu') for k, v in model.state_dict().items()}" in other["summary"]
+    assert any(
+        "3.00 GiB are 296 tensors shaped like GPT's parameters (copies of its weights" in line
+        for line in other["evidence"]
+    )

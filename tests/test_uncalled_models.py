@@ -4,6 +4,7 @@ at an OOM their weights are `other`, and the OOM names them."""
 from __future__ import annotations
 
 import copy
+from typing import Callable
 
 import pytest
 import torch
@@ -24,7 +25,9 @@ def model() -> nn.Module:
     return net
 
 
-def oom_of(train_first: bool, with_ema: bool) -> dict:
+def oom_of(train_first: bool, with_ema: bool, keep: Callable = lambda net: None) -> dict:
+    """The OOM's record, the device full after `keep(net)` (what it returns
+    is alive at the OOM)."""
     backend = SimulatedBackend(8 * MiB)
     tracker = Tracker(backend)
     tracker.install()
@@ -36,9 +39,11 @@ def oom_of(train_first: bool, with_ema: bool) -> dict:
         if train_first:
             net(torch.randn(8, 256)).square().mean().backward()
             optimizer.step()
+        kept = keep(net)
         with pytest.raises(OutOfMemoryError):
             torch.empty(16 * MiB, dtype=torch.uint8)  # more than the device holds
         assert ema is None or ema.training is False
+        del kept
         return tracker.oom or {}
     finally:
         backend.uninstall()
@@ -61,3 +66,25 @@ def test_before_any_call_the_models_on_the_device_are_named_as_being_loaded():
     # The EMA copy all unknown; the model less what its optimizer knows.
     assert named[0]["bytes"] == named[0]["weights_bytes"] == WEIGHTS
     assert named[1]["weights_bytes"] == WEIGHTS
+
+
+def test_copies_of_the_weights_are_counted_and_the_forwards_activations_are_not():
+    """A saved best state (copy.deepcopy(model.state_dict())) and an EMA's
+    shadow weights (diffusers' EMAModel: detached clones in a list): two
+    copies of the model's weights, exactly their bytes. The forward's
+    output, shaped like a weight (batch 256 = width 256), is an activation,
+    not a copy; BatchNorm's running statistics beyond the weights' shapes
+    are no third copy."""
+
+    def keep(net):
+        state = copy.deepcopy(net.state_dict())
+        shadow = [parameter.detach().clone() for parameter in net.parameters()]
+        output = net(torch.randn(256, 256))  # (256, 256), made by autograd
+        return state, shadow, output
+
+    oom = oom_of(train_first=True, with_ema=False, keep=keep)
+    assert "uncalled_models" not in oom
+    [found] = oom["weight_copies"]
+    per_copy = (2 * 256 * 256 + 4 * 256) * 4  # two Linear layers and BatchNorm's weights
+    assert found == {"of": "Sequential", "copies": 2, "tensors": 12, "bytes": 2 * per_copy}
+    assert "weight_copies" not in oom_of(train_first=True, with_ema=False)

@@ -148,43 +148,55 @@ class Attribution:
             if (optimizer := reference()) is not None
         ]
 
-    def uncalled_models(self, limit: int = 5) -> list[dict]:
-        """The outermost modules holding parameters or buffers on the device
-        that no model call and no optimizer of the run made known, largest
-        first: an EMA copy (AveragedModel, timm's ModelEmaV2, YOLO's
-        deepcopy), a model kept for later, or, before any call, the model
-        being built or moved to the device. Their weights count as `other`,
-        and the report must say whose they are, not guess a dataset. Each
-        with `bytes` (those on the device) and `weights_bytes` (all its
-        parameters and buffers, wherever they are). Scans the collector's
-        objects (0.1 s in a transformers process): at an OOM only."""
-        try:
-            return self._uncalled_models(limit)
-        except Exception:  # at an OOM: never lose the OOM's record to this
-            return []
+    def weights_outside_models(self, limit: int = 5) -> dict:
+        """At an OOM, whose weights the device holds outside every called
+        model and optimizer, for the report to say, not guess a dataset:
 
-    def _uncalled_models(self, limit: int) -> list[dict]:
-        parameters, _gradients, state = self._known_tensors()
+        - `uncalled_models`: the outermost modules holding parameters or
+          buffers on the device that no model call and no optimizer made
+          known, largest first: an EMA copy (AveragedModel, timm's
+          ModelEmaV2, YOLO's deepcopy), a model kept for later, or, before
+          any call, the model being built or moved to the device; each with
+          `bytes` (on the device) and `weights_bytes` (all its parameters
+          and buffers, wherever they are);
+        - `weight_copies`: plain tensors shaped like a called model's
+          parameters (at least 80% of its shapes matched): a saved
+          `copy.deepcopy(model.state_dict())`, diffusers' EMAModel's shadow
+          weights; each with the model's class (`of`), how many `copies`
+          of its shapes, `tensors` and `bytes`.
+
+        One scan of the collector's objects (0.1 s in a transformers
+        process): at an OOM only. Empty fields are left out; a failure of
+        the scan leaves them all out, never the OOM's record."""
+        try:
+            return self._weights_outside_models(limit)
+        except Exception:
+            return {}
+
+    def _weights_outside_models(self, limit: int) -> dict:
+        parameters, gradients, state = self._known_tensors()
+        known = parameters.keys() | gradients.keys() | state.keys()
         backend = self.backend
-        called = {id(module) for model in self._live_models() for module in model.modules()}
+        models = self._live_models()
+        called = {id(module) for model in models for module in model.modules()}
         held: dict[int, tuple[nn.Module, int]] = {}
+        tensors = []
         for candidate in gc.get_objects():
+            kind = type(candidate)  # type(), not isinstance(): no attribute of
+            # a stranger's object is read (a deprecated alias warns when it is)
             try:
-                # type(), not isinstance(): no attribute of a stranger's
-                # object is read (a deprecated alias warns when it is).
-                if not issubclass(type(candidate), nn.Module) or id(candidate) in called:
+                if issubclass(kind, torch.Tensor):
+                    tensors.append(candidate)
+                    continue
+                if not issubclass(kind, nn.Module) or id(candidate) in called:
                     continue
                 weights = backend.storage_table(list(candidate.parameters()))
-                if not weights or not weights.keys() - parameters.keys() - state.keys():
+                if not weights or not weights.keys() - known:
                     continue  # no weights of its own on the device
                 weights.update(backend.storage_table(list(candidate.buffers())))
             except Exception:  # a half-built module, an object lying about its class
                 continue
-            unknown = sum(
-                nbytes
-                for key, nbytes in weights.items()
-                if key not in parameters and key not in state
-            )
+            unknown = sum(nbytes for key, nbytes in weights.items() if key not in known)
             held[id(candidate)] = (candidate, unknown)
         inner = {
             id(child)
@@ -194,14 +206,24 @@ class Attribution:
         }
         outermost = [(module, nbytes) for key, (module, nbytes) in held.items() if key not in inner]
         outermost.sort(key=lambda entry: -entry[1])
-        return [
-            {
-                "class": type(module).__name__,
-                "bytes": int(nbytes),
-                "weights_bytes": _weights(module),
-            }
-            for module, nbytes in outermost[:limit]
-        ]
+        fields: dict = {}
+        if outermost:
+            fields["uncalled_models"] = [
+                {
+                    "class": type(module).__name__,
+                    "bytes": int(nbytes),
+                    "weights_bytes": _weights(module),
+                }
+                for module, nbytes in outermost[:limit]
+            ]
+        named: set = set()  # the named modules' weights, the called ones' buffers
+        for module, _bytes in outermost:
+            named.update(backend.storage_table([*module.parameters(), *module.buffers()]))
+        named.update(backend.storage_table([b for model in models for b in model.buffers()]))
+        copies = _weight_copies(backend, models, tensors, known | named)
+        if copies:
+            fields["weight_copies"] = copies[:limit]
+        return fields
 
     def _parameters_of(self, module) -> list:
         """The module's parameters, from a list rebuilt only after a parameter
@@ -563,3 +585,67 @@ def _weights(module: nn.Module) -> int:
         except Exception:  # storage-less layouts (sparse, meta)
             sizes[id(tensor)] = tensor.numel() * tensor.element_size()
     return int(sum(sizes.values()))
+
+
+# A container (a dict, a list) of plain tensors on the device is taken for a
+# copy of a called model's weights when its tensors match at least this share
+# of the model's parameter shapes ...
+COPY_SHAPE_SHARE = 0.8
+# ... and are at least this many (a tiny model's shapes can be met by chance).
+COPY_MIN_TENSORS = 4
+
+
+def _weight_copies(backend, models: list, tensors: list, excluded: set) -> list[dict]:
+    """Copies of each called model's weights kept in a dict or a list (a
+    saved state_dict, an EMA's shadow weights): plain tensors on the device,
+    outside `excluded` storages, neither requiring grad nor made by autograd
+    (the forward's activations are, or are held by autograd, not by a dict
+    or a list of the script's). {of, copies, tensors, bytes}, largest first."""
+    from collections import Counter
+
+    table = backend.storage_table(tensors)  # on this device only
+    plain = {
+        id(tensor): tensor
+        for tensor in tensors
+        if type(tensor) is not nn.Parameter
+        and not tensor.requires_grad
+        and tensor.grad_fn is None
+        and (key := storage_key(tensor)) in table
+        and key not in excluded
+    }
+    if not plain:
+        return []
+    held = []  # the tensors of each dict or list that holds some
+    for container in gc.get_referrers(*plain.values()):
+        if container is tensors or container is plain or not isinstance(container, (dict, list)):
+            continue  # (this scan's own)
+        values = container.values() if isinstance(container, dict) else container
+        inside = [plain[id(value)] for value in values if id(value) in plain]
+        if len(inside) >= COPY_MIN_TENSORS:
+            held.append(inside)
+    found, used = [], set()
+    for model in models:
+        wanted = Counter(tuple(parameter.shape) for parameter in model.parameters())
+        total = sum(wanted.values())
+        copies, keys = 0, []
+        for inside in held:
+            left, matched = Counter(wanted), []
+            for tensor in inside:
+                key, shape = storage_key(tensor), tuple(tensor.shape)
+                if left[shape] > 0 and key not in used:
+                    left[shape] -= 1
+                    matched.append(key)
+            if len(matched) >= COPY_MIN_TENSORS and len(matched) >= COPY_SHAPE_SHARE * total:
+                copies += 1
+                keys += matched
+                used.update(matched)
+        if copies:
+            found.append(
+                {
+                    "of": type(model).__name__,
+                    "copies": copies,
+                    "tensors": len(keys),
+                    "bytes": int(sum(table[key] for key in set(keys))),
+                }
+            )
+    return sorted(found, key=lambda entry: -entry["bytes"])

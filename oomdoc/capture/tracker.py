@@ -759,9 +759,7 @@ class Tracker(Attribution, LeakChecks, StepLimits, IterationSteps):
             "allocator": self.backend.allocator_stats(),
         }
         if self.names_uncalled_models and breakdown.get("other"):
-            uncalled = self.uncalled_models()
-            if uncalled:
-                self.oom["uncalled_models"] = uncalled
+            self.oom.update(self.weights_outside_models())
         if self.phase == "evaluation":
             self.oom["evaluation_pass"] = self.evaluation_passes
             held = self._held_previous_outputs(sys._getframe(1))

@@ -20,11 +20,13 @@ CATEGORY_SHARE = 0.2
 EVALUATION_ACTIVATIONS_ADVICE = "a smaller evaluation batch, autocast to bf16, or free each batch's outputs before the next forward (see evaluation_oom)"
 
 
-# Weights of a model the run never called nor optimised (Oom.uncalled_models).
+# Weights outside every called model and optimizer (Oom.uncalled_models,
+# Oom.weight_copies).
 UNCALLED_MODELS_ADVICE = (
-    "weights of a model the run never called nor optimised (an EMA copy): keep it on the CPU "
-    "(AveragedModel(model, device='cpu'), timm's ModelEmaV2(model, device='cpu')) "
-    "or in bfloat16, or free it where it is not needed"
+    "copies of the model's weights kept on the device (an EMA, a saved state_dict): keep them "
+    "on the CPU (AveragedModel(model, device='cpu'), timm's ModelEmaV2(model, device='cpu'), "
+    "{k: v.to('cpu') for k, v in model.state_dict().items()}) or in bfloat16, or free them "
+    "where they are not needed"
 )
 
 # ... and before any model call, those of the model being built or moved.
@@ -57,7 +59,8 @@ def rule(snapshot: Snapshot) -> list[Diagnosis]:
         name, advice = entry.title, entry.advice
         if category == "activations" and in_evaluation:
             advice = EVALUATION_ACTIVATIONS_ADVICE
-        if category == "other" and snapshot.oom is not None and snapshot.oom.uncalled_models:
+        oom = snapshot.oom
+        if category == "other" and oom is not None and (oom.uncalled_models or oom.weight_copies):
             named = LOADING_ADVICE if model_load.loading(snapshot) else UNCALLED_MODELS_ADVICE
             advice = f"{named}; for the rest, {advice}"
         summary = (
@@ -125,6 +128,13 @@ def _category_evidence(snapshot: Snapshot, category: str) -> list[str]:
                     if model_load.loading(snapshot)
                     else "a model the run never called nor optimised (an EMA copy, a model kept for later)"
                 )
+            )
+        for copy in snapshot.oom.weight_copies if snapshot.oom else []:
+            plural = "copies" if copy.copies > 1 else "a copy"
+            evidence.append(
+                f"{format_bytes(copy.bytes)} are {copy.tensors} tensors shaped like "
+                f"{copy.of}'s parameters ({plural} of its weights: a saved state_dict, "
+                "an EMA's shadow weights)"
             )
     elif category == "parameters":
         for model in snapshot.models[:3]:

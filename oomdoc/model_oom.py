@@ -1,0 +1,36 @@
+"""Typed records of whose weights an OOM found outside every called model
+and optimizer (docs/snapshot.md: `oom.uncalled_models`, `oom.weight_copies`):
+the report names them instead of guessing a dataset. Part of oomdoc.model
+(which imports them): parsed the same way, by field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict
+
+
+@dataclass
+class UncalledModel:
+    """At an OOM: the outermost module holding weights on the device that no
+    model call nor optimizer of the run made known (an EMA copy of the
+    model, a model kept for later; before any call, the model being built or
+    moved to the device); those weights count as `other`."""
+
+    class_name: str = field(default="?", metadata={"key": "class"})
+    bytes: int = 0  # its weights on the device
+    weights_bytes: int = 0  # all its parameters and buffers, wherever they are
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class WeightCopy:
+    """At an OOM: plain tensors on the device shaped like a called model's
+    parameters (`copies` of its shapes: a saved state_dict, an EMA's shadow
+    weights); they count as `other`."""
+
+    of: str = "?"
+    copies: int = 0
+    tensors: int = 0
+    bytes: int = 0
+    extra: Dict[str, Any] = field(default_factory=dict)
