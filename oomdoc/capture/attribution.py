@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import gc
 import weakref
+from collections import OrderedDict
 from operator import attrgetter
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -180,13 +182,21 @@ class Attribution:
         models = self._live_models()
         called = {id(module) for model in models for module in model.modules()}
         held: dict[int, tuple[nn.Module, int]] = {}
-        tensors = []
+        tensors: list = []
+        containers: list = []  # dicts and lists whose first value is a tensor
         for candidate in gc.get_objects():
             kind = type(candidate)  # type(), not isinstance(): no attribute of
             # a stranger's object is read (a deprecated alias warns when it is)
             try:
-                if issubclass(kind, torch.Tensor):
-                    tensors.append(candidate)
+                if kind is torch.Tensor or kind is nn.Parameter:  # (a subclass's
+                    tensors.append(candidate)  # attributes may run its code)
+                    continue
+                if kind in _PLAIN_CONTAINERS:  # exactly: a subclass's values() may do
+                    # anything (transformers' lazy auto mappings import every model)
+                    if len(candidate) >= COPY_MIN_TENSORS and candidate is not tensors:
+                        first = type(next(iter(_values(candidate))))
+                        if first is torch.Tensor or first is nn.Parameter:
+                            containers.append(candidate)
                     continue
                 if not issubclass(kind, nn.Module) or id(candidate) in called:
                     continue
@@ -220,7 +230,7 @@ class Attribution:
         for module, _bytes in outermost:
             named.update(backend.storage_table([*module.parameters(), *module.buffers()]))
         named.update(backend.storage_table([b for model in models for b in model.buffers()]))
-        copies = _weight_copies(backend, models, tensors, known | named)
+        copies = _weight_copies(backend, models, tensors, containers, known | named)
         if copies:
             fields["weight_copies"] = copies[:limit]
         return fields
@@ -587,6 +597,16 @@ def _weights(module: nn.Module) -> int:
     return int(sum(sizes.values()))
 
 
+# The containers a copy of weights is looked for in: a state_dict (an
+# OrderedDict), a dict, a list; exactly these types, read with their own
+# methods.
+_PLAIN_CONTAINERS = (dict, OrderedDict, list)
+
+
+def _values(container) -> Any:
+    return dict.values(container) if isinstance(container, dict) else container
+
+
 # A container (a dict, a list) of plain tensors on the device is taken for a
 # copy of a called model's weights when its tensors match at least this share
 # of the model's parameter shapes ...
@@ -595,14 +615,19 @@ COPY_SHAPE_SHARE = 0.8
 COPY_MIN_TENSORS = 4
 
 
-def _weight_copies(backend, models: list, tensors: list, excluded: set) -> list[dict]:
+def _weight_copies(
+    backend, models: list, tensors: list, containers: list, excluded: set
+) -> list[dict]:
     """Copies of each called model's weights kept in a dict or a list (a
-    saved state_dict, an EMA's shadow weights): plain tensors on the device,
-    outside `excluded` storages, neither requiring grad nor made by autograd
-    (the forward's activations are, or are held by autograd, not by a dict
-    or a list of the script's). {of, copies, tensors, bytes}, largest first."""
+    saved state_dict, an EMA's shadow weights; `containers`: those whose
+    first value is a tensor): plain tensors on the device, outside
+    `excluded` storages, neither requiring grad nor made by autograd (the
+    forward's activations are, or are held by autograd, not by a dict or a
+    list of the script's). {of, copies, tensors, bytes}, largest first."""
     from collections import Counter
 
+    shapes = {tuple(parameter.shape) for model in models for parameter in model.parameters()}
+    tensors = [tensor for tensor in tensors if tuple(tensor.shape) in shapes]
     table = backend.storage_table(tensors)  # on this device only
     plain = {
         id(tensor): tensor
@@ -616,10 +641,8 @@ def _weight_copies(backend, models: list, tensors: list, excluded: set) -> list[
     if not plain:
         return []
     held = []  # the tensors of each dict or list that holds some
-    for container in gc.get_referrers(*plain.values()):
-        if container is tensors or container is plain or not isinstance(container, (dict, list)):
-            continue  # (this scan's own)
-        values = container.values() if isinstance(container, dict) else container
+    for container in containers:
+        values = _values(container)
         inside = [plain[id(value)] for value in values if id(value) in plain]
         if len(inside) >= COPY_MIN_TENSORS:
             held.append(inside)
