@@ -167,8 +167,8 @@ class Attribution:
           weights; each with the model's class (`of`), how many `copies`
           of its shapes, `tensors` and `bytes`.
 
-        One scan of the collector's objects (0.1 s in a transformers
-        process): at an OOM only. Empty fields are left out; a failure of
+        One scan of the collector's objects (0.26 s in a transformers
+        process of 400k objects): at an OOM only. Empty fields are left out; a failure of
         the scan leaves them all out, never the OOM's record."""
         try:
             return self._weights_outside_models(limit)
