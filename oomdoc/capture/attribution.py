@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import gc
 import weakref
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from operator import attrgetter
 from typing import Any
 
@@ -181,7 +181,7 @@ class Attribution:
         backend = self.backend
         models = self._live_models()
         called = {id(module) for model in models for module in model.modules()}
-        held: dict[int, tuple[nn.Module, int]] = {}
+        held: dict[int, tuple[nn.Module, dict]] = {}  # with its weights' storage table
         tensors: list = []
         containers: list = []  # dicts and lists whose first value is a tensor
         for candidate in gc.get_objects():
@@ -206,29 +206,32 @@ class Attribution:
                 weights.update(backend.storage_table(list(candidate.buffers())))
             except Exception:  # a half-built module, an object lying about its class
                 continue
-            unknown = sum(nbytes for key, nbytes in weights.items() if key not in known)
-            held[id(candidate)] = (candidate, unknown)
+            held[id(candidate)] = (candidate, weights)
         inner = {
             id(child)
             for module, _bytes in held.values()
             for child in module.modules()
             if child is not module
         }
-        outermost = [(module, nbytes) for key, (module, nbytes) in held.items() if key not in inner]
-        outermost.sort(key=lambda entry: -entry[1])
+        outermost = [
+            (module, weights, sum(n for key, n in weights.items() if key not in known))
+            for key, (module, weights) in held.items()
+            if key not in inner
+        ]
+        outermost.sort(key=lambda entry: -entry[2])
         fields: dict = {}
         if outermost:
             fields["uncalled_models"] = [
                 {
                     "class": type(module).__name__,
-                    "bytes": int(nbytes),
+                    "bytes": int(unknown),
                     "weights_bytes": _weights(module),
                 }
-                for module, nbytes in outermost[:limit]
+                for module, _weights_table, unknown in outermost[:limit]
             ]
         named: set = set()  # the named modules' weights, the called ones' buffers
-        for module, _bytes in outermost:
-            named.update(backend.storage_table([*module.parameters(), *module.buffers()]))
+        for _module, weights, _unknown in outermost:
+            named.update(weights)
         named.update(backend.storage_table([b for model in models for b in model.buffers()]))
         copies = _weight_copies(backend, models, tensors, containers, known | named)
         if copies:
@@ -624,13 +627,11 @@ def _weight_copies(
     `excluded` storages, neither requiring grad nor made by autograd (the
     forward's activations are, or are held by autograd, not by a dict or a
     list of the script's). {of, copies, tensors, bytes}, largest first."""
-    from collections import Counter
-
     shapes = {tuple(parameter.shape) for model in models for parameter in model.parameters()}
     tensors = [tensor for tensor in tensors if tuple(tensor.shape) in shapes]
     table = backend.storage_table(tensors)  # on this device only
-    plain = {
-        id(tensor): tensor
+    plain = {  # id -> (storage key, shape)
+        id(tensor): (key, tuple(tensor.shape))
         for tensor in tensors
         if type(tensor) is not nn.Parameter
         and not tensor.requires_grad
@@ -640,7 +641,7 @@ def _weight_copies(
     }
     if not plain:
         return []
-    held = []  # the tensors of each dict or list that holds some
+    held = []  # the (key, shape) of each dict's or list's tensors that holds some
     for container in containers:
         values = _values(container)
         inside = [plain[id(value)] for value in values if id(value) in plain]
@@ -653,8 +654,7 @@ def _weight_copies(
         copies, keys = 0, []
         for inside in held:
             left, matched = Counter(wanted), []
-            for tensor in inside:
-                key, shape = storage_key(tensor), tuple(tensor.shape)
+            for key, shape in inside:
                 if left[shape] > 0 and key not in used:
                     left[shape] -= 1
                     matched.append(key)

@@ -85,22 +85,21 @@ class CudaStepTimer:
         """The step ends now, or at `mark` (an event from mark(), recorded
         at host time `ended_at`)."""
         try:
-            if mark is not None:
-                event = mark
-                if self._last_event is None:
-                    event.synchronize()
-                    step["duration_s"] = round(float(ended_at or time.perf_counter()) - started, 6)
-                else:
-                    self._pending.append((step, self._last_event, event))
-            else:
-                event = torch.cuda.Event(enable_timing=True)
-                if self._last_event is None:
+            first = self._last_event is None
+            if mark is None:
+                if first:
                     torch.cuda.synchronize()
-                    step["duration_s"] = round(time.perf_counter() - started, 6)
-                    event.record()
-                else:
-                    event.record()
-                    self._pending.append((step, self._last_event, event))
+                    ended_at = time.perf_counter()
+                event = torch.cuda.Event(enable_timing=True)
+                event.record()
+            else:
+                event = mark
+                if first:
+                    event.synchronize()
+            if first:
+                step["duration_s"] = round(float(ended_at or time.perf_counter()) - started, 6)
+            else:
+                self._pending.append((step, self._last_event, event))
             self._last_event = event
             self.collect(block=False)
         except Exception:  # a broken context: keep the host-measured duration

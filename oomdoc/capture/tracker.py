@@ -76,8 +76,8 @@ class Tracker(Attribution, LeakChecks, StepLimits, IterationSteps):
         names_uncalled_models: bool = True,
     ):
         self.backend = backend
-        # At an OOM, name the models no call nor optimizer made known
-        # (Attribution.uncalled_models: a scan of the collector's objects).
+        # At an OOM, name the weights outside every called model and optimizer
+        # (Attribution.weights_outside_models: a scan of the collector's objects).
         self.names_uncalled_models = names_uncalled_models
         self.max_steps = max_steps
         # A replay knows the failing run's unit: it never stops (max_steps)
