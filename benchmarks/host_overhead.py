@@ -183,14 +183,23 @@ def time_steps(step, steps: int) -> float:
 
 
 def under_tracker(
-    step, steps: int, device: str, pack_hook: bool, history: bool = True, steady: bool = False
+    step,
+    steps: int,
+    device: str,
+    pack_hook: bool,
+    history: bool = True,
+    steady: bool = False,
+    lean: bool = True,
 ):
     """(host seconds per step, capture stats) of `steps` steps under a tracker.
     `steady` (CPU): the steps timed run as the CUDA backend runs steady steps;
-    on CUDA the backend itself decides (the warm-up steps make the run steady)."""
+    on CUDA the backend itself decides (the warm-up steps make the run steady).
+    `lean`: steady steps hook only the outermost module calls
+    (oomdoc.capture.module_calls), as oomdoc does; False keeps the global hooks."""
     switches = {
         "OOMDOC_MODULE_HOOKS": "1" if pack_hook else "0",
         "OOMDOC_ALLOCATION_HISTORY": "1" if history else "0",
+        "OOMDOC_LEAN_MODULE_CALLS": "1" if lean else "0",
     }
     previous = {name: os.environ.get(name) for name in switches}
     os.environ.update(switches)
@@ -250,8 +259,14 @@ def main() -> None:
     }
     if args.device == "cuda":
         configurations["oomdoc, no allocation history"] = {"pack_hook": True, "history": False}
+        configurations["oomdoc, global hooks"] = {"pack_hook": True, "lean": False}
     else:
         configurations["oomdoc, steady steps"] = {"pack_hook": True, "steady": True}
+        configurations["oomdoc, steady steps, global hooks"] = {
+            "pack_hook": True,
+            "steady": True,
+            "lean": False,
+        }
     samples: dict[str, list[float]] = {"plain": [], **{name: [] for name in configurations}}
     for _ in range(args.rounds):  # interleaved
         for _ in range(3):

@@ -40,6 +40,7 @@ from oomdoc.capture.attribution import Attribution
 from oomdoc.capture.backend_base import StorageTableMemo
 from oomdoc.capture.backends import Backend
 from oomdoc.capture.compiled_models import fake_tracing, hooked_compile, traced_by_compile
+from oomdoc.capture.module_calls import ModuleCalls, registration_hooks
 from oomdoc.capture.modules import ModuleScopes
 from oomdoc.capture.optimizer_cycle import IterationSteps, OptimizerCycle
 from oomdoc.capture.repeated_blocks import checkpoint_targets, repeated_blocks
@@ -140,6 +141,8 @@ class Tracker(Attribution, LeakChecks, StepLimits, IterationSteps):
         self.parallel_capture: CaptureFields | None = None  # a rank's job fields
         self._handles: list = []
         self._originals: list = []
+        self.module_calls = ModuleCalls(self)  # global hooks, or lean in steady steps
+        self._lean_entry: nn.Module | None = None  # (module_calls._lean_call)
         self._step_started = time.perf_counter()
         # Called once, when the first step begins (the simulated device's
         # lock for replays side by side, oomdoc.capture.gate).
@@ -274,7 +277,12 @@ class Tracker(Attribution, LeakChecks, StepLimits, IterationSteps):
             self._sample_peak()
             self._fold_peak()
             self.phase = phase
-            self.scopes.set_paused(self.backend.phase_started(phase) is False)
+            self._pause_detail(self.backend.phase_started(phase) is False)
+
+    def _pause_detail(self, paused: bool) -> None:
+        """Steady steps: no module scopes, and only outermost calls hooked."""
+        self.scopes.set_paused(paused)
+        self.module_calls.want_lean(self.scopes.paused)
 
     def _close_step(self) -> None:
         self._fold_peak()
@@ -289,7 +297,7 @@ class Tracker(Attribution, LeakChecks, StepLimits, IterationSteps):
             current["retained_activation_bytes"] = int(
                 ledger.retained_activation_bytes(current["index"])
             )
-        self.scopes.set_paused(self.backend.step_closed(current) is False)
+        self._pause_detail(self.backend.step_closed(current) is False)
         self.steps.append(current)
         self._bounded_steps.trim(self.steps)
         self.step_index += 1
@@ -330,36 +338,20 @@ class Tracker(Attribution, LeakChecks, StepLimits, IterationSteps):
         """How much work the capture did: leak walks and samples stay far
         below the step count however long the run (docs/snapshot.md)."""
         stats = dict(self.stats)
+        stats["module_call_switches"] = self.module_calls.switches
         stats.update(self.backend.capture_stats())
         return {key: int(value) for key, value in stats.items()}
 
     # ------------------------------------------------------------ hooks
     def install(self) -> None:
-        module_hooks = nn.modules.module
-        self._handles.append(module_hooks.register_module_forward_pre_hook(self._on_forward_pre))
-        try:
-            # With the call's keyword arguments: a model called as
-            # `model(**batch)` (the HF Trainer) passes its tensors there.
-            handle = module_hooks.register_module_forward_hook(
-                self._on_forward_post, always_call=True, with_kwargs=True
-            )
-        except TypeError:  # torch without always_call or with_kwargs
-            handle = module_hooks.register_module_forward_hook(self._on_forward_post)
-        self._handles.append(handle)
+        self.module_calls.install()
         import torch.optim.optimizer as optim
 
         self._handles.append(optim.register_optimizer_step_pre_hook(self._on_optimizer_pre))
         self._handles.append(optim.register_optimizer_step_post_hook(self._on_optimizer_post))
-        registration_hooks = 0
-        for name in (
-            "register_module_parameter_registration_hook",
-            "register_module_module_registration_hook",
-        ):
-            register = getattr(module_hooks, name, None)
-            if register is not None:
-                self._handles.append(register(self._on_registration))
-                registration_hooks += 1
-        self._registration_seen = registration_hooks == 2
+        registrations = registration_hooks(self._on_registration)
+        self._handles.extend(registrations)
+        self._registration_seen = len(registrations) == 2
         self._patch(torch.autograd, "backward", self._wrap_backward(torch.autograd.backward))
         self._patch(torch.autograd, "grad", self._wrap_backward(torch.autograd.grad))
         original_init = torch.optim.Optimizer.__init__
@@ -414,6 +406,7 @@ class Tracker(Attribution, LeakChecks, StepLimits, IterationSteps):
 
     def uninstall(self) -> None:
         self.scopes.uninstall()
+        self.module_calls.uninstall()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -438,6 +431,7 @@ class Tracker(Attribution, LeakChecks, StepLimits, IterationSteps):
                 tracker.backend.backward_ended()
                 tracker._backward_depth -= 1
                 tracker._gradients_stale = True
+                tracker.module_calls.settle()
                 if tracker._backward_depth == 0 and tracker.unit == "backward":
                     tracker._backward_ended()
 
@@ -446,6 +440,8 @@ class Tracker(Attribution, LeakChecks, StepLimits, IterationSteps):
     def _on_forward_pre(self, module, inputs):
         if traced_by_compile():
             return  # (oomdoc.capture.compiled_models)
+        if module is self._lean_entry and self._module_depth == 1:
+            return  # the lean call that brought the hooks back has its own
         if self._module_depth == 0 and self._backward_depth == 0:
             self._outer_kind = self._call_kind(module)
             if self._outer_kind != _AUXILIARY:
@@ -459,11 +455,15 @@ class Tracker(Attribution, LeakChecks, StepLimits, IterationSteps):
         # kwargs when the forward raised (an OOM, StopRun): (output,).
         if traced_by_compile():
             return
+        if module is self._lean_entry and self._module_depth == 1:
+            self._lean_entry = None
+            return
         kwargs, output = rest if len(rest) == 2 else ({}, rest[-1])
         if not self.scopes.paused:
             self.scopes.pop(output)
         self._module_depth = max(0, self._module_depth - 1)
         if self._module_depth == 0 and self._backward_depth == 0:
+            self.module_calls.settle()  # (a quiet point: no call under way)
             if self._outer_kind == _AUXILIARY:
                 return  # a transform or a loss module: not a model call
             if self._outer_kind == _TRAINING:
@@ -694,6 +694,7 @@ class Tracker(Attribution, LeakChecks, StepLimits, IterationSteps):
             self.step_work_ended()
         self._pending_close = self._pending_close or ends
         self.phase = "idle"
+        self.module_calls.settle()
 
     def _raise_unit(self, unit: str) -> None:
         """Move up to a larger step unit. The steps closed in the smaller one
@@ -768,7 +769,9 @@ class Tracker(Attribution, LeakChecks, StepLimits, IterationSteps):
 
 
 def _uninstall_forked(tracker: Tracker | None) -> None:
-    if tracker is not None and (tracker._handles or tracker._originals):
+    if tracker is not None and (
+        tracker._handles or tracker._originals or tracker.module_calls.installed
+    ):
         tracker.uninstall()
 
 
