@@ -157,8 +157,8 @@ def test_each_savers_search_runs_when_its_replay_at_the_users_batch_ends():
     replayer = AheadReplayer(snap, names)
     guessed = provisional_state(snap, ARGS, SimpleNamespace(batch_arg=None))
     assert guessed is not None
-    state, label = guessed
-    assert state.search is not None and label == "smaller_batch (--batch-size 24)"
+    state, label_of = guessed
+    assert state.search is not None and label_of(24) == "smaller_batch (--batch-size 24)"
     assert state.search.max_batch_size == 24  # the plain search's first probe
     early = EarlySaverTrials(replayer, snap, None, SINGLES).start()  # type: ignore[arg-type]
     replayer.end("checkpointing")
@@ -272,7 +272,7 @@ def test_the_searches_stop_once_the_plain_search_ran_out_of_memory_at_the_guess(
     """The guess (the plain search's first probe, 24) ran out of memory: the
     plain largest batch is below it, and the savers' searches would start
     above a batch no fix fits (a Fabric language model: first probe 39,
-    largest batch 11). Nothing more starts early."""
+    largest batch 11). Nothing more starts early while no plain replay fit."""
     snap = snapshot()
     replayer = AheadReplayer(snap, ["autocast", "checkpointing"])
     early = EarlySaverTrials(replayer, snap, None, SINGLES).start()  # type: ignore[arg-type]
@@ -286,3 +286,37 @@ def test_the_searches_stop_once_the_plain_search_ran_out_of_memory_at_the_guess(
     replayer.end("checkpointing")
     early.join(5)
     assert not by_fix(replayer.speculated, "checkpointing") and early.errors == []
+
+
+def test_after_the_guess_ran_out_of_memory_they_start_again_from_the_first_plain_fit():
+    """The ImageNet-style trainer's shape: the guess out of memory, then a
+    plain replay below it fits (12 here): every saver's search starts again
+    from there. Checkpointing's first probe (its estimate, 128) is above the
+    plain largest batch (16, once the plain search settles): its trials are
+    the decisions' own. autocast's (20, whose micro-batch is 16) is not:
+    from 12 its search replays 16, which the decisions' search, from 16,
+    never asks for (a replay wasted, the decisions the same)."""
+    snap = snapshot()
+    replayer = AheadReplayer(snap, ["autocast", "checkpointing"])
+    early = EarlySaverTrials(replayer, snap, None, SINGLES).start()  # type: ignore[arg-type]
+    replayer.replays.append(Replay(label="smaller_batch (--batch-size 24)", outcome="oom"))
+    replayer.end("autocast")
+    replayer.end("checkpointing")
+    time.sleep(0.3)
+    assert replayer.speculated == [] and early.rebased_on is None  # no fit known yet
+    # An out-of-memory replay below the guess and a fit above it are no floor.
+    replayer.replays.append(Replay(label="smaller_batch (--batch-size 20)", outcome="oom"))
+    replayer.replays.append(Replay(label="smaller_batch (--batch-size 12)", outcome="ok"))
+    asked = asked_by_the_search(snap, "checkpointing", 16)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and (
+        len(by_fix(replayer.speculated, "checkpointing")) < len(asked)
+        or not by_fix(replayer.speculated, "autocast")
+    ):
+        time.sleep(0.02)
+    early.stop()
+    early.join(5)
+    assert early.rebased_on == 12 and early.errors == []
+    assert asked and by_fix(replayer.speculated, "checkpointing") == asked
+    assert by_fix(replayer.speculated, "autocast")[0] == "autocast (--batch-size 16)"
+    assert asked_by_the_search(snap, "autocast", 16)[0] == "autocast (--batch-size 32)"
