@@ -201,3 +201,23 @@ def test_the_lean_call_runs_the_post_hook_when_the_forward_raises():
     finally:
         tracker.uninstall()
     assert [step["forward_calls"] for step in tracker.steps] == [1, 1, 1, 2]
+
+
+def test_a_lean_call_put_back_by_another_patch_leaves_the_calls_to_the_hooks():
+    """fx's tracer puts back the `__call__` it found when it began: the lean
+    one, if the hooks came back meanwhile. Then each call is hooked once."""
+    tracker, calls = hooked_tracker(steady_from=1)
+    try:
+        model, _optimizer = trained(3)
+        lean_call = nn.Module.__call__
+        tracker.module_calls.want_lean(False)  # an evaluation begins, say
+        nn.Module.__call__ = lean_call  # type: ignore[method-assign]
+        del calls[:]
+        with torch.no_grad():
+            model(torch.randn(4, 8))
+        nn.Module.__call__ = TORCH_CALL  # type: ignore[method-assign]
+        tracker.finish()
+    finally:
+        tracker.uninstall()
+    called = [name for step, _phase, name in calls if step != "push"]
+    assert called == ["Sequential", "Linear", "ReLU", "Linear"]

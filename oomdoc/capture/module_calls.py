@@ -175,7 +175,9 @@ def _lean_call(tracker: OutermostCalls, original: Any, calls: ModuleCalls) -> An
     forward raises, without its keyword arguments)."""
 
     def __call__(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if tracker._module_depth or tracker._backward_depth:
+        if tracker._module_depth or tracker._backward_depth or not calls.lean:
+            # (not lean: put back by another's patch of __call__, fx's say,
+            # after the hooks came back; they see the call)
             return original(module, *args, **kwargs)
         if (
             traced_by_compile()
