@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -221,3 +222,97 @@ def test_a_lean_call_put_back_by_another_patch_leaves_the_calls_to_the_hooks():
         tracker.uninstall()
     called = [name for step, _phase, name in calls if step != "push"]
     assert called == ["Sequential", "Linear", "ReLU", "Linear"]
+
+
+SCRIPTS = Path(__file__).parent / "scripts"
+
+
+def lightning_with_validation() -> None:
+    """A Lightning `Trainer` that validates every 4 steps (loss modules,
+    the closure of automatic optimization, a validation loop under
+    inference_mode)."""
+    L = pytest.importorskip("lightning")
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class Net(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            blocks = [nn.Sequential(nn.Linear(16, 16), nn.GELU()) for _ in range(4)]
+            self.body = nn.Sequential(*blocks, nn.Linear(16, 4))
+            self.loss = nn.CrossEntropyLoss()
+
+        def forward(self, x):
+            return self.body(x)
+
+        def training_step(self, batch, index):
+            x, y = batch
+            return self.loss(self(x), y)
+
+        def validation_step(self, batch, index):
+            x, y = batch
+            self.log("val", self.loss(self(x), y))
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(64, 16), torch.randint(0, 4, (64,)))
+    trainer = L.Trainer(
+        max_steps=12,
+        val_check_interval=4,
+        limit_val_batches=2,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(Net(), DataLoader(data, batch_size=4), DataLoader(data, batch_size=4))
+
+
+def hf_trainer_with_evaluation(tmp_path: Path) -> None:
+    """The HF `Trainer` (HfArgumentParser, GPT-2 with gradient checkpointing,
+    whose layers override __call__) evaluating every 4 steps."""
+    pytest.importorskip("transformers")
+    import runpy
+    import sys
+
+    argv = sys.argv
+    sys.argv = [
+        "fw_hf_trainer.py",
+        *("--output_dir", str(tmp_path), "--use_cpu", "True", "--max_steps", "10"),
+        *("--per_device_train_batch_size", "2", "--eval_samples", "8"),
+        *("--eval_strategy", "steps", "--eval_steps", "4", "--gradient_checkpointing", "True"),
+        *("--report_to", "none", "--save_strategy", "no"),
+    ]
+    try:
+        runpy.run_path(str(SCRIPTS / "fw_hf_trainer.py"), run_name="__main__")
+    finally:
+        sys.argv = argv
+
+
+@pytest.mark.parametrize("framework", ["lightning", "hf"])
+def test_frameworks_make_the_same_steps_with_lean_calls(framework, monkeypatch, tmp_path):
+    def records(lean: bool) -> tuple:
+        monkeypatch.setenv("OOMDOC_LEAN_MODULE_CALLS", "1" if lean else "0")
+        tracker, _calls = hooked_tracker(steady_from=2)
+        try:
+            if framework == "lightning":
+                lightning_with_validation()
+            else:
+                hf_trainer_with_evaluation(tmp_path)
+            tracker.finish()
+            switches = tracker.capture_stats()["module_call_switches"]
+        finally:
+            tracker.uninstall()
+        keys = ("forward_calls", "evaluation_calls", "backward_calls", "optimizer_steps")
+        steps = [tuple(step[key] for key in keys) for step in tracker.steps]
+        return switches, steps, tracker.evaluation_passes, len(tracker.models)
+
+    lean, hooked = records(True), records(False)
+    # Lean between the evaluations (the hooks back for each), the same steps.
+    assert lean[0] >= 6 and hooked[0] == 0
+    assert lean[1:] == hooked[1:]
+    assert lean[2] == 3 and sum(step[1] > 0 for step in lean[1]) == 3
+    assert nn.Module.__call__ is TORCH_CALL
