@@ -7,7 +7,7 @@ the report names them instead of guessing a dataset. Part of oomdoc.model
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict
+from typing import Any, Dict, List
 
 
 @dataclass
@@ -33,4 +33,7 @@ class WeightCopy:
     copies: int = 0
     tensors: int = 0
     bytes: int = 0
+    # Where the script keeps them (`EMAModel.shadow_params`, `best_state (a
+    # global of __main__)`), where the capture could name it.
+    held_by: List[str] = field(default_factory=list)
     extra: Dict[str, Any] = field(default_factory=dict)

@@ -112,3 +112,62 @@ def test_the_scan_runs_no_code_of_the_scripts_containers():
     Lazy.asked = 0
     oom_of(train_first=True, with_ema=False, keep=keep)
     assert Lazy.asked == 0
+
+
+class EMAModel:
+    """diffusers' EMAModel's shape: the shadow weights in a list attribute."""
+
+    def __init__(self, parameters):
+        self.shadow_params = [parameter.detach().clone() for parameter in parameters]
+
+
+def test_copies_are_named_by_where_the_script_keeps_them():
+    """An attribute of an object (`EMAModel.shadow_params`) or a local of a
+    function on the stack at the OOM (`kept`, oom_of's): the report points
+    at it. A copy held only by another container is not named."""
+    oom = oom_of(train_first=True, with_ema=False, keep=lambda net: EMAModel(net.parameters()))
+    [found] = oom["weight_copies"]
+    assert found["copies"] == 1 and found["held_by"] == ["EMAModel.shadow_params"]
+    oom = oom_of(
+        train_first=True,
+        with_ema=False,
+        keep=lambda net: list(EMAModel(net.parameters()).shadow_params),
+    )
+    assert oom["weight_copies"][0]["held_by"] == ["kept (a local of oom_of)"]
+    oom = oom_of(
+        train_first=True,
+        with_ema=False,
+        keep=lambda net: (EMAModel(net.parameters()).shadow_params,),
+    )
+    assert "held_by" not in oom["weight_copies"][0]
+
+
+def test_the_report_says_where_the_copies_are():
+    from oomdoc.diagnosis.breakdown import _category_evidence
+    from oomdoc.model import Snapshot
+
+    snapshot = Snapshot.from_dict(
+        {
+            "device": {"capacity_bytes": 8 * MiB},
+            "oom": {
+                "phase": "forward",
+                "weight_copies": [
+                    {
+                        "of": "UNet",
+                        "copies": 1,
+                        "tensors": 12,
+                        "bytes": 4 * MiB,
+                        "held_by": ["EMAModel.shadow_params"],
+                    }
+                ],
+            },
+        }
+    )
+    assert snapshot.oom is not None and snapshot.oom.weight_copies[0].held_by == [
+        "EMAModel.shadow_params"
+    ]
+    assert Snapshot.from_dict(snapshot.to_dict()).oom.weight_copies[0].held_by == [
+        "EMAModel.shadow_params"
+    ]
+    evidence = _category_evidence(snapshot, "other")
+    assert any("in EMAModel.shadow_params" in line for line in evidence), evidence

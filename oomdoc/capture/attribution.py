@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 
 from oomdoc.capture.backend_base import Backend, StorageTableMemo, storage_key, storage_sites
+from oomdoc.capture.holders import holder_names
 from oomdoc.capture.modules import ModuleScopes, block_categories, simulated_attribution
 from oomdoc.snapshot import CATEGORIES
 
@@ -626,7 +627,8 @@ def _weight_copies(
     first value is a tensor): plain tensors on the device, outside
     `excluded` storages, neither requiring grad nor made by autograd (the
     forward's activations are, or are held by autograd, not by a dict or a
-    list of the script's). {of, copies, tensors, bytes}, largest first."""
+    list of the script's). {of, copies, tensors, bytes, held_by: where the
+    script keeps the first three copies, when that can be named}, largest first."""
     shapes = {tuple(parameter.shape) for model in models for parameter in model.parameters()}
     tensors = [tensor for tensor in tensors if tuple(tensor.shape) in shapes]
     table = backend.storage_table(tensors)  # on this device only
@@ -641,18 +643,18 @@ def _weight_copies(
     }
     if not plain:
         return []
-    held = []  # the (key, shape) of each dict's or list's tensors that holds some
+    held = []  # each dict or list that holds some, with their (key, shape)
     for container in containers:
         values = _values(container)
         inside = [plain[id(value)] for value in values if id(value) in plain]
         if len(inside) >= COPY_MIN_TENSORS:
-            held.append(inside)
+            held.append((container, inside))
     found, used = [], set()
     for model in models:
         wanted = Counter(tuple(parameter.shape) for parameter in model.parameters())
         total = sum(wanted.values())
-        copies, keys = 0, []
-        for inside in held:
+        copies, keys, holding = 0, [], []
+        for container, inside in held:
             left, matched = Counter(wanted), []
             for key, shape in inside:
                 if left[shape] > 0 and key not in used:
@@ -662,13 +664,17 @@ def _weight_copies(
                 copies += 1
                 keys += matched
                 used.update(matched)
+                holding.append(container)
         if copies:
-            found.append(
-                {
-                    "of": type(model).__name__,
-                    "copies": copies,
-                    "tensors": len(keys),
-                    "bytes": int(sum(table[key] for key in set(keys))),
-                }
-            )
+            entry = {
+                "of": type(model).__name__,
+                "copies": copies,
+                "tensors": len(keys),
+                "bytes": int(sum(table[key] for key in set(keys))),
+            }
+            ignore = {id(containers), id(held)}
+            names = [name for c in holding[:3] for name in holder_names(c, ignore, limit=1)]
+            if names:
+                entry["held_by"] = names
+            found.append(entry)
     return sorted(found, key=lambda entry: -entry["bytes"])

@@ -131,10 +131,14 @@ def _category_evidence(snapshot: Snapshot, category: str) -> list[str]:
             )
         for copy in snapshot.oom.weight_copies if snapshot.oom else []:
             plural = "copies" if copy.copies > 1 else "a copy"
+            where = (
+                f"in {', '.join(copy.held_by)}"
+                if copy.held_by
+                else "a saved state_dict, an EMA's shadow weights"
+            )
             evidence.append(
                 f"{format_bytes(copy.bytes)} are {copy.tensors} tensors shaped like "
-                f"{copy.of}'s parameters ({plural} of its weights: a saved state_dict, "
-                "an EMA's shadow weights)"
+                f"{copy.of}'s parameters ({plural} of its weights: {where})"
             )
     elif category == "parameters":
         for model in snapshot.models[:3]:
