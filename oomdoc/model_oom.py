@@ -20,6 +20,8 @@ class UncalledModel:
     class_name: str = field(default="?", metadata={"key": "class"})
     bytes: int = 0  # its weights on the device
     weights_bytes: int = 0  # all its parameters and buffers, wherever they are
+    # Where the script keeps it (`model_ema (a local of main)`, `Trainer.ema`).
+    held_by: List[str] = field(default_factory=list)
     extra: Dict[str, Any] = field(default_factory=dict)
 
 

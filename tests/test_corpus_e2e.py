@@ -546,5 +546,10 @@ def test_an_ema_copy_of_the_model_is_named_not_guessed_a_dataset(tmp_path):
     assert abs(uncalled[0]["bytes"] - extra) <= 0.05 * extra, (uncalled, extra)
     assert "uncalled_models" not in without["oom"]
     report = run_oomdoc(["suggest", str(snapshot)])
-    assert "are the weights of AveragedModel, a model the run never called" in report.stdout
+    # Where the script keeps it, too (a local of its main()).
+    assert uncalled[0]["held_by"] == ["ema (a local of main)"]
+    assert (
+        "are the weights of AveragedModel in ema (a local of main), a model the run never called"
+        in report.stdout
+    )
     assert "AveragedModel(model, device='cpu')" in report.stdout

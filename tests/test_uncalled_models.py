@@ -54,6 +54,7 @@ def test_an_ema_copy_is_named_with_its_weights_and_the_called_models_buffers_are
     named = oom_of(train_first=True, with_ema=True)["uncalled_models"]
     assert [entry["class"] for entry in named] == ["Sequential"]
     assert named[0]["bytes"] == named[0]["weights_bytes"] == WEIGHTS, named
+    assert named[0]["held_by"] == ["ema (a local of oom_of)"]  # where the script keeps it
     assert "uncalled_models" not in oom_of(train_first=True, with_ema=False)
 
 

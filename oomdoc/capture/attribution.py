@@ -227,6 +227,7 @@ class Attribution:
                     "class": type(module).__name__,
                     "bytes": int(unknown),
                     "weights_bytes": _weights(module),
+                    **_held_by(module, {id(held)}),
                 }
                 for module, _weights_table, unknown in outermost[:limit]
             ]
@@ -601,6 +602,12 @@ def _weights(module: nn.Module) -> int:
     return int(sum(sizes.values()))
 
 
+def _held_by(obj: Any, ignore: set[int]) -> dict:
+    """{"held_by": where the script keeps obj} where that can be named."""
+    names = holder_names(obj, ignore)
+    return {"held_by": names} if names else {}
+
+
 # The containers a copy of weights is looked for in: a state_dict (an
 # OrderedDict), a dict, a list; exactly these types, read with their own
 # methods.
@@ -674,7 +681,5 @@ def _weight_copies(
             }
             ignore = {id(containers), id(held)}
             names = [name for c in holding[:3] for name in holder_names(c, ignore, limit=1)]
-            if names:
-                entry["held_by"] = names
-            found.append(entry)
+            found.append({**entry, **({"held_by": names} if names else {})})
     return sorted(found, key=lambda entry: -entry["bytes"])

@@ -121,8 +121,9 @@ def _category_evidence(snapshot: Snapshot, category: str) -> list[str]:
             evidence.append(line)
     elif category == "other":
         for uncalled in snapshot.oom.uncalled_models if snapshot.oom else []:
+            held = f" in {' and '.join(uncalled.held_by)}" if uncalled.held_by else ""
             evidence.append(
-                f"{format_bytes(uncalled.bytes)} are the weights of {uncalled.class_name}, "
+                f"{format_bytes(uncalled.bytes)} are the weights of {uncalled.class_name}{held}, "
                 + (
                     "being built or moved to the device"
                     if model_load.loading(snapshot)
