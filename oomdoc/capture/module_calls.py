@@ -195,8 +195,11 @@ def _lean_call(tracker: OutermostCalls, original: Any, calls: ModuleCalls) -> An
                 tracker._lean_entry = module
             output = original(module, *args, **kwargs)
         except Exception:  # as torch: not StopRun, not KeyboardInterrupt
+            tracker._lean_entry = None
             tracker._on_forward_post(module, args, None)
             raise
+        finally:
+            tracker._lean_entry = None
         tracker._on_forward_post(module, args, kwargs, output)
         return output
 
