@@ -25,6 +25,7 @@ EVALUATION_ACTIVATIONS_ADVICE = "a smaller evaluation batch, autocast to bf16, o
 UNCALLED_MODELS_ADVICE = (
     "copies of the model's weights kept on the device (an EMA, a saved state_dict): keep them "
     "on the CPU (AveragedModel(model, device='cpu'), timm's ModelEmaV2(model, device='cpu'), "
+    "diffusers' EMAModel left on the CPU or its training scripts' --offload_ema, "
     "{k: v.to('cpu') for k, v in model.state_dict().items()}) or in bfloat16, or free them "
     "where they are not needed"
 )
