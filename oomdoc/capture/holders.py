@@ -7,8 +7,8 @@ script holds it: `EMAModel.shadow_params`, `best_state` (a global of
 collector's referrers of the object say it; only exact dicts, frames and the
 instance dictionaries that CPython's own descriptors give are read, so no code
 of the script's objects runs (a property named `__dict__`, a `__getattr__`).
-One collector pass per object named (a few milliseconds in a large process):
-at the OOM only.
+One collector pass per object named (59 ms in a transformers process of 400k
+objects on a busy 2-core CPU; at most eight a report): at the OOM only.
 """
 
 from __future__ import annotations
