@@ -229,7 +229,7 @@ class Attribution:
                     "class": type(module).__name__,
                     "bytes": int(unknown),
                     "weights_bytes": _weights(module),
-                    **_held_by(module, {id(held)}),
+                    **_held_by([module], {id(held)}),
                 }
                 for module, _weights_table, unknown in outermost[:limit]
             ]
@@ -604,9 +604,10 @@ def _weights(module: nn.Module) -> int:
     return int(sum(sizes.values()))
 
 
-def _held_by(obj: Any, ignore: set[int]) -> dict:
-    """{"held_by": where the script keeps obj} where that can be named."""
-    names = holder_names(obj, ignore)
+def _held_by(objects: list, ignore: set[int], each: int = 2) -> dict:
+    """{"held_by": where the script keeps `objects`, up to `each` names
+    apiece} where that can be named, else {}."""
+    names = [name for obj in objects for name in holder_names(obj, ignore, limit=each)]
     return {"held_by": names} if names else {}
 
 
@@ -681,7 +682,5 @@ def _weight_copies(
                 "tensors": len(keys),
                 "bytes": int(sum(table[key] for key in set(keys))),
             }
-            ignore = {id(containers), id(held)}
-            names = [name for c in holding[:3] for name in holder_names(c, ignore, limit=1)]
-            found.append({**entry, **({"held_by": names} if names else {})})
+            found.append({**entry, **_held_by(holding[:3], {id(containers), id(held)}, each=1)})
     return sorted(found, key=lambda entry: -entry["bytes"])

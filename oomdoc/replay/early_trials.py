@@ -194,10 +194,12 @@ class EarlySaverTrials:
         """The largest batch below `batch_size` that a replay of the plain
         search fit, so far (None: none yet)."""
         label_of = self._label_of
+        if label_of is None:
+            return None
         best = None
         for replay in list(self.replayer.replays):
             found = _TRAILING_NUMBER.search(replay.label)
-            if label_of is None or found is None:
+            if found is None:
                 continue
             batch = int(found.group(1))
             if (
@@ -246,9 +248,9 @@ class EarlySaverTrials:
                         self._search_if_any(state, fix, at_original)
             finished = [(fix, job) for fix, job in waiting if job.finished.is_set()]
             if not finished:
-                if not waiting and (self._guess_label is None or self._guess_replay()):
-                    if not self.guess_refuted():
-                        return  # every search started, from a guess that stands
+                answered = self._guess_label is None or self._guess_replay() is not None
+                if not waiting and answered and not self.guess_refuted():
+                    return  # every search started, from a guess that stands
                 if waiting:
                     waiting[0][1].finished.wait(POLL_S)
                 else:
