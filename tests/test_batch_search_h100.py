@@ -139,3 +139,46 @@ def test_a_probe_started_ahead_never_changes_the_searchs_path(case):
         speculate=started.append,
     )
     assert started == [19]
+
+
+@pytest.mark.parametrize("case", sorted(KNOWN_MAX))
+def test_probes_that_ended_are_folded_in_before_the_next_trial(case):
+    """With spare lanes, the batches started beside a trial near the limit
+    that have ended by the time it ends (search.BatchProbes.finished) are
+    folded into the bracket before the next trial: the search finds the
+    same exact largest batch, never asks for a batch it already knows, and
+    asks for no more trials than without them."""
+    grid = recorded(case)
+    failing = grid.failing
+    for probe in (first_probe_for(failing, grid.original), grid.original - 1):
+        found = []
+        for harvesting in (False, True):
+            asked: list[int] = []
+            started: list[int] = []
+
+            def trial(batch_size: int, asked=asked, started=started):
+                asked.append(batch_size)
+                if batch_size in started:
+                    started.remove(batch_size)
+                return grid.trial(batch_size)
+
+            def harvest(started=started):
+                ended = [grid.trial(batch_size) for batch_size in started]
+                started.clear()
+                return ended
+
+            result = search_max_batch(
+                grid.original,
+                failing.device.capacity_bytes,
+                [observe(failing, grid.original)],
+                trial,
+                probe=probe,
+                speculate=started.append,
+                lanes=4,
+                harvest=harvest if harvesting else None,
+            )
+            tried = [run.batch_size for run in result.trials]
+            assert len(tried) == len(set(tried)), tried
+            assert result.exact and result.max_batch_size == KNOWN_MAX[case]
+            found.append(len(asked))
+        assert found[1] <= found[0]

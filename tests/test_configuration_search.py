@@ -421,17 +421,14 @@ def test_the_savers_searches_run_side_by_side_and_one_ruled_out_stops(monkeypatc
         assert found == "searched checkpointing"
     assert stopped == ["autocast+checkpointing"]
 
-    # Without lanes, or beside the evaluation batch's settler: in order, when
-    # asked, each search's first replay started ahead instead.
+    # Without lanes: in order, when asked, each search's first replay
+    # started ahead instead.
     asked, ahead = [], []
     monkeypatch.setattr(search, "search_under", lambda *args, **kwargs: asked.append(args[3]))
     monkeypatch.setattr(
         search, "start_saver_searches_ahead", lambda *args: ahead.append(list(args[3]))
     )
-    for replayer in (
-        SimpleNamespace(lanes=None, settler=None),
-        SimpleNamespace(lanes=1, settler=1),
-    ):
+    for replayer in (SimpleNamespace(lanes=None, settler=None),):
         with search.SaverSearches(replayer, None, None, {}, 0) as searches:  # type: ignore[arg-type]
             assert asked == [] and ahead == [eager]
             searches.result(("checkpointing",), "checkpointing", None)  # type: ignore[arg-type]

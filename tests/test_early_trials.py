@@ -98,6 +98,9 @@ class AskingReplayer(AheadReplayer):
     def ahead(self, payload, label, args=None, extra_env=None):
         return (label,)
 
+    def started_ahead(self, key):
+        return None  # those started ahead are still running
+
     def discard(self, keys, keep_finished=False):
         pass
 

@@ -5,13 +5,20 @@ evaluation, at the script's own evaluation batch."""
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from conftest import run_capped, two_at_a_time
 
-from oomdoc.replay.evaluation_batch import search_evaluation_batch, with_evaluation_batch
+from oomdoc.replay.evaluation_batch import (
+    EvaluationApart,
+    search_evaluation_batch,
+    with_evaluation_batch,
+)
 from oomdoc.replay.replayer import Replay
+from oomdoc.runner import ChildRequest
 
 MiB = 1 << 20
 HF_VARLEN = Path(__file__).parents[1] / "benchmarks" / "scripts" / "hf_trainer_varlen.py"
@@ -166,3 +173,86 @@ def test_an_evaluation_oom_whose_replays_run_out_in_training_searches_both(tmp_p
         tmp_path / "by-hand.json", "48MiB", HF_VARLEN, whole_epoch(flags), ["--no-replay"]
     )
     assert by_hand["outcome"] == "ok", json.dumps(by_hand.get("oom"))
+
+
+class _LaneReplayer:
+    """Replayer.run's contract for the settler, from several threads: the
+    training fits at every batch; the evaluation needs 20 MiB + 2 MiB a
+    sample of a 100 MiB device. The search's trials wait until the other
+    thread's replay at the old evaluation batch has ended."""
+
+    FLAG = "--per_device_eval_batch_size"
+
+    def __init__(self, settler):
+        self.settler = settler
+        args = ["--per_device_train_batch_size", "8", self.FLAG, "64"]
+        self.request = ChildRequest(target="train.py", args=args, device="cpu")
+        self.ran: list[tuple[str, list[str]]] = []
+        self.searching, self.other_ended = threading.Event(), threading.Event()
+        self.discarded = 0
+
+    def run(self, payload, label, args=None, extra_env=None, micro_batches_per_step=None):
+        child_args = self.settler.rewrite(list(self.request.args if args is None else args))
+        if ", evaluation " in label:  # the search's trial
+            self.searching.set()
+            assert self.other_ended.wait(10)
+        evaluation = int(child_args[child_args.index(self.FLAG) + 1])
+        need = 20 * MiB + 2 * MiB * evaluation
+        fits = need <= 100 * MiB
+        capture = SimpleNamespace(
+            oom=None if fits else SimpleNamespace(in_evaluation=True),
+            steps=[SimpleNamespace(backward_calls=1, optimizer_steps=1, evaluation_calls=1,
+                                   start_allocated_bytes=20 * MiB)],
+            data_loaders=[],
+        )  # fmt: skip
+        replay = Replay(
+            label,
+            "fits" if fits else "oom",
+            peak_allocated_bytes=min(need, 101 * MiB),
+            capture=capture,  # type: ignore[arg-type]
+            args=child_args,
+        )
+        self.ran.append((label, child_args))
+        if label == "other":
+            self.other_ended.set()
+        return self.settler.settle(self, replay, payload, label, args, extra_env, None)
+
+    def discard_ahead(self):
+        self.discarded += 1
+
+
+def test_replays_from_other_threads_wait_for_the_evaluation_batch_and_run_again_with_it():
+    """Two lanes' threads (the plain search beside a saver's search): the
+    first replay whose evaluation alone ran out of memory searches the
+    evaluation batch; a replay of the other thread that ran with the old
+    batch meanwhile waits for the choice and is run again with it, never
+    counted as a training OOM, and the search happens once."""
+    snapshot = SimpleNamespace(
+        oom=SimpleNamespace(in_evaluation=False),
+        device=SimpleNamespace(capacity_bytes=100 * MiB),
+        script_option_syntax=None,
+        script_option_defaults={},
+    )
+    settler = EvaluationApart(snapshot, _LaneReplayer.FLAG, 0.05)  # type: ignore[arg-type]
+    replayer = _LaneReplayer(settler)
+    answers: dict[str, Replay] = {}
+
+    def ask(label: str) -> None:
+        answers[label] = replayer.run(None, label)
+
+    first = threading.Thread(target=ask, args=("first",))
+    first.start()
+    assert replayer.searching.wait(10)  # the first thread searches
+    other = threading.Thread(target=ask, args=("other",))
+    other.start()
+    first.join(20)
+    other.join(20)
+    chosen = settler.chosen
+    assert chosen is not None and 30 <= chosen <= 37
+    assert answers["first"].fits and answers["other"].fits
+    assert answers["other"].args is not None
+    assert answers["other"].args[-1] == str(chosen)
+    labels = [label for label, _args in replayer.ran]
+    assert labels.count("other") == 2 and labels.count("first") == 2
+    assert sum(", evaluation " in label for label in labels) == len(settler.search.trials)
+    assert replayer.discarded == 1

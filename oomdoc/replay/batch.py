@@ -475,6 +475,7 @@ def search_max_batch(
     lanes: int = 1,
     settles: Callable[[int, int], str | None] | None = None,
     on_settled: Callable[[SearchResult], None] | None = None,
+    harvest: Callable[[], list[BatchRun]] | None = None,
 ) -> SearchResult:
     """Find the largest batch size that fits, exactly when the trials allow.
 
@@ -500,6 +501,11 @@ def search_max_batch(
     oom)`: like `enough`, but the search goes on: the first time it answers,
     `on_settled` gets the search as it stands (what the caller needed of it
     is known; the plain search's plan, oomdoc.replay.plain_search).
+    `harvest()`: the probes started through `speculate` that have ended since
+    (search.BatchProbes.finished): folded into the bracket before each trial,
+    so that the search never replays a batch it already knows the answer
+    for (on the H200 the ImageNet-style trainer replayed 167 after 163 had
+    fit, though 164, started beside 163, had run out of memory a second earlier).
     """
     runs = list(runs)
     known = [run for run in runs if not run.inconclusive]
@@ -520,7 +526,26 @@ def search_max_batch(
     def largest_fit() -> int:
         return max([run.batch_size for run in result.trials if run.fits] + [measured_lo])
 
-    while hi - lo > 1 and len(result.trials) < max_trials:
+    folded = 0
+
+    def fold(ended: list[BatchRun]) -> None:
+        nonlocal lo, hi, folded
+        folded += len(ended)
+        for run in ended:
+            runs.append(run)
+            result.trials.append(run)
+            result.predictions.append(None)
+            if run.fits:
+                lo = max(lo, run.batch_size)
+            else:
+                hi = min(hi, run.batch_size)
+
+    while True:
+        if harvest is not None:
+            fold([run for run in harvest() if not run.inconclusive])
+        # (Only the trials it asked for count: those folded in were free.)
+        if hi - lo <= 1 or len(result.trials) - folded >= max_trials:
+            break
         answer = settles(lo, hi) if settles is not None and not settled and lo > 0 else None
         if answer and on_settled is not None:
             settled = True

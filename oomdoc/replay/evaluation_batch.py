@@ -20,6 +20,7 @@ it. The prescription prints the option (`Prescription.evaluation_batch_size`).
 from __future__ import annotations
 
 import shlex
+import threading
 from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
@@ -148,17 +149,28 @@ def search_evaluation_batch(
 
 class EvaluationApart:
     """The replayer's hook (Replayer.settle): searches the evaluation batch
-    once, then makes every replay run with it."""
+    once, then makes every replay run with it.
+
+    Replays ask from several threads when they run in lanes (the plain
+    search beside the decisions, the savers' searches side by side): the
+    first whose evaluation alone ran out of memory searches, the others that
+    end meanwhile wait for its answer, and one that ran with the old
+    evaluation batch and ran out of memory only in its evaluation is run
+    again with the batch chosen: no thread counts an evaluation-only OOM as
+    a training one."""
 
     def __init__(self, snapshot: Snapshot, option: str, margin_fraction: float):
         self.snapshot = snapshot
         self.option = option
         self.margin_fraction = margin_fraction
-        self.searching = False
         self.search: Optional[EvaluationSearch] = None
         self.chosen: Optional[int] = None
         self.original: Optional[int] = None
         self.trained_batch: Optional[str] = None  # the label of the replay that raised it
+        # The thread searching (its own trials pass through), and the
+        # condition the other threads' replays wait on until it has chosen.
+        self._searcher: Optional[int] = None
+        self._decided = threading.Condition()
         # An OOM in evaluation is searched through this option itself
         # (oomdoc.replay.search.find_search_batch): not settled here, unless
         # its replays showed the training out of memory first (search.training_instead).
@@ -187,17 +199,59 @@ class EvaluationApart:
         micro_batches_per_step: Optional[int],
     ) -> Replay:
         """`replay` itself, or, when it is the first whose evaluation alone
-        ran out of memory, the same replay again with the evaluation batch
-        searched for it."""
-        if not self.armed or self.searching or self.search is not None:
+        ran out of memory (or one that ran with the old evaluation batch
+        before it was chosen), the same replay again with the evaluation
+        batch searched for it."""
+
+        def again() -> Replay:
+            return replayer.run(
+                payload,
+                label,
+                args=None if args is None else self.rewrite(list(args)),
+                extra_env=extra_env,
+                micro_batches_per_step=micro_batches_per_step,
+            )
+
+        if not self.armed:
             return replay
-        if not only_the_evaluation_ran_out(replay):
-            return replay
-        base = list(replayer.request.args if args is None else args)
-        original = self._evaluation_batch(base, replay)
-        if original is None or original <= 1:
-            return replay
-        self.searching = True
+        with self._decided:
+            if self._searcher == threading.get_ident():
+                return replay  # one of the search's own trials
+            while self._searcher is not None:
+                self._decided.wait()
+            if not only_the_evaluation_ran_out(replay):
+                return replay
+            if self.search is not None:
+                stale = replay.args is not None and self.rewrite(list(replay.args)) != replay.args
+                return again() if self.chosen is not None and stale else replay
+            base = list(replayer.request.args if args is None else args)
+            original = self._evaluation_batch(base, replay)
+            if original is None or original <= 1:
+                return replay
+            self._searcher = threading.get_ident()
+        try:
+            self._search(
+                replayer, replay, payload, label, base, original, extra_env, micro_batches_per_step
+            )
+        finally:
+            with self._decided:
+                self._searcher = None
+                self._decided.notify_all()
+        return replay if self.chosen is None else again()
+
+    def _search(
+        self,
+        replayer: Replayer,
+        replay: Replay,
+        payload: Optional[dict],
+        label: str,
+        base: list[str],
+        original: int,
+        extra_env: Optional[dict],
+        micro_batches_per_step: Optional[int],
+    ) -> None:
+        """Search the evaluation batch from `replay`; once chosen, every
+        replay runs with it."""
         syntax = self.snapshot.script_option_syntax
         capacity = self.snapshot.device.capacity_bytes
         limit = capacity - int(self.margin_fraction * capacity)
@@ -211,24 +265,14 @@ class EvaluationApart:
                 micro_batches_per_step=micro_batches_per_step,
             )
 
-        try:
-            self.search = search_evaluation_batch(original, replay, trial, limit)
-        finally:
-            self.searching = False
+        search = search_evaluation_batch(original, replay, trial, limit)
         self.original, self.trained_batch = original, label
-        self.chosen = self.search.chosen
+        self.search, self.chosen = search, search.chosen
         if self.chosen is None:
-            return replay
+            return
         # Replays started ahead ran with the old evaluation batch.
         replayer.discard_ahead()
         replayer.request = replace(replayer.request, args=self.rewrite(list(replayer.request.args)))
-        return replayer.run(
-            payload,
-            label,
-            args=None if args is None else self.rewrite(list(args)),
-            extra_env=extra_env,
-            micro_batches_per_step=micro_batches_per_step,
-        )
 
     def _evaluation_batch(self, args: list[str], replay: Replay) -> Optional[int]:
         """The evaluation batch the replay ran with: on its command line,

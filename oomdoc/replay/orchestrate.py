@@ -157,7 +157,7 @@ def replay_fixes(
                             continue
                         # With lanes, the decisions go on once its plan is
                         # known, the exact search beside them (plain_search).
-                        beside = replayer.lanes is not None and replayer.settler is None
+                        beside = replayer.lanes is not None
                         # The savers' searches, speculatively, while its plan settles.
                         early = EarlySaverTrials(replayer, snapshot, options, singles)
                         if requested is None:

@@ -115,6 +115,9 @@ class Replay:
     timed_again_alone: bool = False
     # Ran its steps without an OOM but still leaks (outcome `grows`): how.
     leaks: Optional[StillLeaks] = None
+    # The script's arguments it ran with (after the settler's rewrite): what
+    # an evaluation batch chosen while it ran would change.
+    args: Optional[list[str]] = None
 
     def timing(self) -> dict:
         """Where the replay's time went, for the snapshot's replay summary."""
@@ -481,6 +484,7 @@ class Replayer:
             replay.timed_again_alone = True
         replay.fix_name = name
         replay.started_s = started_s
+        replay.args = child_args
         if result.cancelled:
             replay.cancelled = True
             self.progress.finish("stopped: its answer was not needed", number)

@@ -142,6 +142,21 @@ class BatchProbes:
         if key is not None:  # (None: no lane to start it in)
             self.keys[batch_size] = (key, self.trials)
 
+    def finished(self) -> list[batch_model.BatchRun]:
+        """The probes started ahead that have ended (search_max_batch's
+        `harvest`): taken as a trial takes them, so that they count as asked for."""
+        ended = []
+        for size, (key, _when) in list(self.keys.items()):
+            job = self.replayer.started_ahead(key)
+            replay = job.result if job is not None and job.finished.is_set() else None
+            if not isinstance(replay, Replay) or not replay.ran or replay.cancelled:
+                continue
+            del self.keys[size]
+            payload, label, args = self.probe_of(size)
+            taken = self.replayer.run(payload, label, args=args, extra_env=self.extra_env)
+            ended.append(to_batch_run(taken, size))
+        return ended
+
     def drop_others(self, batch_size: int) -> None:
         """The search asks for `batch_size`: probes started before the trial
         before this one, for another batch, are no longer wanted."""
@@ -244,6 +259,7 @@ def search_batch(
         lanes=replayer.jobs if replayer.share_device else 1,
         settles=plan_settled(original, not searches_evaluation_batch(snapshot, info)),
         on_settled=settled if on_settled is not None else None,
+        harvest=probes.finished,
     )
     probes.drop_all()
     result.trials[:0] = runs  # the DataLoader probe was a trial too
@@ -397,9 +413,9 @@ class SaverSearches:
     decisions could search is started; the decisions still take them in
     order, as one after another would (searchable, with what the searches
     before found), and a search they rule out is stopped at its next trial
-    and its result left out: the same decisions, sooner. Not beside a
-    settler (the evaluation batch's search, which rewrites the replays after
-    the first that needs it)."""
+    and its result left out: the same decisions, sooner. Beside the
+    evaluation batch's search too (EvaluationApart waits and runs again
+    what its choice changes)."""
 
     def __init__(
         self,
@@ -413,9 +429,7 @@ class SaverSearches:
         self.running: dict[tuple[str, ...], tuple[Future, threading.Event]] = {}
         self.pool: Optional[ThreadPoolExecutor] = None
         eager = list(searchable_now(snapshot, state, by_parts, limit))
-        # (A settler, the evaluation batch's search, changes every replay
-        # after the first that needs it: the searches then go in order.)
-        if replayer.lanes is None or replayer.settler is not None or len(eager) < 2:
+        if replayer.lanes is None or len(eager) < 2:
             start_saver_searches_ahead(replayer, snapshot, state, eager)
             return
         self.pool = ThreadPoolExecutor(len(eager), thread_name_prefix="oomdoc-saver-search")
@@ -600,7 +614,9 @@ def search_under(
         return probes.trial(batch_size)
 
     try:
-        return saver_search(replayer, snapshot, state, at_original, trial, probes.speculate)
+        return saver_search(
+            replayer, snapshot, state, at_original, trial, probes.speculate, probes.finished
+        )
     finally:
         probes.drop_all()
 
@@ -612,6 +628,7 @@ def saver_search(
     at_original: batch_model.BatchRun,
     trial: Callable[[int], batch_model.BatchRun],
     speculate: Callable[[int], None],
+    harvest: Optional[Callable[[], list[batch_model.BatchRun]]] = None,
 ) -> Optional[batch_model.SearchResult]:
     """search_max_batch as a saver's search runs it, with its trials given:
     one place, so that the trials started early (oomdoc.replay.early_trials)
@@ -634,6 +651,7 @@ def saver_search(
         snap=smallest_with_its_plan(snapshot, state),
         speculate=speculate,
         lanes=replayer.jobs if replayer.share_device else 1,
+        harvest=harvest,
     )
 
 
