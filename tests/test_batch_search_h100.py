@@ -91,6 +91,19 @@ def test_a_second_backward_that_never_ran_is_the_first_moved_up_by_the_optimizer
     assert run.lower_bounds[(STEADY, "backward")] < 0.97 * model.lines[(STEADY, "backward")].at(23)
 
 
+def search_grid(grid, trial, probe: int, **options):
+    """search_max_batch from the recorded failing run, with `trial`."""
+    failing = grid.failing
+    return search_max_batch(
+        grid.original,
+        failing.device.capacity_bytes,
+        [observe(failing, grid.original)],
+        trial,
+        probe=probe,
+        **options,
+    )
+
+
 @pytest.mark.parametrize("case", sorted(KNOWN_MAX))
 def test_a_probe_started_ahead_never_changes_the_searchs_path(case):
     """`speculate` starts a probe a quarter below an estimate from a first
@@ -112,14 +125,8 @@ def test_a_probe_started_ahead_never_changes_the_searchs_path(case):
             def speculate(batch_size: int, events=events):
                 events.append(("ahead", batch_size))
 
-            result = search_max_batch(
-                grid.original,
-                failing.device.capacity_bytes,
-                [observe(failing, grid.original)],
-                trial,
-                probe=probe,
-                speculate=speculate if speculating else None,
-                lanes=lanes,
+            result = search_grid(
+                grid, trial, probe, speculate=speculate if speculating else None, lanes=lanes
             )
             paths.append([(run.batch_size, run.fits) for run in result.trials])
             for (kind, batch_size), after in zip(events, events[1:]):
@@ -167,12 +174,10 @@ def test_probes_that_ended_are_folded_in_before_the_next_trial(case):
                 started.clear()
                 return ended
 
-            result = search_max_batch(
-                grid.original,
-                failing.device.capacity_bytes,
-                [observe(failing, grid.original)],
+            result = search_grid(
+                grid,
                 trial,
-                probe=probe,
+                probe,
                 speculate=started.append,
                 lanes=4,
                 harvest=harvest if harvesting else None,
