@@ -5,6 +5,7 @@ evaluation, at the script's own evaluation batch."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 from pathlib import Path
 from types import SimpleNamespace
@@ -32,12 +33,14 @@ TINY_TRAINER = (
 ).split()
 
 
-def diagnose(tmp_path: Path, training_batch: int, evaluation_batch: int) -> tuple:
-    """oomdoc's diagnosis of the tiny trainer on 48 MiB (the batch searches only)."""
+def diagnose(tmp_path: Path, training_batch: int, evaluation_batch: int, lanes: int = 1) -> tuple:
+    """oomdoc's diagnosis of the tiny trainer on 48 MiB (the batch searches
+    only), its replays one at a time or in `lanes`."""
     pytest.importorskip("transformers")
     args = [*TINY_TRAINER, "--per_device_train_batch_size", str(training_batch)]
     args += ["--per_device_eval_batch_size", str(evaluation_batch)]
-    return run_capped(tmp_path / "hf.json", "48MiB", HF_VARLEN, args, ["--fixes", "smaller_batch"])
+    options = ["--fixes", "smaller_batch", "--replay-jobs", str(lanes)]
+    return run_capped(tmp_path / "hf.json", "48MiB", HF_VARLEN, args, options)
 
 
 def whole_epoch(flags: list[str]) -> list[str]:
@@ -118,7 +121,7 @@ def test_an_hf_trainer_whose_evaluation_batch_is_too_large_gets_both_batches(tmp
     search = document["replay"]["evaluation_batch_search"]
     assert search["source"] == "--per_device_eval_batch_size"
     assert search["original_batch_size"] == 64 and 1 <= search["max_batch_size"] < 64
-    assert document["max_batch_size"], completed.stderr[-3000:]
+    assert document["max_batch_size"] == 12, completed.stderr[-3000:]
     prescription = document["prescription"]
     chosen = prescription["evaluation_batch_size"]
     assert chosen == search["max_batch_size"]
@@ -146,6 +149,34 @@ def test_an_hf_trainer_whose_evaluation_batch_is_too_large_gets_both_batches(tmp
     # The replays' worst case bounds the run by hand (its order is the seed's).
     assert prescribed["peak"]["allocated_bytes"] <= 1.05 * prescription["peak_allocated_bytes"]
     assert original["outcome"] == "oom" and original["oom"]["phase"] == "evaluation"
+
+
+def test_in_lanes_the_evaluation_batch_is_searched_once_beside_the_batch_search(tmp_path):
+    """The same trainer with two lanes, through the CLI: the plain search
+    runs beside the decisions and its probes beside its trials, so replays
+    at the old evaluation batch may end while the evaluation batch is
+    searched (whether one does depends on timing: the test with threads
+    below forces it). It is searched once; every replay that ran out of
+    memory in the evaluation only did so at the old batch; the largest
+    training batch is found exactly, the same as one replay at a time (test
+    above), and the prescription's flags fit."""
+    completed, document = diagnose(tmp_path, training_batch=24, evaluation_batch=64, lanes=2)
+    search = document["replay"]["evaluation_batch_search"]
+    chosen = search["max_batch_size"]
+    assert search["original_batch_size"] == 64 and 1 <= chosen < 64
+    labels = [run["label"] for run in document["replay"]["runs"]]
+    assert sum(", evaluation " in label for label in labels) == len(search["trials"])
+    evaluation_ooms = re.findall(
+        r"replay \d+: (.*?): out of memory in the evaluation at batch (\d+)", completed.stderr
+    )
+    assert evaluation_ooms, completed.stderr[-3000:]
+    for label, batch in evaluation_ooms:
+        assert int(batch) > chosen or ", evaluation " in label, (label, batch)
+    batch_search = document["replay"]["batch_search"]
+    assert batch_search["exact"] and document["max_batch_size"] == 12
+    prescription = document["prescription"]
+    assert prescription["evaluation_batch_size"] == chosen
+    assert prescription["verified_by_flags"]["outcome"] == "fits"
 
 
 def test_an_evaluation_oom_whose_replays_run_out_in_training_searches_both(tmp_path):
