@@ -475,7 +475,7 @@ def search_max_batch(
     lanes: int = 1,
     settles: Callable[[int, int], str | None] | None = None,
     on_settled: Callable[[SearchResult], None] | None = None,
-    harvest: Callable[[], list[BatchRun]] | None = None,
+    harvest: Callable[[int, int], list[BatchRun]] | None = None,
 ) -> SearchResult:
     """Find the largest batch size that fits, exactly when the trials allow.
 
@@ -501,8 +501,9 @@ def search_max_batch(
     oom)`: like `enough`, but the search goes on: the first time it answers,
     `on_settled` gets the search as it stands (what the caller needed of it
     is known; the plain search's plan, oomdoc.replay.plain_search).
-    `harvest()`: the probes started through `speculate` that have ended since
-    (search.BatchProbes.finished): folded into the bracket before each trial,
+    `harvest(lo, hi)`: the probes started through `speculate` inside the
+    bracket that have ended since (search.BatchProbes.finished): folded in
+    before each trial,
     so that the search never replays a batch it already knows the answer
     for (on the H200 the ImageNet-style trainer replayed 167 after 163 had
     fit, though 164, started beside 163, had run out of memory a second earlier).
@@ -530,11 +531,13 @@ def search_max_batch(
 
     def fold(ended: list[BatchRun]) -> None:
         nonlocal lo, hi, folded
-        folded += len(ended)
         for run in ended:
+            if not lo < run.batch_size < hi:
+                continue  # started before the bracket closed past it: no news
             runs.append(run)
             result.trials.append(run)
             result.predictions.append(None)
+            folded += 1
             if run.fits:
                 lo = max(lo, run.batch_size)
             else:
@@ -542,7 +545,7 @@ def search_max_batch(
 
     while True:
         if harvest is not None:
-            fold([run for run in harvest() if not run.inconclusive])
+            fold([run for run in harvest(lo, hi) if not run.inconclusive])
         # (Only the trials it asked for count: those folded in were free.)
         if hi - lo <= 1 or len(result.trials) - folded >= max_trials:
             break

@@ -221,14 +221,19 @@ class EvaluationApart:
                 self._decided.wait()
             if not only_the_evaluation_ran_out(replay):
                 return replay
-            if self.search is not None:
-                stale = replay.args is not None and self.rewrite(list(replay.args)) != replay.args
-                return again() if self.chosen is not None and stale else replay
             base = list(replayer.request.args if args is None else args)
-            original = self._evaluation_batch(base, replay)
-            if original is None or original <= 1:
-                return replay
-            self._searcher = threading.get_ident()
+            original = None if self.search is not None else self._evaluation_batch(base, replay)
+            if original is None:
+                # Searched already: one that ran with the old batch runs
+                # again, outside the lock (the other threads' replays go on).
+                stale = replay.args is not None and self.rewrite(list(replay.args)) != replay.args
+                run_again = self.search is not None and self.chosen is not None and stale
+            elif original > 1:
+                self._searcher = threading.get_ident()
+        if original is None:
+            return again() if run_again else replay
+        if original <= 1:
+            return replay
         try:
             self._search(
                 replayer, replay, payload, label, base, original, extra_env, micro_batches_per_step

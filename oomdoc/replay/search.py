@@ -142,11 +142,15 @@ class BatchProbes:
         if key is not None:  # (None: no lane to start it in)
             self.keys[batch_size] = (key, self.trials)
 
-    def finished(self) -> list[batch_model.BatchRun]:
-        """The probes started ahead that have ended (search_max_batch's
-        `harvest`): taken as a trial takes them, so that they count as asked for."""
+    def finished(self, lo: int, hi: int) -> list[batch_model.BatchRun]:
+        """The probes started ahead between `lo` and `hi` that have ended
+        (search_max_batch's `harvest`): taken as a trial takes them, so that
+        they count as asked for. (Those outside, no longer news, are dropped
+        with the others.)"""
         ended = []
         for size, (key, _when) in list(self.keys.items()):
+            if not lo < size < hi:
+                continue
             job = self.replayer.started_ahead(key)
             replay = job.result if job is not None and job.finished.is_set() else None
             if not isinstance(replay, Replay) or not replay.ran or replay.cancelled:
@@ -628,7 +632,7 @@ def saver_search(
     at_original: batch_model.BatchRun,
     trial: Callable[[int], batch_model.BatchRun],
     speculate: Callable[[int], None],
-    harvest: Optional[Callable[[], list[batch_model.BatchRun]]] = None,
+    harvest: Optional[Callable[[int, int], list[batch_model.BatchRun]]] = None,
 ) -> Optional[batch_model.SearchResult]:
     """search_max_batch as a saver's search runs it, with its trials given:
     one place, so that the trials started early (oomdoc.replay.early_trials)
