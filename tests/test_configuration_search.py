@@ -428,10 +428,8 @@ def test_the_savers_searches_run_side_by_side_and_one_ruled_out_stops(monkeypatc
     monkeypatch.setattr(
         search, "start_saver_searches_ahead", lambda *args: ahead.append(list(args[3]))
     )
-    for replayer in (SimpleNamespace(lanes=None, settler=None),):
-        with search.SaverSearches(replayer, None, None, {}, 0) as searches:  # type: ignore[arg-type]
-            assert asked == [] and ahead == [eager]
-            searches.result(("checkpointing",), "checkpointing", None)  # type: ignore[arg-type]
-            assert asked == ["checkpointing"]
-        asked.clear()
-        ahead.clear()
+    replayer = SimpleNamespace(lanes=None, settler=None)
+    with search.SaverSearches(replayer, None, None, {}, 0) as searches:  # type: ignore[arg-type]
+        assert asked == [] and ahead == [eager]
+        searches.result(("checkpointing",), "checkpointing", None)  # type: ignore[arg-type]
+        assert asked == ["checkpointing"]
