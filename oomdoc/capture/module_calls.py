@@ -179,13 +179,13 @@ def _lean_call(tracker: OutermostCalls, original: Any, calls: ModuleCalls) -> An
             # (not lean: put back by another's patch of __call__, fx's say,
             # after the hooks came back; they see the call)
             return original(module, *args, **kwargs)
+        if traced_by_compile():
+            return original(module, *args, **kwargs)
         if (
-            traced_by_compile()
-            or getattr(module, "_compiled_call_impl", None) is not None
+            getattr(module, "_compiled_call_impl", None) is not None
             or type(module).__name__ == "OptimizedModule"
         ):
-            if not traced_by_compile():
-                calls.compiled()  # the global hooks see this call
+            calls.compiled()  # the global hooks see this call
             return original(module, *args, **kwargs)
         try:
             tracker._on_forward_pre(module, args)

@@ -132,6 +132,10 @@ class BatchProbes:
 
     def trial(self, batch_size: int) -> batch_model.BatchRun:
         self.drop_others(batch_size)
+        return self._replay(batch_size)
+
+    def _replay(self, batch_size: int) -> batch_model.BatchRun:
+        """The replay at `batch_size`, asked for (one started ahead is taken)."""
         payload, label, args = self.probe_of(batch_size)
         replay = self.replayer.run(payload, label, args=args, extra_env=self.extra_env)
         return to_batch_run(replay, batch_size)
@@ -156,9 +160,7 @@ class BatchProbes:
             if not isinstance(replay, Replay) or not replay.ran or replay.cancelled:
                 continue
             del self.keys[size]
-            payload, label, args = self.probe_of(size)
-            taken = self.replayer.run(payload, label, args=args, extra_env=self.extra_env)
-            ended.append(to_batch_run(taken, size))
+            ended.append(self._replay(size))
         return ended
 
     def drop_others(self, batch_size: int) -> None:
