@@ -37,6 +37,9 @@ class DeviceLock:
     # A shared child whose step times are never used (a check of a peak): it
     # never takes the lock alone, and passes it on at each step's end.
     untimed: bool = False
+    # Steps a shared, timed child runs sharing the device before the steps it
+    # times (oomdoc.capture.step_limits.StepLimits.share_device).
+    shared_steps: int = 1
 
 
 @dataclass

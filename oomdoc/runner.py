@@ -80,6 +80,9 @@ class ChildRequest:
     # False: the replay's step times are never used (a check of a peak); with
     # the device shared, it never takes it alone (DeviceLock.untimed).
     timed: bool = True
+    # With the device shared: the steps run sharing it before the timed ones
+    # (DeviceLock.shared_steps).
+    shared_steps: int = 1
     # oomdoc check: DataLoaders load in the script's process (num_workers=0),
     # so that two runs of the same code count the same batches.
     serial_dataloaders: bool = False
@@ -295,6 +298,7 @@ def run_child(
                 lock.shared = request.share_device
                 lock.turnstile = request.device_lock + ".turnstile"
                 lock.untimed = not request.timed
+                lock.shared_steps = request.shared_steps
         config = child_config(request, result_path, request.artifact_dir or workdir)
         config.serial_dataloaders = request.serial_dataloaders
         config.device_lock = lock

@@ -388,8 +388,8 @@ class WarmPool:
     environment: while replays run, the next ones' start-up happens. One per
     replay that may run at once (oomdoc run --replay-jobs), and spares_for()
     more once replays take them. While the failing run runs, one child, or
-    with lanes (oomdoc.replay.replayer.early_lanes) one per lane and
-    EARLY_SPARES (there) on a host with the cores for them: a run that does
+    with lanes (oomdoc.replay.replayer.early_lanes) one per lane and the
+    spares (oomdoc.replay.replayer.warm_pool) on a host with the cores for them: a run that does
     not end in an OOM needs none, and they would slow a run on few cores.
     Thread-safe: the replays of one run take children from several threads."""
 

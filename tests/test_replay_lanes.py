@@ -86,9 +86,9 @@ def test_warm_children_for_every_lane_start_with_the_failing_run(monkeypatch):
     sixteen = {"cpus": 16}
     monkeypatch.setattr(warm.os, "sched_getaffinity", lambda _pid: set(range(sixteen["cpus"])))
     pool = replayer_module.warm_pool(request, lanes=3)
-    assert len(started) == 5  # a child per lane and EARLY_SPARES
+    assert len(started) == 6  # a child per lane and a spare per lane
     assert pool.take(request) is not None
-    assert len(pool.spares) == 6  # then a spare per lane
+    assert len(pool.spares) == 6  # as many once replays take them
     # Two cores: one lane's child, and no spare (it would take the CPU from
     # the replay it serves, and the last one goes unused).
     sixteen["cpus"] = 2

@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,7 +21,9 @@ from conftest import SCRIPTS, load_json, oomdoc_env, run_oomdoc
 from oomdoc.capture.backends import SimulatedBackend
 from oomdoc.capture.tracker import StopRun, Tracker
 from oomdoc.model import Snapshot
-from oomdoc.replay import lanes, replayer
+from oomdoc.replay import batch, lanes, replayer
+from oomdoc.replay.timing import timed_steps
+from oomdoc.runner import ChildRequest
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB
@@ -221,6 +224,76 @@ def test_the_steps_whose_times_are_used_have_the_device_alone(tracker, autotunes
     # chosen by timing them, from the first step on), until the last step's.
     assert calls == [("alone", 0), ("done", 3)]
     assert [step.get("device_shared", False) for step in tracker.steps] == [True, False, False]
+
+
+def test_a_replay_that_shares_its_first_steady_step_times_the_steps_after_it():
+    """With shared_steps=2 (replayer.SHARED_STEPS, CUDA replays that share the
+    device) the first steady step runs sharing it too: a replay near the
+    limit that runs out of memory there never waits for the device alone.
+    The device is taken alone before the second step's end is timed, and
+    the step time is made of the steps after it."""
+    backend = SimulatedBackend(1 << 30)
+    tracker = Tracker(backend, max_steps=4)
+    tracker.install()
+    backend.install(tracker)
+    calls = []
+    try:
+        tracker.share_device(
+            lambda: calls.append(("alone", len(tracker.steps))),
+            lambda: calls.append(("done", len(tracker.steps))),
+            lambda: False,
+            shared_steps=2,
+        )
+        model = Net()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _step in range(2):
+            model(torch.randn(4, 8)).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        # The second step has run its update: ending here (an OOM in it)
+        # never took the device alone.
+        assert calls == []
+        with pytest.raises(StopRun):
+            train(tracker, 10)
+    finally:
+        backend.uninstall()
+        tracker.uninstall()
+    assert calls == [("alone", 1), ("done", 4)]
+    assert [step.get("device_shared", False) for step in tracker.steps] == [
+        True,
+        True,
+        False,
+        False,
+    ]
+    steps = Snapshot.from_dict({"steps": tracker.steps}).steps
+    assert [step.index for step in timed_steps(steps)] == [2, 3]
+    assert not batch.timed_on_a_shared_device(steps)
+
+
+def test_replays_that_share_a_cuda_device_run_one_step_more_sharing_it(tmp_path, monkeypatch):
+    """The parent's side: CUDA replays with an optimizer that share the
+    device run SHARED_STEPS steps sharing it and one step more, so that
+    three steps are still timed; alone, or under a leak, as before."""
+    monkeypatch.setattr(replayer, "device_has_room", lambda *args: True)
+    snapshot = Snapshot.from_dict(
+        {"device": {"kind": "cuda", "capacity_bytes": 16 * GiB}, "step_unit": "optimizer"}
+    )
+    options = SimpleNamespace(max_steps=None, replay_timeout_s=60.0)
+    pool = SimpleNamespace(log_dir=str(tmp_path))
+    request = ChildRequest(target="train.py", args=[], device="cuda")
+
+    def made(jobs: int, leak: bool = False) -> replayer.Replayer:
+        return replayer.Replayer(
+            snapshot, options, request, progress=None, pool=pool, jobs=jobs, leak=leak
+        )
+
+    shared = made(4)
+    assert shared.share_device and shared.shared_steps == replayer.SHARED_STEPS
+    assert shared.max_steps == replayer.OPTIMIZER_REPLAY_STEPS + replayer.SHARED_STEPS - 1
+    alone = made(1)
+    assert (alone.shared_steps, alone.max_steps) == (1, replayer.OPTIMIZER_REPLAY_STEPS)
+    leaking = made(4, leak=True)
+    assert (leaking.shared_steps, leaking.max_steps) == (1, replayer.LEAK_REPLAY_STEPS)
 
 
 def test_a_step_whose_work_is_done_when_the_timed_steps_end_was_timed_alone(tracker):

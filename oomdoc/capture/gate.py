@@ -98,6 +98,7 @@ class DeviceGate:
         self.turnstile_path = lock.turnstile
         # Shared, and its step times never used: it never holds the lock alone.
         self.untimed = bool(lock.untimed) and self.shared
+        self.shared_steps = max(1, int(lock.shared_steps or 1))
         self._descriptor: int | None = None
         self.mode: str | None = None  # SHARED, EXCLUSIVE, or None: not held
         # Two threads of the script may start CUDA at once: one waits for the
@@ -227,7 +228,7 @@ class DeviceGate:
             )
         elif self.shared:
             self._note_compile()
-            tracker.share_device(self.take_alone, self.release, self.autotunes)
+            tracker.share_device(self.take_alone, self.release, self.autotunes, self.shared_steps)
 
     def autotunes(self) -> bool:
         """Whether the script has the device choose kernels by timing them:

@@ -44,6 +44,8 @@ class StepLimits:
     may_stop: Callable[[], bool] | None
     _close_step: Callable[[], None]
     sharing_untimed: bool
+    # Steps a shared replay runs before those it times (share_device).
+    shared_steps: int = 1
     optimizer_cycle: Any  # oomdoc.capture.optimizer_cycle.OptimizerCycle
     _step_started: float
     _step_timer: Any  # oomdoc.capture.step_records.CudaStepTimer, on CUDA
@@ -80,7 +82,7 @@ class StepLimits:
         last = limit is not None and self.step_index + 1 >= limit
         if last and self.may_stop is not None and not self.may_stop():
             last = False  # a batch fetched before its epoch was cut (whole_run)
-        if not last:
+        if not last and self._next_step_timed():
             # Taken before this step's end is timed: a wait for it is left
             # out of this step (exclude_seconds), and the next step starts
             # with the device alone.
@@ -89,6 +91,12 @@ class StepLimits:
         if last:
             self.timed_steps_done()
             raise StopRun()
+
+    def _next_step_timed(self) -> bool:
+        """Whether the step after the one closing may make the step time: a
+        replay sharing the device runs its first `shared_steps` sharing it."""
+        per_step = self.micro_batches_per_step if self.unit == "module" else 1
+        return self.step_index + 1 >= self.shared_steps * per_step
 
     def steps_done(self) -> bool:
         """Whether a replay has run all its steps (the last closed or ending),
@@ -111,7 +119,11 @@ class StepLimits:
         )
 
     def share_device(
-        self, alone: Callable[[], None], done: Callable[[], None], autotunes: Callable[[], bool]
+        self,
+        alone: Callable[[], None],
+        done: Callable[[], None],
+        autotunes: Callable[[], bool],
+        shared_steps: int = 1,
     ) -> None:
         """Replays that share the device (oomdoc.capture.gate): `alone` is
         called before the first step whose duration may be used is timed,
@@ -119,8 +131,13 @@ class StepLimits:
         first step, the device is alone from then on: kernels chosen by
         timing them (cuDNN's benchmark mode, torch.compile) must not be
         chosen while others use the device, since they decide the step
-        times and workspace memory of every step."""
+        times and workspace memory of every step. `shared_steps`: the steps
+        run sharing it before those timed (2: the first steady step too,
+        where a replay near the limit runs out of memory once the
+        optimizer's state is there, so that it never waits for the device
+        alone: oomdoc.replay.replayer.SHARED_STEPS)."""
         self.on_timed_steps, self.on_timed_steps_done = alone, done
+        self.shared_steps = max(1, shared_steps)
         self.device_to_itself = self._step_alone = False
         first_step = self.on_first_step
 

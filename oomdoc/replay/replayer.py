@@ -67,6 +67,13 @@ LEAK_REPLAY_STEPS = 6
 # never timed): a median, and a spread to judge it by (oomdoc.replay.timing).
 REPLAY_STEPS = 2
 OPTIMIZER_REPLAY_STEPS = 4
+# Replays that share the device run this many steps sharing it before the
+# ones they time, and one step more. With only the first shared, a replay
+# near the limit that runs out of memory in its second step, once the
+# optimizer's state is there, first waited for the device alone: on the H200
+# the Lightning encoder's six such replays waited 17.6 s in all (up to 5.4 s
+# each), and their turns held up the replays whose step times were used.
+SHARED_STEPS = 2
 
 
 # Every replay's environment: scripts may skip side effects under
@@ -278,6 +285,12 @@ class Replayer:
             open(self.device_lock, "ab").close()
             if self.max_steps >= 2 and device_has_room(snapshot, request.capacity_bytes, self.jobs):
                 self.share_device = True
+        # Steps a replay sharing the device runs before those it times: its
+        # first steady step too, where it runs a step more to time as many.
+        self.shared_steps = 1
+        if self.share_device and settles and not leak and not options.max_steps:
+            self.shared_steps = SHARED_STEPS
+            self.max_steps += SHARED_STEPS - 1
         # Replays started ahead, by replay_key, until the decisions ask for
         # them; those they never asked for (`discard_ahead`).
         self._ahead: dict[tuple, Job] = {}
@@ -460,6 +473,7 @@ class Replayer:
             timeout_s=self.timeout_s,
             device_lock=self.device_lock,
             share_device=self.share_device,
+            shared_steps=self.shared_steps,
             timed=timed,
             quick_exit=True,
             quick_init=True,
@@ -557,25 +571,30 @@ class Replayer:
             self.lanes.close()
 
 
-# Spares beside one child per lane while the failing run runs, on a host with
-# the cores for them (spares_for): the batch search's second probe, and the
-# probe started a quarter below it (search_max_batch's speculation), follow
-# the first replays within seconds. On the H100 with one spare, the HF
-# Trainer's probe started beside the second waited 4.1 to 4.6 s for a child.
-EARLY_SPARES = 2
-
-
 def warm_pool(request: ChildRequest, lanes: int = 1) -> WarmPool:
     """Warm children for the replays of `request`, starting now: one, or with
-    `lanes` (early_lanes) one per lane and EARLY_SPARES more (replay_fixes sets the
-    lanes the failing run leaves room for, and what they import ahead)."""
+    `lanes` (early_lanes) one per lane and as many spares as the replays keep
+    on a host with the cores for them (spares_for; replay_fixes sets the
+    lanes the failing run leaves room for, and what they import ahead).
+
+    The first replays that run out of memory in their first step end within
+    seconds of each other, and the next ones (the batch search's second
+    probe, the savers' second trials) then each need a child at once. On the
+    H100 with one spare the HF Trainer's probe started beside the second
+    waited 4.1 to 4.6 s for a child; on the H200 with two, the Lightning
+    encoder's third such replay (checkpointing at 128, on the critical
+    chain) waited 4.2 s. The failing run is not slowed by them: on the H200
+    (2026-11-29) the Lightning encoder's, as a whole command, took 15.4 and
+    14.8 s with six children importing beside it, 27.9 (a machine just
+    started) and 12.9 s with none; the HF Trainer's script, to its OOM, 11.2
+    and 11.4 s with them, 11.9 and 10.5 s without."""
     # The script's own imports, read from its file: the children import
     # them while the failing run still runs (the run's `imported_packages`
     # come when the replays begin).
     preimports = [] if request.is_module else script_preimports(request.target)
     pool = WarmPool(request.device, REPLAY_ENV, size=lanes, preimports=preimports)
     if lanes > 1:
-        pool.ahead = min(EARLY_SPARES, spares_for(lanes))
+        pool.ahead = spares_for(lanes)
     pool.fill()
     return pool
 

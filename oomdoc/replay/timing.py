@@ -43,6 +43,8 @@ class StepTiming:
 def timed_steps(steps: Iterable[Step]) -> list[Step]:
     """The steps whose durations make a run's step time: all that have one,
     less the first step (warm-up, lazy optimizer state) when later ones exist,
+    less the steps run sharing the device when others had it alone (a replay
+    sharing it runs its first steady step so too: replayer.SHARED_STEPS),
     less the steps begun after the replay's steps were done (batches fetched
     ahead, the longest batch again after the evaluation: Step.after_timed_steps),
     less a step that also ran an evaluation loop (a replay reaches the
@@ -57,6 +59,9 @@ def timed_steps(steps: Iterable[Step]) -> list[Step]:
     within = [step for step in timed if not step.after_timed_steps]
     if within and len(within) < len(timed):
         timed = within
+    alone = [step for step in timed if not step.device_shared]
+    if alone and len(alone) < len(timed):
+        timed = alone
     training = [step for step in timed if not (step.evaluation_calls and step.forward_calls)]
     if training and len(training) < len(timed):
         timed = training
