@@ -43,6 +43,7 @@ from tabulate import tabulate  # noqa: E402
 
 from oomdoc.capture import choose_device  # noqa: E402
 from oomdoc.replay import batch as batch_model  # noqa: E402
+from oomdoc.replay import limit_estimate  # noqa: E402
 from oomdoc.replay.orchestrate import Replayer, warm_pool  # noqa: E402
 from oomdoc.replay.progress import Progress  # noqa: E402
 from oomdoc.runner import ChildRequest, RunOptions, build_snapshot, run_child  # noqa: E402
@@ -142,7 +143,7 @@ def offline_search(case: str, probe: int | None = None):
     """oomdoc's search on a recorded case: (the grid, the search's result)."""
     grid = load_grid(case)
     failing = grid.failing
-    first = probe if probe is not None else batch_model.first_probe_for(failing, grid.original)
+    first = probe if probe is not None else limit_estimate.first_probe_for(failing, grid.original)
     result = batch_model.search_max_batch(
         grid.original,
         failing.device.capacity_bytes,
@@ -275,7 +276,7 @@ def main() -> None:
                 capacity,
                 [observed],
                 trials.run,
-                probe=batch_model.first_probe_for(failing_run, failing),
+                probe=limit_estimate.first_probe_for(failing_run, failing),
             )
             found, exact = result.max_batch_size or 0, result.exact
         elif strategy == "doubling":

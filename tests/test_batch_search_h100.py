@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 from conftest import REPO_ROOT, benchmark_module
 
-from oomdoc.replay.batch import first_probe_for, observe, search_max_batch
+from oomdoc.replay.batch import observe, search_max_batch
+from oomdoc.replay.limit_estimate import first_probe_for
 
 
 def recorded(case: str):

@@ -15,7 +15,7 @@ import pytest
 from oomdoc.fixes import fix_named
 from oomdoc.model import Snapshot
 from oomdoc.replay import batch as batch_model
-from oomdoc.replay import early_trials, search
+from oomdoc.replay import early_trials, limit_estimate, search
 from oomdoc.replay.early_trials import EarlySaverTrials, provisional_state
 from oomdoc.replay.lanes import Job
 from oomdoc.replay.plan import ReplayState
@@ -108,7 +108,7 @@ class AskingReplayer(AheadReplayer):
 @pytest.fixture(autouse=True)
 def batch_runs(monkeypatch):
     """A replay's BatchRun: its batch, fit or not; at the user's batch, the
-    estimate of its largest batch (batch.estimated_max_batch)."""
+    estimate of its largest batch (limit_estimate.estimated_max_batch)."""
 
     def to_batch_run(replay, batch_size):
         if replay.label in ESTIMATES:
@@ -127,7 +127,7 @@ def batch_runs(monkeypatch):
     monkeypatch.setattr(early_trials, "to_batch_run", to_batch_run)
     monkeypatch.setattr(search, "to_batch_run", to_batch_run)
     # The failing run estimated the plain largest batch at 24.
-    monkeypatch.setattr(batch_model, "first_probe_for", lambda snapshot, original: 24)
+    monkeypatch.setattr(limit_estimate, "first_probe_for", lambda snapshot, original: 24)
 
 
 def snapshot() -> Snapshot:

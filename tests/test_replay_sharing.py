@@ -230,8 +230,9 @@ def test_a_replay_that_shares_its_first_steady_step_times_the_steps_after_it():
     """With shared_steps=2 (replayer.SHARED_STEPS, CUDA replays that share the
     device) the first steady step runs sharing it too: a replay near the
     limit that runs out of memory there never waits for the device alone.
-    The device is taken alone before the second step's end is timed, and
-    the step time is made of the steps after it."""
+    Between the two it passes its turn (a replay waiting to time its steps
+    goes first); the device is taken alone before the second step's end is
+    timed, and the step time is made of the steps after it."""
     backend = SimulatedBackend(1 << 30)
     tracker = Tracker(backend, max_steps=4)
     tracker.install()
@@ -243,6 +244,7 @@ def test_a_replay_that_shares_its_first_steady_step_times_the_steps_after_it():
             lambda: calls.append(("done", len(tracker.steps))),
             lambda: False,
             shared_steps=2,
+            pass_turn=lambda: calls.append(("turn", len(tracker.steps))),
         )
         model = Net()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -252,13 +254,13 @@ def test_a_replay_that_shares_its_first_steady_step_times_the_steps_after_it():
             optimizer.zero_grad()
         # The second step has run its update: ending here (an OOM in it)
         # never took the device alone.
-        assert calls == []
+        assert calls == [("turn", 1)]
         with pytest.raises(StopRun):
             train(tracker, 10)
     finally:
         backend.uninstall()
         tracker.uninstall()
-    assert calls == [("alone", 1), ("done", 4)]
+    assert calls == [("turn", 1), ("alone", 1), ("done", 4)]
     assert [step.get("device_shared", False) for step in tracker.steps] == [
         True,
         True,

@@ -228,7 +228,9 @@ class DeviceGate:
             )
         elif self.shared:
             self._note_compile()
-            tracker.share_device(self.take_alone, self.release, self.autotunes, self.shared_steps)
+            tracker.share_device(
+                self.take_alone, self.release, self.autotunes, self.shared_steps, self.pass_turn
+            )
 
     def autotunes(self) -> bool:
         """Whether the script has the device choose kernels by timing them:

@@ -149,7 +149,7 @@ class FirstStepDetail(_TrainingAndEvaluation):
 
     A replay needs its module scopes only for an OOM in that first step
     (the module the forward had reached estimates the largest batch:
-    oomdoc.replay.batch.forward_progress). Its timed steps come after it;
+    oomdoc.replay.limit_estimate.forward_progress). Its timed steps come after it;
     without the scopes (a Python call per module call and per saved tensor)
     they cost the same little whatever the configuration, where with them a
     configuration that makes more module calls and saves more tensors

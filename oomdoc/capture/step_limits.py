@@ -124,6 +124,7 @@ class StepLimits:
         done: Callable[[], None],
         autotunes: Callable[[], bool],
         shared_steps: int = 1,
+        pass_turn: Callable[[], None] | None = None,
     ) -> None:
         """Replays that share the device (oomdoc.capture.gate): `alone` is
         called before the first step whose duration may be used is timed,
@@ -135,9 +136,19 @@ class StepLimits:
         run sharing it before those timed (2: the first steady step too,
         where a replay near the limit runs out of memory once the
         optimizer's state is there, so that it never waits for the device
-        alone: oomdoc.replay.replayer.SHARED_STEPS)."""
+        alone: oomdoc.replay.replayer.SHARED_STEPS). `pass_turn`: called at
+        the end of each step run sharing it after which another such step
+        comes, so that a replay waiting to time its steps waits for one of
+        this one's steps, not for all of them."""
         self.on_timed_steps, self.on_timed_steps_done = alone, done
         self.shared_steps = max(1, shared_steps)
+        if pass_turn is not None and self.shared_steps > 1:
+
+            def between_shared_steps() -> None:
+                if not self.device_to_itself:
+                    pass_turn()
+
+            self.on_step_end = between_shared_steps
         self.device_to_itself = self._step_alone = False
         first_step = self.on_first_step
 

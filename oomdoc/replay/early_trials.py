@@ -55,6 +55,7 @@ from typing import Any, Callable, Optional
 from oomdoc.fixes import Fix, fix_named
 from oomdoc.model import Snapshot
 from oomdoc.replay import batch as batch_model
+from oomdoc.replay import limit_estimate
 from oomdoc.replay.lanes import Job
 from oomdoc.replay.plan import ReplayState
 from oomdoc.replay.replayer import Replay, Replayer, replay_key
@@ -113,7 +114,7 @@ def provisional_state(
     position, flag, original = found
     if original <= 1 or (flag in EVAL_BATCH_FLAGS and snapshot.oom_in_evaluation):
         return None
-    guess = batch_model.first_probe_for(snapshot, original)
+    guess = limit_estimate.first_probe_for(snapshot, original)
     probe = by_flag(args, position, flag, snapshot)
     return rebased(original, flag, guess), lambda batch_size: probe(batch_size)[1]
 

@@ -17,6 +17,7 @@ from oomdoc.model import (
     Snapshot,
 )
 from oomdoc.replay import batch as batch_model
+from oomdoc.replay import limit_estimate
 from oomdoc.replay.lanes import SPECULATIVE
 from oomdoc.replay.plan import (
     ReplayState,
@@ -206,7 +207,7 @@ def search_batch(
         probes = BatchProbes(replayer, by_flag(args, position, flag, snapshot))
         runs = []
         if flag in EVAL_BATCH_FLAGS and snapshot.oom_in_evaluation and not options.batch_arg:
-            probe = batch_model.first_probe_for(snapshot, original)
+            probe = limit_estimate.first_probe_for(snapshot, original)
             first = probes.trial(probe)
             switched = training_instead(replayer, snapshot, args, first)
             if switched is not None:
@@ -220,7 +221,7 @@ def search_batch(
         if snapshot.dataloader_batch_sizes == []:
             # The failing run made no DataLoader a replay could change.
             return None, info, no_batch_size()
-        divisor = batch_model.probe_divisor(snapshot)
+        divisor = limit_estimate.probe_divisor(snapshot)
         probe_replay = replayer.run(
             {"name": batch.name, "batch_mode": "dataloader", "batch_divisor": divisor},
             f"{batch.name} (DataLoader batch / {divisor})",
@@ -258,7 +259,7 @@ def search_batch(
         snapshot.device.capacity_bytes,
         [baseline, *runs],
         probes.trial,
-        probe=batch_model.first_probe_for(snapshot, original),
+        probe=limit_estimate.first_probe_for(snapshot, original),
         speculate=probes.speculate,
         # Beside each trial near the limit only when the replays share the
         # device: taking it in turn, a probe beside the trial could hold it first.
@@ -739,7 +740,7 @@ def first_saver_trial(
 def saver_probe(search: batch_model.SearchResult, at_original: batch_model.BatchRun) -> int:
     """Where the search under a configuration of savers starts: where its
     own replay at the user's batch puts its largest batch, when that replay
-    ran out of memory in its first step (batch.estimated_max_batch, from the
+    ran out of memory in its first step (limit_estimate.estimated_max_batch, from the
     activations it had made: a saver that leaves the logits alone, say,
     saves little), at least one above the plain largest batch; else
     saver_first_probe."""
