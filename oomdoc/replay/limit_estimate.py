@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from oomdoc.capture import WRAPPER_ATTRIBUTES
 from oomdoc.fixes.optimizer import optimizer_state_estimate
-from oomdoc.model import Snapshot
+from oomdoc.model import RepeatedBlock, Snapshot
 
 
 def first_probe(original_batch_size: int, step0_completed: bool) -> int:
@@ -131,20 +131,30 @@ def copies_to_come(snapshot: Snapshot) -> int:
     module), the gradient outside every module (the loss, after the model
     returned: forward_progress counts the forward as complete there too)."""
     module = snapshot.oom.module if snapshot.oom else None
-    groups = [
-        block for model in snapshot.models for block in model.repeated_blocks if block.count >= 2
-    ]
+    groups = _block_groups(snapshot)
     if not groups:
         return 0
     if not isinstance(module, str):
         return REQUEST_COPIES_IN_THE_LOSS
-    for block in groups:
-        path = _as_named(block.path, module)
-        prefix = "" if path == "(root)" else path + "."
-        rest = module[len(prefix) :] if module.startswith(prefix) else None
-        if rest and rest.split(".", 1)[0].isdigit():
-            return 0
+    if any(_index_in(block, module) is not None for block in groups):
+        return 0
     return REQUEST_COPIES_PAST_BLOCKS
+
+
+def _block_groups(snapshot: Snapshot) -> list[RepeatedBlock]:
+    """The models' runs of repeated blocks (two or more)."""
+    return [
+        block for model in snapshot.models for block in model.repeated_blocks if block.count >= 2
+    ]
+
+
+def _index_in(block: RepeatedBlock, module: str) -> int | None:
+    """Which of `block`'s repeated blocks `module` is in (None: not in one)."""
+    path = _as_named(block.path, module)
+    prefix = "" if path == "(root)" else path + "."
+    rest = module[len(prefix) :] if module.startswith(prefix) else None
+    index = rest.split(".", 1)[0] if rest else ""
+    return int(index) if index.isdigit() else None
 
 
 def forward_progress(snapshot: Snapshot, made_bytes: float) -> float:
@@ -158,17 +168,14 @@ def forward_progress(snapshot: Snapshot, made_bytes: float) -> float:
     module = snapshot.oom.module if snapshot.oom else None
     if not isinstance(module, str):
         return 1.0
-    groups = [block for model in snapshot.models for block in model.repeated_blocks]
-    groups = [block for block in groups if block.count >= 2]
+    groups = _block_groups(snapshot)
     total = sum(block.count for block in groups)
     offset = 0
     for block in groups:
-        path = _as_named(block.path, module)
-        prefix = "" if path == "(root)" else path + "."
-        rest = module[len(prefix) :] if module.startswith(prefix) else None
-        index = rest.split(".", 1)[0] if rest else ""
-        if index.isdigit():
-            done = offset + min(int(index), block.count - 1) + 0.5
+        index = _index_in(block, module)
+        if index is not None:
+            path = _as_named(block.path, module)
+            done = offset + min(index, block.count - 1) + 0.5
             # The blocks' own activations (the module table, when there is
             # one, plus the failed request) extrapolate to all blocks; the
             # rest (embeddings, a CNN's stem) was made once.
