@@ -114,6 +114,12 @@ def test_a_saver_whose_estimated_largest_batch_gives_no_larger_micro_batch_is_no
     assert estimated_no_larger(("checkpointing",), run, {(): 16}, 256) is None
     run.estimated_max = None
     assert estimated_no_larger(("checkpointing",), run, {(): 16}, 256) is None
+    # Ruled out only by what its OOM showed: the estimate without the
+    # tensors still to come past the blocks (the logits' copies) decides.
+    run.estimated_max, run.estimated_max_bound = 20, 60
+    assert estimated_no_larger(("checkpointing",), run, {(): 16}, 256) is None
+    run.estimated_max_bound = 20
+    assert estimated_no_larger(("checkpointing",), run, {(): 16}, 256)
 
 
 def test_a_search_above_an_assumed_floor_bisects_while_nothing_fits():

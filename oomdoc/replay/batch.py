@@ -70,6 +70,10 @@ class BatchRun:
     # An OOM in the first step: the largest batch estimated from it
     # (estimated_max_batch), as from the failing run.
     estimated_max: int | None = None
+    # The same without the tensors still to come past the repeated blocks
+    # (limit_estimate.copies_to_come): it errs large, so that a configuration
+    # is ruled out (search.estimated_no_larger) only by what its OOM showed.
+    estimated_max_bound: int | None = None
     inconclusive: bool = False  # timed out or failed otherwise: says nothing about memory
     wall_s: float = 0.0
     note: str = ""
@@ -127,6 +131,7 @@ def observe(capture: Snapshot, batch_size: int, still_leaks: StillLeaks | None =
         run.oom_signature = (oom_step, oom.phase, oom.requested_bytes, oom.allocated_bytes)
         if (oom_step or 0) == 0:
             run.estimated_max = estimated_max_batch(capture, run.batch_size)
+            run.estimated_max_bound = estimated_max_batch(capture, run.batch_size, to_come=False)
     if capture.peak is not None:
         run.peak_allocated_bytes = capture.peak.allocated_bytes
         run.peak_reserved_bytes = capture.peak.reserved_bytes

@@ -71,7 +71,9 @@ REQUEST_COPIES_PAST_BLOCKS = 2
 REQUEST_COPIES_IN_THE_LOSS = 1
 
 
-def estimated_max_batch(snapshot: Snapshot, original_batch_size: int) -> int | None:
+def estimated_max_batch(
+    snapshot: Snapshot, original_batch_size: int, to_come: bool = True
+) -> int | None:
     """The largest batch that fits, guessed from the failing run alone, for
     the first replay: near the limit, that replay measures the most (one that
     fits gives every phase's peak; one that runs out of memory in a later
@@ -79,7 +81,9 @@ def estimated_max_batch(snapshot: Snapshot, original_batch_size: int) -> int | N
 
     Per sample: the activations the failing run's first forward had made by
     the OOM, scaled by how far the forward got (the OOM's module among the
-    model's repeated blocks), times BACKWARD_OVER_FORWARD (and at least
+    model's repeated blocks), with the tensors of the request's size still
+    to come past the blocks (copies_to_come; not with `to_come` false: an
+    estimate that errs large), times BACKWARD_OVER_FORWARD (and at least
     what an OOM after the forward had needed by then). Fixed: what was
     alive when the step began, plus gradients and optimizer state (estimated
     from the optimizer's class when the OOM came before its first step).
@@ -101,7 +105,7 @@ def estimated_max_batch(snapshot: Snapshot, original_batch_size: int) -> int | N
     if (oom.step or 0) == 0 and oom.phase == "forward":
         made = oom.needed_bytes - start
         activations = made / forward_progress(snapshot, made) if made > 0 else 0
-        if made > 0:
+        if made > 0 and to_come:
             activations += copies_to_come(snapshot) * oom.requested_bytes
     elif forward_peak is not None and first.forward_calls <= 1:
         activations = forward_peak - start  # the whole first forward completed

@@ -580,7 +580,11 @@ def estimated_no_larger(
     than that of a configuration with fewer of its savers, the rest of which
     only add work (checkpointing that leaves the logits, which fill the
     memory, as they were)."""
-    estimate = at_original.estimated_max
+    # Without the tensors still to come past the blocks: ruled out only by
+    # what its OOM showed (BatchRun.estimated_max_bound).
+    estimate = at_original.estimated_max_bound
+    if estimate is None:
+        estimate = at_original.estimated_max
     if estimate is None:
         return None
     generous = min(original, max(1, int(estimate * ESTIMATE_ALLOWANCE)))
