@@ -31,6 +31,8 @@ COLUMNS = (
     "wall_s",
     "ready_wait_s",
     "first_step_s",
+    "steps_s",
+    "script_s",
     "lock_wait_s",
     "forked",
     "outcome",
@@ -38,6 +40,8 @@ COLUMNS = (
 
 
 def cell(value) -> str:
+    if isinstance(value, list):  # each step's duration: steps_s
+        return "/".join(cell(float(item)) for item in value)
     if isinstance(value, float):
         return f"{value:.2f}"
     return "" if value is None else str(value)

@@ -43,6 +43,9 @@ def test_a_replay_s_record_keeps_the_step_durations_its_timing_came_from():
     assert record["step_s"] == 0.17 and record["step_noise"] == 0.0588
     assert record["timed_steps_s"] == [0.17, 0.16, 0.27]  # the first step is never timed
     assert "timed_steps_s" not in Replay("b8", "oom").timing()
+    # Every step, the untimed first ones too: where a replay's time went.
+    assert record["steps_s"] == [9.0, 0.17, 0.16, 0.27]
+    assert "steps_s" not in Replay("b8", "oom").timing()
 
 
 def test_a_ratio_carries_the_noise_of_both_timings():

@@ -138,8 +138,16 @@ class Replay:
             "peak_allocated_bytes": self.peak_allocated_bytes,
             **({"timed_again_alone": True} if self.timed_again_alone else {}),
             **self.timed_steps(),
+            **self.step_durations(),
             **timings,
         }
+
+    def step_durations(self) -> dict:
+        """Every step's duration, the untimed first ones too: where a
+        replay's time goes beside its start-up (benchmarks/diagnosis_timeline.py)."""
+        steps = self.capture.steps if self.capture is not None else []
+        durations = [round(float(s.duration_s), 3) for s in steps if s.duration_s is not None]
+        return {"steps_s": durations} if durations else {}
 
     def timed_steps(self) -> dict:
         """The step time decided on and the durations it came from, so that
