@@ -11,7 +11,14 @@ import pytest
 from oomdoc.analysis import analyse
 from oomdoc.model import Prescription, Snapshot
 from oomdoc.replay.batch import SearchResult
-from oomdoc.replay.candidates import Candidate, choose, considered, plan_limits, planned_below
+from oomdoc.replay.candidates import (
+    Candidate,
+    choose,
+    considered,
+    pick,
+    plan_limits,
+    planned_below,
+)
 from oomdoc.replay.own_flags import verify_with_flags
 from oomdoc.replay.plan import ReplayState, is_no_op
 from oomdoc.replay.prescription import (
@@ -717,3 +724,60 @@ def test_an_evaluation_batch_s_prescription_says_its_throughput_is_the_training_
     assert "  throughput 12.5 samples/s" in prescription_lines(analyse(snapshot))
     prescription.evaluation_batch_flag = "--per_device_eval_batch_size"
     assert "  training throughput 12.5 samples/s" in prescription_lines(analyse(snapshot))
+
+
+def imagenet_candidates():
+    """pytorch/examples' ImageNet trainer (ResNet-50, batch 1024) on the
+    H200 under 16 GiB, scaled to 100 MiB: no fix ran batch 69 at 1234.5
+    samples/s, within the margin, and batch 191 over it, so its plan is
+    16 x 64 here (user's batch 1024, plan limit 17); autocast was measured
+    as prescribed at 256 x 4."""
+    plain = Candidate([], 8, 40 * MiB, 8 / 1234.5, "b8", plan_limit=17)
+    autocast = Candidate(["autocast"], 256, 70 * MiB, 256 / 2340.4, "a256", exact=True)
+    autocast.accumulation_steps = 4
+    return plain, autocast
+
+
+def test_a_candidate_planned_above_the_batch_it_ran_is_weighed_by_what_it_could_run_there():
+    """Batch 8's 1234.5 samples/s is no bound for the micro-batch of 16
+    planned from it: 16 samples take no less than batch 8's step, so at most
+    2469 samples/s, which beats autocast's 2340.4, and it is measured as
+    prescribed before autocast is prescribed."""
+    plain, autocast = imagenet_candidates()
+    picked, fits = choose_pick([plain, autocast], original=1024)
+    assert picked is plain and fits
+    assert choose_pick([plain, autocast], original=None)[0] is autocast  # as it ran
+    replayer = ScriptedReplayer([("fits", 60 * MiB, 64 * 16 / 2000.0)])
+    snapshot, state = prescription_inputs(replayer, original=1024)
+    measured = []
+    chosen, _ = measured_choice(replayer, snapshot, state, [plain, autocast], 1024, None, measured)
+    assert [call[0]["batch_size"] for call in replayer.calls] == [16]
+    assert chosen.fixes == ["autocast"] and chosen.samples_per_second == pytest.approx(2340.4)
+    entries = considered(
+        [(), ("autocast",)], [plain, autocast, *measured], chosen, {}, 1024, 95 * MiB, True
+    )
+    assert [(entry.fixes, entry.verdict, entry.measured) for entry in entries] == [
+        (["autocast"], "prescribed", True),
+        ([], "slower", True),
+    ]
+    assert entries[1].samples_per_second == pytest.approx(2000.0)
+
+
+def test_a_bound_planned_above_the_batch_it_ran_says_how_far_it_reaches():
+    plain, autocast = imagenet_candidates()
+    plain.step_s = 8 / 1000.0  # at most 2000 at 16: below autocast, not replayed
+    replayer = ScriptedReplayer([])
+    snapshot, state = prescription_inputs(replayer, original=1024)
+    chosen, _ = measured_choice(replayer, snapshot, state, [plain, autocast], 1024, None)
+    assert chosen.fixes == ["autocast"] and replayer.calls == []
+    entries = considered([(), ("autocast",)], [plain, autocast], chosen, {}, 1024, 95 * MiB, True)
+    assert (entries[1].batch_size, entries[1].accumulation_steps) == (16, 64)
+    assert entries[1].samples_per_second == pytest.approx(2000.0) and not entries[1].measured
+    assert entries[1].reason == (
+        "not measured at batch 16 x 64: batch 8 ran 1000.0 samples/s, and a step over 16 "
+        "samples is never shorter: at most 2000.0, below the prescription's 2340.4"
+    )
+
+
+def choose_pick(candidates, original):
+    return pick(candidates, 100 * MiB, 0.05, original)

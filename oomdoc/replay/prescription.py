@@ -325,6 +325,7 @@ def measured_choice(
     # are kept for it (on the H200 a Lightning encoder's own-flags run, 489.9
     # samples/s, was thrown away with its choice, measured slower, 321.1).
     fitting: set[tuple] = set()
+    accumulates = not searches_evaluation_batch(snapshot, state.batch_info)
 
     def prescription_of(candidate: Candidate, fits: bool) -> Prescription:
         return prescription_from(
@@ -334,11 +335,11 @@ def measured_choice(
             capacity,
             margin,
             reference,
-            accumulates=not searches_evaluation_batch(snapshot, state.batch_info),
+            accumulates=accumulates,
         )
 
     while True:
-        picked = pick(remaining, capacity, margin)
+        picked = pick(remaining, capacity, margin, original, accumulates)
         if picked is None:
             return None, interrupted
         candidate, fits = picked
@@ -401,9 +402,8 @@ def measured_choice(
             # samples/s. With step times of shapes met before
             # (timing.timed_steps) the first choice held in 14 of 14 H100
             # diagnoses of that script.
-            runner_up = pick(
-                [other for other in remaining if other is not candidate], capacity, margin
-            )
+            others = [other for other in remaining if other is not candidate]
+            runner_up = pick(others, capacity, margin, original, accumulates)
             if runner_up is not None and not runner_up[0].exact and runner_up[1]:
                 start_prescription_ahead(
                     replayer, snapshot, state, runner_up[0], prescription_of(*runner_up)
