@@ -440,6 +440,54 @@ def test_allocator_replays_are_skipped_when_the_cache_cannot_cover_the_need():
     assert fix_named("empty_cache").skip_reason(fragmented, explicit=False) is None
 
 
+def imagenet_failing(module=None):
+    """pytorch/examples' ImageNet trainer on the H200 (ResNet-50 in
+    DataParallel, batch 1024, 16 GiB): its first forward ran out of memory
+    in `module` with 12.15 GiB allocated and 1.36 GiB reserved but unused."""
+    allocated, reserved = 13050302976, 14514388992
+    blocks = [("layer1", 3), ("layer2", 4), ("layer3", 6), ("layer4", 3)]
+    snapshot = cuda_failing(
+        allocated,
+        reserved,
+        3288334336,
+        steps=[{"index": 0, "start_allocated_bytes": 719046144, "phase_peaks": {}}],
+        models=[
+            {
+                "class": "DataParallel",
+                "parameters_bytes": 102228128,
+                "repeated_blocks": [
+                    {"path": f"module.{path}", "class": "Bottleneck", "count": count}
+                    for path, count in blocks
+                ],
+            }
+        ],
+        optimizers=["SGD"],
+        breakdown={"parameters": 102232064, "activations": allocated - 102232064},
+    )
+    snapshot.oom.module = module
+    return snapshot
+
+
+def test_allocator_replays_are_skipped_when_the_first_forward_ran_out_far_from_its_end():
+    """Its expandable-segments and empty_cache replays ran out of memory
+    after 14 and 18 s in two of three lanes: the batch needs several
+    capacities, and an allocator setting gives back 1.36 GiB at most."""
+    early = imagenet_failing("layer1.0.conv3")
+    reasons = skip_reasons(early)
+    for name in ("empty_cache", "expandable_segments"):
+        assert "its first forward ran out of memory early on" in reasons[name], reasons
+        assert "1.36 GiB reserved but unallocated leave" in reasons[name]
+    assert "empty_cache" in plan(early, ["empty_cache"])[0]  # asked for by name
+    # Out of memory in the last block, where the same bytes are nearly all
+    # the forward needs: they may still help, and are replayed.
+    late = imagenet_failing("layer4.2.conv3")
+    chosen = plan(late, None)[0]
+    assert "empty_cache" in chosen and "expandable_segments" in chosen
+    # Without a step or the module the failing run cannot tell: replayed.
+    unknown = imagenet_failing()
+    assert "expandable_segments" in plan(unknown, None)[0]
+
+
 def test_fragmentation_is_not_called_decisive_when_the_replays_skipped_its_fixes():
     h100 = cuda_failing(17078010880, 17152606208, 32 * MiB)
     document = h100.to_dict()

@@ -49,6 +49,7 @@ class ExpandableSegments(Fix):
     cuda_only = True
     replay_priority = 4
     by_environment = True
+    rearranges_cache = True
 
     def skip_reason(self, snapshot: Snapshot, explicit: bool) -> Optional[str]:
         reason = super().skip_reason(snapshot, explicit)
@@ -101,6 +102,7 @@ class EmptyCache(Fix):
     combines_with = ("autocast", "checkpointing")
     cuda_only = True
     replay_priority = 3
+    rearranges_cache = True
 
     def skip_reason(self, snapshot: Snapshot, explicit: bool) -> Optional[str]:
         reason = super().skip_reason(snapshot, explicit)

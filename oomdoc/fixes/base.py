@@ -96,6 +96,9 @@ class Fix:
     # Takes effect through the environment its request sets, with no code
     # change (an allocator setting): the script's own flags run with it set.
     by_environment: bool = False
+    # Only lays the allocator's cache out differently: it gives back at most
+    # what was reserved but unallocated (oomdoc.replay.plan.beyond_the_cache).
+    rearranges_cache: bool = False
     # Saves memory at any batch size, so the prescription may combine it with
     # other such fixes and a batch size (allocator settings are not).
     prescribable: bool = False

@@ -100,6 +100,25 @@ def estimated_max_batch(
         or first.start_allocated_bytes is None
     ):
         return None
+    need = failing_batch_need(snapshot, to_come)
+    if need is None:
+        return None
+    fixed, batch_bytes = need
+    if fixed >= capacity:
+        return 0
+    per_sample = batch_bytes / original_batch_size
+    return int((capacity - fixed) // per_sample)
+
+
+def failing_batch_need(snapshot: Snapshot, to_come: bool = True) -> tuple[int, float] | None:
+    """(fixed, per batch): what the failing run's training step needs, as
+    estimated_max_batch reckons it: the bytes alive whatever the batch
+    (what was alive when the step began, gradients, optimizer state), and
+    those the failing batch adds. None as estimated_max_batch."""
+    oom = snapshot.oom
+    first = next((step for step in snapshot.steps if step.index <= 0), None)
+    if oom is None or first is None or first.start_allocated_bytes is None:
+        return None
     start = first.start_allocated_bytes
     forward_peak = first.phase_peaks.get("forward")
     if (oom.step or 0) == 0 and oom.phase == "forward":
@@ -113,18 +132,15 @@ def estimated_max_batch(
         return None
     if activations <= 0:
         return None
-    per_sample = BACKWARD_OVER_FORWARD * activations / original_batch_size
+    batch_bytes = BACKWARD_OVER_FORWARD * activations
     if (oom.step or 0) == 0 and oom.phase != "forward":
         # After the forward, in its first step: what it needed by then is a floor.
-        per_sample = max(per_sample, (oom.needed_bytes - start) / original_batch_size)
+        batch_bytes = max(batch_bytes, oom.needed_bytes - start)
     parameters = snapshot.breakdown.bytes_of("parameters") or sum(
         model.parameters_bytes for model in snapshot.models
     )
     gradients = max(snapshot.breakdown.bytes_of("gradients"), parameters)
-    fixed = start + gradients + optimizer_state_estimate(snapshot)
-    if fixed >= capacity:
-        return 0
-    return int((capacity - fixed) // per_sample)
+    return start + gradients + optimizer_state_estimate(snapshot), batch_bytes
 
 
 def copies_to_come(snapshot: Snapshot) -> int:

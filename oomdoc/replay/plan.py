@@ -22,11 +22,13 @@ from oomdoc.replay import batch as batch_model
 from oomdoc.replay.lanes import (
     SPECULATIVE,
 )
+from oomdoc.replay.limit_estimate import failing_batch_need
 from oomdoc.replay.rank import best_pair
 from oomdoc.replay.replayer import (
     Replay,
     Replayer,
 )
+from oomdoc.sizes import format_bytes
 
 # A fix that saves less than this share of the failing run's need is a no-op:
 # it is never combined with another.
@@ -126,11 +128,50 @@ def plan(snapshot: Snapshot, requested: list[str] | None) -> tuple[list[str], li
         if not fix.applies_to(snapshot) and name not in explicit:
             continue
         reason = fix.skip_reason(snapshot, explicit=name in explicit)
+        if not reason and fix.rearranges_cache and name not in explicit:
+            reason = beyond_the_cache(snapshot)
         if reason:
             skipped.append(Skipped(name, reason))
         else:
             chosen.append(name)
     return chosen, skipped
+
+
+# How much larger than the failing run's estimate (limit_estimate) the room
+# an allocator setting could give must be before it is ruled out: the
+# estimate reckons every block alike, which overstates a CNN's later blocks
+# (pytorch/examples' ImageNet trainer: 69 estimated, 191 by hand).
+CACHE_ALLOWANCE = 4
+
+
+def beyond_the_cache(snapshot: Snapshot) -> Optional[str]:
+    """Why no allocator setting can fit the failing batch, when its first
+    forward ran out of memory far from the end: the step needs more than
+    CACHE_ALLOWANCE times the room the capacity and the reserved but
+    unallocated bytes leave (an allocator setting gives back no more than
+    those). On the H200 pytorch/examples' ImageNet trainer (ResNet-50, batch
+    1024, 16 GiB) ran out of memory in its first bottleneck with 12.15 GiB
+    allocated and 1.36 GiB unallocated: its expandable-segments and
+    empty_cache replays ran out of memory after 14 and 18 s, in two of its
+    three lanes, before the savers' searches could start. None when one
+    might (or the failing run cannot tell)."""
+    oom = snapshot.oom
+    need = failing_batch_need(snapshot, to_come=False)
+    capacity = snapshot.device.capacity_bytes
+    if oom is None or need is None or not capacity:
+        return None
+    fixed, batch_bytes = need
+    unused = max(0, oom.reserved_bytes - oom.allocated_bytes)
+    room = capacity + unused - fixed
+    if room > 0 and CACHE_ALLOWANCE * room >= batch_bytes:
+        return None
+    return (
+        f"its first forward ran out of memory early on: by how far it got, the failing "
+        f"batch needs about {format_bytes(int(batch_bytes))} beside the "
+        f"{format_bytes(fixed)} any batch needs, over {CACHE_ALLOWANCE} times the "
+        f"{format_bytes(max(room, 0))} that the capacity and the {format_bytes(unused)} "
+        "reserved but unallocated leave: no allocator setting gives back more than those"
+    )
 
 
 LEAK_NO_BATCH_SEARCH = (
