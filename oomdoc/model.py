@@ -666,6 +666,10 @@ class Snapshot:
     # Batch sizes of the DataLoaders the script made that a smaller-batch
     # replay could change; None when not known (a replay, an older snapshot).
     dataloader_batch_sizes: Optional[List[int]] = None
+    # The num_workers of each DataLoader the script made: each replay's
+    # workers take as many cores (oomdoc.replay.lanes.default_jobs); None
+    # when not known (a replay, an older snapshot).
+    dataloader_workers: Optional[List[int]] = None
     # oomdoc check: the num_workers of each DataLoader made to load in the
     # script's process instead (oomdoc.capture.serial_dataloaders).
     dataloader_workers_removed: List[int] = field(default_factory=list)

@@ -254,6 +254,8 @@ def test_dataloader_workers_that_call_modules_do_not_fail(tmp_path, script, args
     assert "exited unexpectedly" not in completed.stderr
     assert len(document["steps"]) == 2
     assert sum(step["optimizer_steps"] for step in document["steps"]) == 2
+    # Their workers' counts, for the replays' lanes (each worker takes a core).
+    assert document["dataloader_workers"] and max(document["dataloader_workers"]) == 2
 
 
 def test_an_evaluation_oom_is_named_and_its_held_outputs_measured(tmp_path):

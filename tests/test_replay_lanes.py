@@ -41,6 +41,12 @@ def test_default_jobs_follow_cores_and_memory():
     assert default_jobs("cuda", cpus=16, available_bytes=16 * GiB, child_bytes=3 * GiB) == 2
     assert default_jobs("cuda", cpus=16, available_bytes=4 * GiB, child_bytes=3 * GiB) == 1
     assert default_jobs("cuda", cpus=16, available_bytes=128 * GiB, child_bytes=GiB) == 4
+    # Each replay's DataLoader workers take a core each beside it.
+    assert default_jobs("cuda", cpus=16, workers=8) == 1
+    assert default_jobs("cuda", cpus=16, workers=4) == 3
+    assert default_jobs("cuda", cpus=16, workers=2) == 4
+    assert default_jobs("simulated", cpus=64, workers=3) == 4
+    assert default_jobs("simulated", cpus=32, workers=3) == 2
 
 
 def test_warm_children_for_every_lane_start_with_the_failing_run(monkeypatch):
@@ -113,6 +119,9 @@ def test_replay_jobs_from_the_option_else_the_machine():
     # On CUDA too: one lane per core beyond the first, at most MAX_JOBS.
     cuda = Snapshot.from_dict({"device": {"kind": "cuda", "capacity_bytes": 1}})
     assert replay_jobs(cuda, Options()) == default_jobs("cuda")
+    # With the failing run's DataLoader workers (pytorch/examples' ImageNet `-j 8`).
+    cuda.dataloader_workers = [8, 8]
+    assert replay_jobs(cuda, Options()) == default_jobs("cuda", workers=8)
     Options.replay_jobs = 3
     assert replay_jobs(cuda, Options()) == 3
 

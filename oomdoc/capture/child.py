@@ -299,8 +299,8 @@ def run(
     else:
         from oomdoc.fixes.smaller_batch import watch_dataloaders
 
-        tracker.dataloader_batch_sizes = []
-        watch_dataloaders(tracker.dataloader_batch_sizes)
+        tracker.dataloader_batch_sizes, tracker.dataloader_workers = [], []
+        watch_dataloaders(tracker.dataloader_batch_sizes, tracker.dataloader_workers)
     undo_hooks = [communication.install(tracker), shared_memory.install()]
     if config.quick_init and backend.kind == "cuda":
         # On the simulated device the CPU's tensors are the device's: the
@@ -734,6 +734,8 @@ def write_capture(
         "imported_packages": tracker.imported_packages,
         # DataLoaders whose batch size the smaller-batch fix could change.
         "dataloader_batch_sizes": tracker.dataloader_batch_sizes,
+        # Their workers' counts: as many cores each replay takes beside its own.
+        "dataloader_workers": tracker.dataloader_workers,
         # oomdoc check: the num_workers of DataLoaders made to load in-process.
         "dataloader_workers_removed": tracker.dataloader_workers_removed,
         **framework_keys(tracker),

@@ -135,6 +135,7 @@ class Tracker(Attribution, LeakChecks, StepLimits, IterationSteps):
         # removed (oomdoc check), processes started (captured as ranks or not).
         self.imported_packages: list[str] = []
         self.dataloader_batch_sizes: list | None = None
+        self.dataloader_workers: list | None = None
         self.dataloader_workers_removed: list = []
         self.spawned_ranks: list[dict] = []
         self.uncaptured_processes: list[dict] = []

@@ -668,6 +668,7 @@ def replay_jobs(snapshot: Snapshot, options: Any) -> int:
         snapshot.device.kind,
         available_bytes=host.available_bytes if host else None,
         child_bytes=host.process_rss_bytes if host else None,
+        workers=max(snapshot.dataloader_workers or [0]),
     )
 
 
