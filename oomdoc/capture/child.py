@@ -299,8 +299,7 @@ def run(
     else:
         from oomdoc.fixes.smaller_batch import watch_dataloaders
 
-        tracker.dataloader_batch_sizes, tracker.dataloader_workers = [], []
-        watch_dataloaders(tracker.dataloader_batch_sizes, tracker.dataloader_workers)
+        watch_dataloaders(tracker)
     undo_hooks = [communication.install(tracker), shared_memory.install()]
     if config.quick_init and backend.kind == "cuda":
         # On the simulated device the CPU's tensors are the device's: the
@@ -732,9 +731,8 @@ def write_capture(
         # Heavy installed packages the script imported: the replays' warm
         # children import them ahead (oomdoc.capture.imports).
         "imported_packages": tracker.imported_packages,
-        # DataLoaders whose batch size the smaller-batch fix could change.
+        # DataLoaders whose batch size the smaller-batch fix could change; their workers.
         "dataloader_batch_sizes": tracker.dataloader_batch_sizes,
-        # Their workers' counts: as many cores each replay takes beside its own.
         "dataloader_workers": tracker.dataloader_workers,
         # oomdoc check: the num_workers of DataLoaders made to load in-process.
         "dataloader_workers_removed": tracker.dataloader_workers_removed,

@@ -130,18 +130,23 @@ def batch_size_to_change(arguments: dict) -> bool:
     return isinstance(current, int) and current > 1 and arguments.get("batch_sampler") is None
 
 
-def watch_dataloaders(batch_sizes: list, workers: list | None = None) -> None:
-    """Note in `batch_sizes` the batch size of every DataLoader the script
-    makes that the smaller-batch fix could change: a run that made none needs
-    no replay to learn that a smaller batch cannot be tried; and in `workers`
-    every DataLoader's num_workers (the cores its replays take)."""
+def watch_dataloaders(tracker: Any) -> None:
+    """Note in the tracker's `dataloader_batch_sizes` the batch size of every
+    DataLoader the script makes that the smaller-batch fix could change: a
+    run that made none needs no replay to learn that a smaller batch cannot
+    be tried; and in its `dataloader_workers` every DataLoader's num_workers
+    (the cores its replays take: oomdoc.replay.lanes.default_jobs)."""
     from oomdoc.dataloader_args import on_dataloader_init
+
+    batch_sizes: list = []
+    workers: list = []
+    tracker.dataloader_batch_sizes, tracker.dataloader_workers = batch_sizes, workers
 
     def note(arguments: dict) -> None:
         if batch_size_to_change(arguments):
             batch_sizes.append(int(arguments["batch_size"]))
         count = arguments.get("num_workers", 0)
-        if workers is not None and isinstance(count, int) and not isinstance(count, bool):
+        if isinstance(count, int) and not isinstance(count, bool):
             workers.append(max(0, count))
 
     on_dataloader_init(note)
