@@ -426,7 +426,7 @@ def considered(
             )
             above = bool(prescribed and throughput and throughput > prescribed)
             entry.reason = f"not measured at batch {micro} x {steps}: batch {ran} ran {bound}" + (
-                f", above the prescription's {prescribed:.1f} (by your flags where they ran)"
+                f", above the prescription's {prescribed:.1f}"
                 if above
                 else (f", below the prescription's {prescribed:.1f}" if prescribed else "")
             )

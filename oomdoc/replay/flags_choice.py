@@ -100,10 +100,9 @@ def calibrated(chosen: Prescription, rival: Candidate) -> tuple[float, float]:
     """(scale, margin) for the rival's replay against the choice's flags: a
     rival with all of the choice's savers and more that only add work is
     scaled as the choice's flags ran against its replay (LOWEST_SCALE at
-    least), with
-    EXTRA_WORK_UNDERSTATES for what it adds; any other, as replayed, with
-    REPLAY_UNDERSTATES (where its savers differ, the choice's timing says
-    nothing of the switches it lacks)."""
+    least), with EXTRA_WORK_UNDERSTATES for what it adds; any other, as
+    replayed, with REPLAY_UNDERSTATES (where its savers differ, the choice's
+    timing says nothing of the switches it lacks)."""
     checked = chosen.verified_by_flags
     flags = checked.samples_per_second if checked is not None else None
     replayed = checked.replay_samples_per_second if checked is not None else None
@@ -156,7 +155,7 @@ def rival_by_flags(chosen: Prescription, pool: list[Candidate], limit_bytes: int
     )
     scale, understates = calibrated(chosen, rival)
     within = f"within the {understates:.0%} oomdoc's replays have run below a script's own flags"
-    if scale != 1.0:
+    if understates == EXTRA_WORK_UNDERSTATES:  # scaled as the choice's flags ran
         extra = " + ".join(extra_savers(chosen.fixes, rival.fixes))
         within = (
             f"taken as your flags ran {chosen_label(chosen)} ({scale:.2f} of its replay), "
