@@ -138,6 +138,9 @@ def test_a_rival_calibrated_by_the_choices_flags_says_so_and_stays_a_rival_withi
         "within the 10% oomdoc's replays have run below a script's own flags for checkpointing"
         in reason
     )
+    chosen.verified_by_flags.samples_per_second = 464.0  # its flags as its replay: scaled by 1
+    reason = rival_by_flags(chosen, [near], LIMIT) or ""  # 430 x 1.1 = 473
+    assert "taken as your flags ran autocast (1.00 of its replay)" in reason
 
 
 def test_a_rival_whose_extra_saver_may_speed_steps_up_keeps_the_whole_margin():
