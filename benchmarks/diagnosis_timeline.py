@@ -32,6 +32,7 @@ COLUMNS = (
     "ready_wait_s",
     "first_step_s",
     "steps_s",
+    "steps_cpu_wait_s",
     "script_s",
     "lock_wait_s",
     "forked",

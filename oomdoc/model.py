@@ -222,6 +222,9 @@ class Step:
     backward_calls: int = 0
     optimizer_steps: int = 0
     duration_s: Optional[float] = None
+    # How long its thread waited for a CPU while runnable (Linux): a step
+    # timed with the host busy took longer than the device made it.
+    cpu_wait_s: Optional[float] = when_set()
     retained_graphs: List[RetainedGraph] = field(default_factory=list)
     retained_activation_bytes: int = 0
     # A replay side by side with others: the step was timed while their

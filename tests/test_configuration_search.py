@@ -45,6 +45,9 @@ def test_a_replay_s_record_keeps_the_step_durations_its_timing_came_from():
     assert "timed_steps_s" not in Replay("b8", "oom").timing()
     # Every step, the untimed first ones too: where a replay's time went.
     assert record["steps_s"] == [9.0, 0.17, 0.16, 0.27]
+    assert "steps_cpu_wait_s" not in record  # not kept in this capture
+    capture.steps[1].cpu_wait_s = 0.0504
+    assert replay.timing()["steps_cpu_wait_s"] == [0.05]
     assert "steps_s" not in Replay("b8", "oom").timing()
 
 

@@ -256,6 +256,9 @@ def test_dataloader_workers_that_call_modules_do_not_fail(tmp_path, script, args
     assert sum(step["optimizer_steps"] for step in document["steps"]) == 2
     # Their workers' counts, for the replays' lanes (each worker takes a core).
     assert document["dataloader_workers"] and max(document["dataloader_workers"]) == 2
+    # Each step's wait for a CPU, where Linux keeps it (schedstat).
+    if Path("/proc/thread-self/schedstat").exists():
+        assert all(step["cpu_wait_s"] >= 0 for step in document["steps"])
 
 
 def test_an_evaluation_oom_is_named_and_its_held_outputs_measured(tmp_path):

@@ -18,6 +18,18 @@ from typing import Any, Callable
 UNITS = ("module", "backward", "optimizer")
 
 
+def thread_cpu_wait() -> float | None:
+    """Seconds this thread has been runnable but waiting for a CPU (Linux's
+    schedstat run_delay), or None where it is not kept: a step that waited
+    is timed with the host busy (other replays' DataLoader workers, say),
+    not only the device."""
+    try:
+        with open("/proc/thread-self/schedstat", "rb") as stats:
+            return int(stats.read().split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 class StopRun(BaseException):
     """Stops the script after `max_steps` steps (not an Exception: a
     script's `except Exception` must not swallow it)."""
@@ -48,12 +60,17 @@ class StepLimits:
     shared_steps: int = 1
     optimizer_cycle: Any  # oomdoc.capture.optimizer_cycle.OptimizerCycle
     _step_started: float
+    _step_cpu_wait: float | None = None  # thread_cpu_wait() as the step began
     _step_timer: Any  # oomdoc.capture.step_records.CudaStepTimer, on CUDA
     # The step whose duration has ended (_end_step_timing), until it closes.
     _timing_ended: dict[str, Any] | None = None
     # Where the current step's training work ended (step_work_ended): the
     # step, the time, and on CUDA an event recorded then.
     _work_ended: tuple[dict[str, Any], float, Any] | None = None
+
+    def _begin_step_clock(self) -> None:
+        self._step_started = time.perf_counter()
+        self._step_cpu_wait = thread_cpu_wait()
 
     def _first_step(self) -> None:
         hook, self.on_first_step = self.on_first_step, None
@@ -237,6 +254,9 @@ class StepLimits:
         else:
             ended_at, mark = time.perf_counter(), None
         current["duration_s"] = round(ended_at - self._step_started, 6)
+        waited, before = thread_cpu_wait(), self._step_cpu_wait
+        if waited is not None and before is not None:
+            current["cpu_wait_s"] = round(max(0.0, waited - before), 6)
         if self._step_timer is not None:
             # Step durations are compared between replays: a duration must be
             # the step's kernels, not their launch (events, not a sync).

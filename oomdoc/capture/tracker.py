@@ -28,7 +28,6 @@ import functools
 import gc
 import os
 import sys
-import time
 import weakref
 from typing import Any, Callable, Protocol
 
@@ -144,7 +143,7 @@ class Tracker(Attribution, LeakChecks, StepLimits, IterationSteps):
         self._originals: list = []
         self.module_calls = ModuleCalls(self)  # global hooks, or lean in steady steps
         self._lean_entry: nn.Module | None = None  # (module_calls._lean_call)
-        self._step_started = time.perf_counter()
+        self._begin_step_clock()
         # Called once, when the first step begins (the simulated device's
         # lock for replays side by side, oomdoc.capture.gate).
         self.on_first_step: Callable[[], None] | None = None
@@ -249,7 +248,7 @@ class Tracker(Attribution, LeakChecks, StepLimits, IterationSteps):
             # the batch size separately (the optimizer peak does not grow with it).
             "phase_peaks": {},
         }
-        self._step_started = time.perf_counter()
+        self._begin_step_clock()
         self._step_alone = self.device_to_itself
         if self.timed_steps_over:
             # Past the replay's steps (batches fetched ahead, the steps after

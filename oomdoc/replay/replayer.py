@@ -147,7 +147,11 @@ class Replay:
         replay's time goes beside its start-up (benchmarks/diagnosis_timeline.py)."""
         steps = self.capture.steps if self.capture is not None else []
         durations = [round(float(s.duration_s), 3) for s in steps if s.duration_s is not None]
-        return {"steps_s": durations} if durations else {}
+        waits = [round(float(s.cpu_wait_s), 3) for s in steps if s.cpu_wait_s is not None]
+        return {
+            **({"steps_s": durations} if durations else {}),
+            **({"steps_cpu_wait_s": waits} if waits else {}),
+        }
 
     def timed_steps(self) -> dict:
         """The step time decided on and the durations it came from, so that
