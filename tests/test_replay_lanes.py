@@ -492,6 +492,10 @@ def test_allocator_replays_are_skipped_when_the_first_forward_ran_out_far_from_i
     late = imagenet_failing("layer4.2.conv3")
     chosen = plan(late, None)[0]
     assert "empty_cache" in chosen and "expandable_segments" in chosen
+    # Out of memory after the forward: not how far a forward got.
+    backward = imagenet_failing("layer1.0.conv3")
+    backward.oom.phase = "backward"
+    assert "expandable_segments" in plan(backward, None)[0]
     # Without a step or the module the failing run cannot tell: replayed.
     unknown = imagenet_failing()
     assert "expandable_segments" in plan(unknown, None)[0]

@@ -10,6 +10,7 @@ declared here, the Tracker sets it up.
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any, Callable
 
@@ -18,13 +19,13 @@ from typing import Any, Callable
 UNITS = ("module", "backward", "optimizer")
 
 
-def thread_cpu_wait() -> float | None:
-    """Seconds this thread has been runnable but waiting for a CPU (Linux's
-    schedstat run_delay), or None where it is not kept: a step that waited
-    is timed with the host busy (other replays' DataLoader workers, say),
-    not only the device."""
+def thread_cpu_wait(thread_id: int) -> float | None:
+    """Seconds the thread `thread_id` (native) has been runnable but waiting
+    for a CPU (Linux's schedstat run_delay), or None where it is not kept: a
+    step that waited is timed with the host busy (other replays' DataLoader
+    workers, say), not only the device."""
     try:
-        with open("/proc/thread-self/schedstat", "rb") as stats:
+        with open(f"/proc/self/task/{thread_id}/schedstat", "rb") as stats:
             return int(stats.read().split()[1]) / 1e9
     except (OSError, ValueError, IndexError):
         return None
@@ -60,7 +61,8 @@ class StepLimits:
     shared_steps: int = 1
     optimizer_cycle: Any  # oomdoc.capture.optimizer_cycle.OptimizerCycle
     _step_started: float
-    _step_cpu_wait: float | None = None  # thread_cpu_wait() as the step began
+    # The thread that began the step, and its thread_cpu_wait() then.
+    _step_cpu_wait: tuple[int, float | None] | None = None
     _step_timer: Any  # oomdoc.capture.step_records.CudaStepTimer, on CUDA
     # The step whose duration has ended (_end_step_timing), until it closes.
     _timing_ended: dict[str, Any] | None = None
@@ -70,7 +72,8 @@ class StepLimits:
 
     def _begin_step_clock(self) -> None:
         self._step_started = time.perf_counter()
-        self._step_cpu_wait = thread_cpu_wait()
+        thread_id = threading.get_native_id()
+        self._step_cpu_wait = (thread_id, thread_cpu_wait(thread_id))
 
     def _first_step(self) -> None:
         hook, self.on_first_step = self.on_first_step, None
@@ -254,7 +257,8 @@ class StepLimits:
         else:
             ended_at, mark = time.perf_counter(), None
         current["duration_s"] = round(ended_at - self._step_started, 6)
-        waited, before = thread_cpu_wait(), self._step_cpu_wait
+        thread_id, before = self._step_cpu_wait or (0, None)
+        waited = thread_cpu_wait(thread_id) if before is not None else None
         if waited is not None and before is not None:
             current["cpu_wait_s"] = round(max(0.0, waited - before), 6)
         if self._step_timer is not None:

@@ -156,9 +156,11 @@ def beyond_the_cache(snapshot: Snapshot) -> Optional[str]:
     three lanes, before the savers' searches could start. None when one
     might (or the failing run cannot tell)."""
     oom = snapshot.oom
-    need = failing_batch_need(snapshot, to_come=False)
     capacity = snapshot.device.capacity_bytes
-    if oom is None or need is None or not capacity:
+    if oom is None or (oom.step or 0) != 0 or oom.phase != "forward" or not capacity:
+        return None
+    need = failing_batch_need(snapshot, to_come=False)
+    if need is None:
         return None
     fixed, batch_bytes = need
     unused = max(0, oom.reserved_bytes - oom.allocated_bytes)
