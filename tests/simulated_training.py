@@ -69,7 +69,11 @@ def train(
         tracker.uninstall()
     sample = tracker.peak_sample or {}
     result.update(
-        steps=[{k: v for k, v in step.items() if k != "duration_s"} for step in tracker.steps],
+        # Without the timings (a step's duration, its wait for a CPU).
+        steps=[
+            {k: v for k, v in step.items() if k not in ("duration_s", "cpu_wait_s")}
+            for step in tracker.steps
+        ],
         category_peaks=dict(tracker.category_peaks),
         peak={key: sample.get(key) for key in ("allocated_bytes", "step", "phase", "breakdown")},
         sites=sample.get("top_allocations"),

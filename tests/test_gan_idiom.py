@@ -60,6 +60,11 @@ def test_merged_steps_keep_the_largest_peak_and_sum_the_work():
         0.75,
     )
     assert merged["retained_graphs"] == []
+    assert "cpu_wait_s" not in merged  # neither kept its wait for a CPU
+    first["cpu_wait_s"], second["cpu_wait_s"] = 0.125, 0.25
+    assert merge_steps([first, second])["cpu_wait_s"] == 0.375
+    del second["cpu_wait_s"]  # one step's wait alone is not the iteration's
+    assert "cpu_wait_s" not in merge_steps([first, second])
 
 
 GAN_ACCUMULATION = """

@@ -90,9 +90,12 @@ def merge_steps(steps: list[dict]) -> dict:
     merged["phase_peaks"] = phase_peaks
     for key in SUMMED:
         merged[key] = sum(step.get(key, 0) for step in steps)
-    durations = [step.get("duration_s") for step in steps]
-    if all(isinstance(value, (int, float)) for value in durations):
-        merged["duration_s"] = round(sum(durations), 6)  # type: ignore[arg-type]
+    for timed in ("duration_s", "cpu_wait_s"):
+        durations = [step.get(timed) for step in steps]
+        if all(isinstance(value, (int, float)) for value in durations):
+            merged[timed] = round(sum(durations), 6)  # type: ignore[arg-type]
+        elif timed == "cpu_wait_s":
+            merged.pop(timed, None)  # not the whole step's wait
     # A graph made inside the merged steps is the iteration's own, not retained.
     retained: list = []
     known = set()
