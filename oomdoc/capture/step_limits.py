@@ -61,8 +61,8 @@ class StepLimits:
     shared_steps: int = 1
     optimizer_cycle: Any  # oomdoc.capture.optimizer_cycle.OptimizerCycle
     _step_started: float
-    # The thread that began the step, and its thread_cpu_wait() then.
-    _step_cpu_wait: tuple[int, float | None] | None = None
+    # The thread that began the step and its thread_cpu_wait() then (None: not kept).
+    _step_cpu_wait: tuple[int, float] | None = None
     _step_timer: Any  # oomdoc.capture.step_records.CudaStepTimer, on CUDA
     # The step whose duration has ended (_end_step_timing), until it closes.
     _timing_ended: dict[str, Any] | None = None
@@ -73,7 +73,8 @@ class StepLimits:
     def _begin_step_clock(self) -> None:
         self._step_started = time.perf_counter()
         thread_id = threading.get_native_id()
-        self._step_cpu_wait = (thread_id, thread_cpu_wait(thread_id))
+        before = thread_cpu_wait(thread_id)
+        self._step_cpu_wait = None if before is None else (thread_id, before)
 
     def _first_step(self) -> None:
         hook, self.on_first_step = self.on_first_step, None
@@ -257,10 +258,11 @@ class StepLimits:
         else:
             ended_at, mark = time.perf_counter(), None
         current["duration_s"] = round(ended_at - self._step_started, 6)
-        thread_id, before = self._step_cpu_wait or (0, None)
-        waited = thread_cpu_wait(thread_id) if before is not None else None
-        if waited is not None and before is not None:
-            current["cpu_wait_s"] = round(max(0.0, waited - before), 6)
+        if self._step_cpu_wait is not None:
+            thread_id, before = self._step_cpu_wait
+            waited = thread_cpu_wait(thread_id)
+            if waited is not None:
+                current["cpu_wait_s"] = round(max(0.0, waited - before), 6)
         if self._step_timer is not None:
             # Step durations are compared between replays: a duration must be
             # the step's kernels, not their launch (events, not a sync).

@@ -91,17 +91,8 @@ def estimated_max_batch(
     outside the first step's forward and no completed forward)."""
     oom = snapshot.oom
     capacity = snapshot.device.capacity_bytes or (oom.capacity_bytes if oom else 0)
-    first = next((step for step in snapshot.steps if step.index <= 0), None)
-    if (
-        oom is None
-        or original_batch_size <= 0
-        or not capacity
-        or first is None
-        or first.start_allocated_bytes is None
-    ):
-        return None
     need = failing_batch_need(snapshot, to_come)
-    if need is None:
+    if need is None or original_batch_size <= 0 or not capacity:
         return None
     fixed, batch_bytes = need
     if fixed >= capacity:
