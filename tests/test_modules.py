@@ -9,6 +9,7 @@ GPU), and two end-to-end runs of the real CLI.
 from __future__ import annotations
 
 import gc
+import weakref
 
 import pytest
 import torch
@@ -336,6 +337,37 @@ def test_cuda_join_one_category_per_block_and_no_tensor_kept_alive():
     finally:
         tracker.uninstall()
     assert torch._C._autograd._top_saved_tensors_default_hooks(True) is None
+
+
+def test_the_cuda_pack_hook_keeps_no_graph_alive_and_leaves_gradients_as_they_are():
+    # Autograd hands a pack hook an op's output with its grad_fn: kept as it
+    # is, the node holds itself, and a graph dropped without a backward (a
+    # sample image made without no_grad) keeps its saved outputs for good.
+    model = nn.Sequential(nn.Linear(16, 16), nn.Sigmoid(), nn.Linear(16, 16), nn.Tanh())
+    batch = torch.randn(8, 16)
+    expected = torch.autograd.grad(model(batch).square().sum(), list(model.parameters()))
+    backend = BlockListingBackend()
+    tracker = Tracker(backend)
+    tracker.install()
+    tracker.scopes.any_device = True
+    enabled = gc.isenabled()
+    gc.disable()  # no collector to break a cycle: freed when dropped, or never
+    try:
+        saved = model[:2](batch)  # Sigmoid saves its output
+        dropped = weakref.ref(saved.untyped_storage())
+        assert saved.untyped_storage().data_ptr() in tracker.scopes._saved
+        del saved
+        assert dropped() is None
+        got = torch.autograd.grad(model(batch).square().sum(), list(model.parameters()))
+        assert all(torch.equal(a, b) for a, b in zip(got, expected))
+        out = torch.sigmoid(model[0](batch))
+        out.mul_(2)  # modifies the saved output: backward must still refuse
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            out.sum().backward()
+    finally:
+        if enabled:
+            gc.enable()
+        tracker.uninstall()
 
 
 def test_torch_func_grad_runs_under_the_cuda_pack_hook():

@@ -296,7 +296,7 @@ class ModuleScopes:
     # ------------------------------------------------------------ CUDA
     def install(self, cuda: bool) -> None:
         """On CUDA, learn the data pointers of tensors saved for backward
-        (through a saved-tensors pack hook that returns the tensor itself)
+        (through a saved-tensors pack hook that saves the tensor detached)
         and of module outputs. OOMDOC_MODULE_HOOKS=0 turns the pack hook off."""
         self.cuda = cuda
         if not cuda or os.environ.get("OOMDOC_MODULE_HOOKS", "1") == "0":
@@ -359,11 +359,23 @@ class ModuleScopes:
         return bool(hooks) and getattr(hooks[0], "__self__", None) is self
 
     def _pack(self, tensor):
+        """Remembers the storage of a tensor saved for backward, and saves it
+        detached: autograd hands a pack hook an op's output with its grad_fn,
+        so keeping that tensor would make the node hold itself, and a graph
+        dropped without a backward (a `netG(fixed_noise)` for a sample image,
+        an evaluation without no_grad) would keep its saved outputs for good.
+        On pytorch/examples' DCGAN that made batch 501 run out of memory under
+        capture where it fits without oomdoc. Unpacking gives autograd the
+        detached tensor back, which it wraps with the saved grad_fn, as it does
+        for any object a pack hook returns. Its version goes with it: autograd
+        does not check a hooked tensor's version, so _unpack does, or a script
+        that modifies a saved tensor in place would train on wrong gradients
+        under capture where it fails without oomdoc."""
         if traced_by_compile():
             return tensor
         if not self.paused and (tensor.is_cuda or self.any_device):
             self._remember_storage(tensor)
-        return tensor
+        return _DETACH(tensor), tensor._version
 
     def _note_inputs(self, inputs) -> None:
         """The outermost model's tensor arguments were made before the step's
@@ -513,7 +525,23 @@ class _StepAside:
                 torch._C._autograd._push_saved_tensors_default_hooks(self.scopes._pack, _unpack)
 
 
-def _unpack(tensor):
+_DETACH = torch.Tensor.detach
+
+
+def _unpack(packed):
+    """The tensor _pack saved, refused as autograd refuses one modified in
+    place since it was saved (the same message)."""
+    if type(packed) is not tuple:
+        return packed  # saved while torch.compile traced
+    tensor, version = packed
+    if tensor._version != version:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an "
+            f"inplace operation: [{tensor.type()} {list(tensor.shape)}] is at version "
+            f"{tensor._version}; expected version {version} instead. Hint: enable anomaly "
+            "detection to find the operation that failed to compute its gradient, with "
+            "torch.autograd.set_detect_anomaly(True)."
+        )
     return tensor
 
 
