@@ -261,6 +261,35 @@ def test_one_probe_predicts_from_the_first_step_slope():
     assert model.largest_fitting(GPT_LIKE.capacity) == GPT_LIKE.true_max(32)
 
 
+def test_the_need_far_from_the_runs_is_not_the_slope_of_a_fit_and_an_oom_one_apart():
+    """pytorch/examples' DCGAN at 8 GiB: 500 fit, 501 ran out of memory in a
+    later step with the allocator fragmented. The line raised through that
+    OOM's need finds the limit, and is no slope to take to the user's 1000."""
+    failing = BatchRun(
+        1000, False, start_bytes=1 * GiB, lower_bounds={("first", "backward"): 8 * GiB}
+    )
+    fit = BatchRun(
+        500,
+        True,
+        start_bytes=GiB // 2,
+        exact={("first", "forward"): 5 * GiB, ("first", "backward"): int(7.63 * GiB)},
+    )
+    oom = BatchRun(
+        501,
+        False,
+        start_bytes=GiB // 2,
+        exact={("first", "forward"): 5 * GiB + 10 * MiB},
+        lower_bounds={("first", "backward"): int(8.05 * GiB)},
+    )
+    model = fit_model([failing, fit, oom])
+    assert model.largest_fitting(8 * GiB) == 500
+    assert model.need(1000) > 100 * GiB  # the limit's line: 0.42 GiB a sample
+    # Through 500's backward, its slope what the step added to its start per
+    # sample (500 and 501's forwards are too close to make one).
+    assert 12 * GiB < model.need_far(1000) < 20 * GiB
+    assert fit_model([failing, fit, oom], far=True).need(1000) == model.need_far(1000)
+
+
 def test_cuda_like_rounding_and_fragmentation_stay_exact():
     workload = Workload(
         params=870 * MiB,

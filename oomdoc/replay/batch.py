@@ -166,11 +166,23 @@ class BatchModel:
     lines: dict
     start: Line | None
     points: dict  # key -> number of measured points behind its line
+    # The lines for a batch far from the runs' (fit_model(far=True)).
+    far: BatchModel | None = None
 
     def need(self, batch_size: float) -> float | None:
         if not self.lines:
             return None
         return max(line.at(batch_size) for line in self.lines.values())
+
+    def need_far(self, batch_size: float) -> float | None:
+        """The need at a batch far from those replayed (the user's, to say
+        what it would take): the lines that find the limit are drawn through
+        the batches nearest it, where a fit and an OOM's need one batch apart
+        make the slope whatever the fragmentation at the limit was. On
+        pytorch/examples' DCGAN 500 fit at 7.63 GiB and 501 ran out of memory
+        needing 6.56 GiB in a later step, and those lines put batch 1000 at
+        264.8 GiB."""
+        return (self.far or self).need(batch_size)
 
     def binding(self, batch_size: float):
         """The (step kind, phase) whose peak is the largest at this batch size."""
@@ -194,8 +206,12 @@ class BatchModel:
         return max(0, int(limit))
 
 
-def fit_model(runs: list[BatchRun]) -> BatchModel:
-    """Fit the per-phase lines to every run seen so far."""
+def fit_model(runs: list[BatchRun], far: bool = False) -> BatchModel:
+    """Fit the per-phase lines to every run seen so far, through the two
+    batches nearest the limit, and raised through an OOM's need above them;
+    with `far`, through the widest span of batches measured, with an OOM's
+    need raising only a line nothing measured (BatchModel.need_far). By
+    default the model carries both."""
     starts = {}
     points: dict = {}
     bounds: dict = {}
@@ -209,13 +225,18 @@ def fit_model(runs: list[BatchRun]) -> BatchModel:
         for key, value in run.lower_bounds.items():
             bounds.setdefault(key, []).append((run.batch_size, value))
 
-    start = _line_from_points(starts) if starts else None
+    if far and _narrow(starts):
+        starts = {max(starts): starts[max(starts)]}
+    start = _line_from_points(starts, far=far) if starts else None
     lines: dict = {}
     # First-step lines first: steady lines with one point borrow their slope.
     for key in sorted(points, key=lambda key: key[0] != FIRST):
         kind, phase = key
         measured = points[key]
-        line = _line_from_points(measured)
+        if far and _narrow(measured):
+            largest = max(measured)
+            measured = {largest: measured[largest]}
+        line = _line_from_points(measured, far=far)
         if len(measured) == 1:
             ((b1, v1),) = measured.items()
             slope = None
@@ -259,6 +280,8 @@ def fit_model(runs: list[BatchRun]) -> BatchModel:
                 )
             continue
         for batch_size, need in observed:
+            if far:
+                break
             known = lines.get(key)
             if known is None or known.at(batch_size) >= need:
                 continue
@@ -269,7 +292,12 @@ def fit_model(runs: list[BatchRun]) -> BatchModel:
             lines[key] = Line.through(anchor, points[key][anchor], batch_size, need)
     for key, line in shifted.items():
         lines.setdefault(key, line)
-    return BatchModel(lines=lines, start=start, points={key: len(v) for key, v in points.items()})
+    return BatchModel(
+        lines=lines,
+        start=start,
+        points={key: len(v) for key, v in points.items()},
+        far=None if far else fit_model(runs, far=True),
+    )
 
 
 def _steady_from_first(points: dict, lines: dict) -> dict:
@@ -295,13 +323,24 @@ def _steady_from_first(points: dict, lines: dict) -> dict:
     return shifted
 
 
-def _line_from_points(measured: dict) -> Line:
-    """Through the two largest batch sizes (nearest the limit being sought);
-    flat through a single point."""
+# Points closer than this share of the larger batch make no slope to
+# extrapolate far with (a cuDNN workspace chosen differently at 501 than at
+# 500 would be its whole slope): far lines then take one point's.
+NARROW_SPAN = 0.25
+
+
+def _narrow(measured: dict) -> bool:
+    sizes = sorted(measured)
+    return len(sizes) > 1 and sizes[-1] - sizes[0] < NARROW_SPAN * sizes[-1]
+
+
+def _line_from_points(measured: dict, far: bool = False) -> Line:
+    """Through the two largest batch sizes (nearest the limit being sought),
+    or with `far` the smallest and the largest; flat through a single point."""
     sizes = sorted(measured)
     if len(sizes) == 1:
         return Line(float(measured[sizes[0]]), 0.0)
-    b1, b2 = sizes[-2], sizes[-1]
+    b1, b2 = (sizes[0] if far else sizes[-2]), sizes[-1]
     return Line.through(b1, measured[b1], b2, measured[b2])
 
 

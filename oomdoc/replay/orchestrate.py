@@ -462,7 +462,7 @@ def finish(
     lower_bound = snapshot.oom.needed_bytes if snapshot.oom else 0
     need, estimated = lower_bound, False
     if search is not None and search.model is not None:
-        predicted = search.model.need(search.original_batch_size)
+        predicted = search.model.need_far(search.original_batch_size)
         if predicted is not None and predicted > lower_bound:
             need, estimated = int(predicted), True
     reference, reference_text = reference_step_seconds(snapshot, search)
