@@ -558,6 +558,43 @@ def test_a_planned_micro_batch_whose_replay_ended_too_soon_is_not_prescribed():
     assert "its peak is not known" in chosen.detail
 
 
+def test_a_script_that_updates_by_hand_is_prescribed_with_its_gradients_on_top():
+    """pytorch/examples' word language model (no optimizer) on the H200:
+    autocast + checkpointing fit at the user's 128 (1674.8 samples/s); no
+    autocast batch fit above no fix's 94, so autocast at 64 x 2 was replayed
+    and fit at 0.0346 s a step. Its replay updates after each micro-batch (a
+    step is a backward): the peak claimed adds the gradients the user's
+    accumulation keeps alive, and a step is one micro-batch, not two. It was
+    rejected as of unknown peak, and would have been counted twice as fast."""
+    by_hand = Snapshot.from_dict(
+        {
+            "step_unit": "backward",
+            "steps": [{"index": 0}, {"index": 1}, {"index": 2}],
+            "category_peaks": {"gradients": 4 * MiB},
+        }
+    )
+    both = Candidate(["autocast", "checkpointing"], 128, 95 * MiB, 128 / 1674.8, "a+c", exact=True)
+    autocast = Candidate(["autocast"], 64, 93 * MiB, None, "a at no fix's 94", untimed=True)
+    replayer = ScriptedReplayer([])
+    measured = Replay(
+        label="p", outcome="fits", peak_allocated_bytes=87 * MiB, step_s=0.0346, capture=by_hand
+    )
+    replayer.run = lambda *args, **kwargs: measured
+    snapshot, state = prescription_inputs(replayer, original=128)
+    chosen, _ = measured_choice(replayer, snapshot, state, [both, autocast], 128, None)
+    assert chosen.fixes == ["autocast"]
+    assert (chosen.batch_size, chosen.accumulation_steps) == (64, 2)
+    assert chosen.peak_allocated_bytes == 91 * MiB  # 87 and the gradients' 4
+    assert chosen.samples_per_second == pytest.approx(64 / 0.0346, rel=1e-3)
+    assert "updates by hand" in chosen.detail
+    # Without the gradients' peak its replay shows nothing of the later
+    # micro-batches: not prescribed, as before.
+    measured.capture = Snapshot.from_dict({"step_unit": "backward", "steps": [{"index": 0}]})
+    chosen, _ = measured_choice(replayer, snapshot, state, [both, autocast], 128, None)
+    assert chosen.fixes == ["autocast", "checkpointing"]
+    assert "its peak is not known" in chosen.detail
+
+
 def test_the_runner_up_is_replayed_as_prescribed_beside_the_first_choice():
     """Both bounds need a replay with accumulation, and no check of the
     first shares the device (the script has no flags to check it with);

@@ -32,6 +32,12 @@ from oomdoc.model import (
     Snapshot,
 )
 from oomdoc.replay import batch as batch_model
+from oomdoc.replay.accumulated import (
+    claimed_peak,
+    held_gradients_peak,
+    measured_as_prescribed,
+    uncovered_note,
+)
 from oomdoc.replay.candidates import (
     Candidate,
     considered,
@@ -79,7 +85,6 @@ from oomdoc.replay.timing import RETIME_NOISE, pooled
 from oomdoc.script_flags import (
     EVAL_BATCH_FLAGS,
 )
-from oomdoc.sizes import format_bytes
 
 
 def prescription_for(
@@ -435,10 +440,17 @@ def measured_choice(
             break
         covered = (chosen.accumulation_replay or {}).get("accumulation_covered")
         guessed = candidate.planned_from is not None or candidate.untimed
-        if replay.fits and guessed and chosen.accumulation_steps > 1 and not covered:
+        if (
+            replay.fits
+            and guessed
+            and chosen.accumulation_steps > 1
+            and not covered
+            and held_gradients_peak(replay) is None
+        ):
             # A micro-batch no batch search ran: only a replay that ran an
             # optimizer step and two more micro-batches shows its peak (the
-            # later forwards run with the gradients alive).
+            # later forwards run with the gradients alive), or for a script
+            # that updates by hand its own peak and the gradients'.
             remaining.remove(candidate)
             rejected.append(
                 f"{' + '.join(chosen.fixes) or 'no fix'} at batch {chosen.batch_size} x "
@@ -574,50 +586,6 @@ def remeasure_prescription(
         accumulation_steps=prescription.accumulation_steps,
     )
     return lambda: replay_prescription(replayer, snapshot, state, again, timed_again=True)
-
-
-def measured_as_prescribed(
-    bound: Candidate, prescription: Prescription, replay: Replay
-) -> Candidate:
-    """The candidate `bound` as its prescription's replay measured it: the
-    micro-batch with its accumulation, the peak with the accumulation
-    running, and the step time per micro-batch (an optimizer step of the
-    replay runs `accumulation_steps` of them)."""
-    assert replay.peak_allocated_bytes is not None
-    steps = max(1, prescription.accumulation_steps)
-    return Candidate(
-        list(bound.fixes),
-        int(prescription.batch_size or bound.batch_size),
-        claimed_peak(bound, prescription, replay),
-        replay.step_s / steps if replay.step_s else None,
-        replay.label,
-        notes=list(bound.notes),
-        step_noise=replay.step_noise,
-        exact=True,
-        accumulation_steps=steps,
-        accumulation_record=prescription.accumulation_replay,
-        capture=replay.capture,
-        trained_per_step=bound.trained_per_step,
-        accumulation_label=(
-            f"batch {bound.batch_size} without accumulation in {bound.label!r}: peak "
-            f"{format_bytes(bound.peak_allocated_bytes)}"
-            + (f", {bound.samples_per_second:.1f} samples/s" if bound.samples_per_second else "")
-        ),
-    )
-
-
-def claimed_peak(bound: Candidate, prescription: Prescription, replay: Replay) -> int:
-    """The peak a replay with accumulation measured, unless it ended before
-    an optimizer step and two more micro-batches (a script that updates by
-    hand, whose gradients oomdoc's accumulation cannot hold back, or one
-    that stopped too soon): then the later micro-batches' forward with the
-    gradients alive was not seen, and the larger batch the configuration
-    ran, `bound`, bounds what is claimed."""
-    assert replay.peak_allocated_bytes is not None
-    covered = (prescription.accumulation_replay or {}).get("accumulation_covered")
-    if prescription.accumulation_steps > 1 and covered is False:
-        return max(replay.peak_allocated_bytes, bound.peak_allocated_bytes)
-    return replay.peak_allocated_bytes
 
 
 def start_prescription_ahead(
@@ -795,5 +763,5 @@ def with_accumulation(prescription: Prescription, candidate: Candidate, capacity
         f"planned from {candidate.accumulation_label}"
     )
     if not record.get("accumulation_covered"):
-        detail += "; the replay ended before an optimizer step and two more micro-batches: the peak may be low"
+        detail += f"; {uncovered_note(candidate.capture)}"
     prescription.detail = detail + "".join(f"; {note}" for note in candidate.notes)
