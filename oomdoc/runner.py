@@ -15,9 +15,10 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import oomdoc
 from oomdoc.capture import CONFIG_ENV
@@ -598,3 +599,17 @@ def remove_if_empty(directory: Path) -> None:
         directory.rmdir()  # only when nothing was saved there
     except OSError:
         pass
+
+
+def replays_failed(exc: Exception, artifact_dir: Path, stderr: TextIO) -> str:
+    """Say, in one line, that the replays stopped on an error of oomdoc's
+    own, and keep its traceback beside the snapshot for a bug report."""
+    path = artifact_dir / "replay-error.txt"
+    try:
+        path.write_text("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
+        kept = f"; its traceback: {path}"
+    except OSError:
+        kept = ""
+    text = f"The replays stopped on an error of oomdoc's own ({type(exc).__name__}: {exc}){kept}"
+    print(f"oomdoc: {text}", file=stderr)
+    return text + ". The failing run's diagnosis stands; no fix was measured."

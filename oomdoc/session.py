@@ -17,6 +17,7 @@ from oomdoc.runner import (
     output_path,
     raise_child_usage_error,
     remove_if_empty,
+    replays_failed,
     run_child,
 )
 
@@ -58,7 +59,12 @@ def run_session(options: RunOptions, stderr: TextIO | None = None) -> int:
         if snapshot.outcome == "oom" and options.replay and result.capture is not None:
             from oomdoc.replay.orchestrate import replay_fixes
 
-            replay_fixes(snapshot, options, request, stderr=stderr, pool=pool)
+            try:
+                replay_fixes(snapshot, options, request, stderr=stderr, pool=pool)
+            except Exception as exc:
+                # A fault of oomdoc's own must not lose the failing run:
+                # its snapshot and report are still written.
+                snapshot.notes.append(replays_failed(exc, artifact_dir, stderr))
     finally:
         if pool is not None:
             pool.close()

@@ -427,3 +427,40 @@ def test_the_script_sees_what_python_gives_it(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert f"FILE {tmp_path / 'where.py'} True" in result.stdout
+
+
+def test_replays_that_fail_on_oomdoc_s_own_error_keep_the_failing_run(
+    tmp_path, monkeypatch, capsys
+):
+    """A fault of oomdoc's in the replays (a run on the CPU corpus once ended
+    without a snapshot) must not lose the failing run: its snapshot and
+    report are written, the error is one line and its traceback is kept
+    beside the snapshot, and the exit status is the script's."""
+    import oomdoc.replay.orchestrate as orchestrate
+    from oomdoc.runner import RunOptions
+    from oomdoc.session import run_session
+
+    def broken(*args, **kwargs):
+        raise KeyError("a fault of oomdoc's")
+
+    monkeypatch.setattr(orchestrate, "replay_fixes", broken)
+    monkeypatch.chdir(tmp_path)
+    snapshot_path = tmp_path / "mlp.json"
+    options = RunOptions(
+        target=str(SCRIPTS / "run_mlp.py"),
+        args=["--batch-size", "2048"],
+        device="cpu",
+        capacity_bytes=256 * MIB,
+        output=str(snapshot_path),
+        replay_jobs=1,
+    )
+    assert run_session(options) == 1
+    document = load_json(snapshot_path)
+    assert document["outcome"] == "oom" and document["oom"]["step"] == 1
+    note = next(note for note in document["notes"] if "error of oomdoc's own" in note)
+    assert "KeyError" in note and "no fix was measured" in note
+    logged = tmp_path / "mlp.files" / "replay-error.txt"
+    assert 'raise KeyError("a fault of oomdoc\'s")' in logged.read_text()
+    err = capsys.readouterr().err
+    assert "oomdoc: The replays stopped on an error of oomdoc's own (KeyError" in err
+    assert "What filled" in err  # the report is printed

@@ -26,6 +26,7 @@ from oomdoc.runner import (
     child_request,
     output_path,
     remove_if_empty,
+    replays_failed,
 )
 from oomdoc.warm import script_preimports
 
@@ -101,6 +102,8 @@ def _run_and_replay(options, dist, request, path, artifact_dir, new_parent, jobs
                 pool=pool,
                 launch=lambda child: run_distributed_child(child, dist, jobs),
             )
+        except Exception as exc:  # oomdoc's own fault: the failing job still counts
+            snapshot.notes.append(replays_failed(exc, artifact_dir, stderr))
         finally:
             pool.close()
 
