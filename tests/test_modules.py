@@ -339,6 +339,16 @@ def test_cuda_join_one_category_per_block_and_no_tensor_kept_alive():
     assert torch._C._autograd._top_saved_tensors_default_hooks(True) is None
 
 
+def penalty_gradients(model, batch):
+    """The gradient of a WGAN-GP-style penalty on the input's gradient norm
+    with respect to the first layer's weight."""
+    batch = batch.clone().requires_grad_(True)
+    (gradient,) = torch.autograd.grad(model(batch).sum(), batch, create_graph=True)
+    penalty = (gradient.norm(2, dim=1) - 1).square().mean()
+    (weight_gradient,) = torch.autograd.grad(penalty, model[0].weight)
+    return weight_gradient
+
+
 def test_the_cuda_pack_hook_keeps_no_graph_alive_and_leaves_gradients_as_they_are():
     # Autograd hands a pack hook an op's output with its grad_fn: kept as it
     # is, the node holds itself, and a graph dropped without a backward (a
@@ -346,6 +356,7 @@ def test_the_cuda_pack_hook_keeps_no_graph_alive_and_leaves_gradients_as_they_ar
     model = nn.Sequential(nn.Linear(16, 16), nn.Sigmoid(), nn.Linear(16, 16), nn.Tanh())
     batch = torch.randn(8, 16)
     expected = torch.autograd.grad(model(batch).square().sum(), list(model.parameters()))
+    expected_penalty = penalty_gradients(model, batch)
     backend = BlockListingBackend()
     tracker = Tracker(backend)
     tracker.install()
@@ -360,6 +371,9 @@ def test_the_cuda_pack_hook_keeps_no_graph_alive_and_leaves_gradients_as_they_ar
         assert dropped() is None
         got = torch.autograd.grad(model(batch).square().sum(), list(model.parameters()))
         assert all(torch.equal(a, b) for a, b in zip(got, expected))
+        # A gradient penalty (WGAN-GP): a backward through the saved tensors
+        # of a graph made by a backward.
+        assert torch.equal(penalty_gradients(model, batch), expected_penalty)
         out = torch.sigmoid(model[0](batch))
         out.mul_(2)  # modifies the saved output: backward must still refuse
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
