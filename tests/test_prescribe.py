@@ -593,6 +593,13 @@ def test_a_script_that_updates_by_hand_is_prescribed_with_its_gradients_on_top()
     chosen, _ = measured_choice(replayer, snapshot, state, [both, autocast], 128, None)
     assert chosen.fixes == ["autocast", "checkpointing"]
     assert "its peak is not known" in chosen.detail
+    # The configurations weighed say why, not that its replay did not run.
+    entries = considered([("autocast",)], [both, autocast], chosen, {}, 128, 95 * MiB, True)
+    assert entries[0].verdict == "not_measured"
+    assert entries[0].reason.endswith(
+        "micro-batch did not count: its replay ended before an optimizer step and two more "
+        "micro-batches, so its peak is not known"
+    )
 
 
 def test_the_runner_up_is_replayed_as_prescribed_beside_the_first_choice():

@@ -64,6 +64,9 @@ class Candidate:
     # (measured_choice): a later choice (flags_choice) weighs that one, with
     # its timing, not this bound again.
     measured_as: Optional[Candidate] = field(default=None, repr=False, compare=False)
+    # Why its replay as prescribed did not count (measured_choice), for the
+    # report: "" while it was not replayed so.
+    rejected: str = ""
 
     def latest(self) -> Candidate:
         """This candidate as last measured (measured_as, followed)."""
@@ -403,7 +406,11 @@ def considered(
             entry.peak_allocated_bytes = None
             entry.reason = (
                 "no batch above no fix's largest fit under it, and its replay at that "
-                "micro-batch did not run (the replays for the prescription ran out)"
+                + (
+                    f"micro-batch did not count: {best.rejected}"
+                    if best.rejected
+                    else "micro-batch did not run (the replays for the prescription ran out)"
+                )
             )
         elif list(fixes) == chosen.fixes and chosen.fits:
             entry.verdict, entry.reason = "prescribed", "the fastest that leaves the margin free"

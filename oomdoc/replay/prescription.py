@@ -426,9 +426,10 @@ def measured_choice(
             continue
         if replay.outcome in ("timeout", "error") and candidate.untimed:
             remaining.remove(candidate)  # never prescribed unmeasured
+            candidate.rejected = summarise(replay)
             rejected.append(
                 f"{' + '.join(chosen.fixes)} at batch {chosen.batch_size} x "
-                f"{chosen.accumulation_steps} accumulation steps: {summarise(replay)}"
+                f"{chosen.accumulation_steps} accumulation steps: {candidate.rejected}"
             )
             continue
         if replay.outcome in ("timeout", "error"):
@@ -452,10 +453,13 @@ def measured_choice(
             # later forwards run with the gradients alive), or for a script
             # that updates by hand its own peak and the gradients'.
             remaining.remove(candidate)
+            candidate.rejected = (
+                "its replay ended before an optimizer step and two more micro-batches, "
+                "so its peak is not known"
+            )
             rejected.append(
                 f"{' + '.join(chosen.fixes) or 'no fix'} at batch {chosen.batch_size} x "
-                f"{chosen.accumulation_steps} accumulation steps: its replay ended before an "
-                "optimizer step and two more micro-batches, so its peak is not known"
+                f"{chosen.accumulation_steps} accumulation steps: {candidate.rejected}"
             )
             continue
         if replay.fits and replay.peak_allocated_bytes is not None:
