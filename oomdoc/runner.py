@@ -611,5 +611,5 @@ def replays_failed(exc: Exception, artifact_dir: Path, stderr: TextIO) -> str:
     except OSError:
         kept = ""
     text = f"The replays stopped on an error of oomdoc's own ({type(exc).__name__}: {exc}){kept}"
-    print(f"oomdoc: {text}", file=stderr)
+    print(f"oomdoc: {text[0].lower()}{text[1:]}", file=stderr)
     return text + ". The failing run's diagnosis stands; no fix was measured."

@@ -462,5 +462,5 @@ def test_replays_that_fail_on_oomdoc_s_own_error_keep_the_failing_run(
     logged = tmp_path / "mlp.files" / "replay-error.txt"
     assert 'raise KeyError("a fault of oomdoc\'s")' in logged.read_text()
     err = capsys.readouterr().err
-    assert "oomdoc: The replays stopped on an error of oomdoc's own (KeyError" in err
+    assert "oomdoc: the replays stopped on an error of oomdoc's own (KeyError" in err
     assert "What filled" in err  # the report is printed
