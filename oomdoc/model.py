@@ -25,7 +25,13 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from oomdoc.categories import CATEGORIES  # noqa: F401  (oomdoc.model's API)
-from oomdoc.model_data import Certificate, DataLoaderRecord, FirstBatch, FlagsCheck  # noqa: F401
+from oomdoc.model_data import (  # noqa: F401
+    Certificate,
+    DataLoaderRecord,
+    FilesWritten,
+    FirstBatch,
+    FlagsCheck,
+)
 from oomdoc.model_oom import UncalledModel, WeightCopy  # noqa: F401
 from oomdoc.records import parse, to_dict, when_set  # noqa: F401  (oomdoc.model's API)
 
@@ -689,6 +695,7 @@ class Snapshot:
     parallel: Optional[Parallel] = when_set()
     # A replay: its DataLoaders, longest batches first (oomdoc.capture.whole_run).
     data_loaders: List[DataLoaderRecord] = when_set(factory=list)
+    files_written: Optional[FilesWritten] = when_set()  # a replay's: capture.replay_writes
     prescription: Optional[Prescription] = None
     # A distributed job: one entry per rank; the top-level fields are the
     # primary rank's (the first to run out of memory).

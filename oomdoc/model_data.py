@@ -159,3 +159,13 @@ class FlagsCheck:
     def settings(self) -> list[str]:
         """The environment as `NAME=value` words, to go before the command."""
         return [f"{key}={value}" for key, value in sorted((self.env or {}).items())]
+
+
+@dataclass
+class FilesWritten:
+    """The files a replay opened to write (oomdoc.capture.replay_writes):
+    what running the script again did besides the measurement."""
+
+    paths: List[str] = field(default_factory=list)  # absolute, the first ones
+    count: int = 0  # all of them
+    extra: Dict[str, Any] = field(default_factory=dict)

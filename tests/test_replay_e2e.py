@@ -9,6 +9,8 @@ written into the script by hand (its --autocast and --checkpointing flags).
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from conftest import SCRIPTS, load_json, run_oomdoc
 
@@ -281,3 +283,48 @@ def test_replays_side_by_side_measure_what_one_at_a_time_measures(replayed, tmp_
     # Numbered as they start: the batch search's first probe first.
     first_batch = parallel["replay"]["batch_search"]["trials"][0][0]
     assert f"oomdoc: replay 1: smaller_batch (--batch-size {first_batch})" in result.stderr
+
+
+def test_the_files_the_replays_write_are_named(tmp_path):
+    """A script that writes as it trains writes in every replay too (its
+    log, its checkpoints): the report names what the replays wrote, and
+    leaves out oomdoc's own files and the bytecode cache."""
+    snapshot = tmp_path / "logged.json"
+    result = run_oomdoc(
+        ["run", "--device", "cpu", "--device-memory", CAPACITY, "--fixes", "smaller_batch"]
+        + ["-o", snapshot, MLP, "--batch-size", "2048", "--log", "train.log"],
+        cwd=tmp_path,
+    )
+    assert result.returncode == 1, result.stderr[-3000:]
+    document = load_json(snapshot)
+    assert document["files_written"] is None  # the failing run is the user's own run
+    (note,) = [note for note in document["notes"] if note.startswith("The replays wrote")]
+    assert note.startswith(
+        "The replays wrote this file, as the script does when it runs: train.log."
+    )
+    assert "OOMDOC_REPLAY=1" in note
+    assert "The replays wrote this file" in result.stderr
+
+
+def test_a_replay_s_files_written_leave_out_oomdoc_s_and_scratch_files(tmp_path):
+    from oomdoc.capture.replay_writes import WrittenFiles
+
+    written = WrittenFiles([str(tmp_path / "run.files")])
+    written._cwd = str(tmp_path)
+    for path, mode, flags in [
+        ("ckpt.pt", "wb", 0),
+        ("data.txt", "r", 0),  # read: not written
+        ("ckpt.pt", "ab", 0),  # once
+        (str(tmp_path / "run.files" / "x.pickle"), "wb", 0),  # oomdoc's own
+        (str(tmp_path / "pkg" / "__pycache__" / "m.pyc"), "wb", 0),
+        ("/proc/self/status", "w", 0),
+        (b"raw.bin", None, os.O_WRONLY | os.O_CREAT),  # os.open
+        (5, "wb", 0),  # a file descriptor
+        (os.path.expanduser("~/.cache/torch/kernels.bin"), "wb", 0),
+    ]:
+        written.hook("open", (path, mode, flags))
+    written.hook("exec", (None,))
+    assert written.fields() == {
+        "paths": [str(tmp_path / "ckpt.pt"), str(tmp_path / "raw.bin")],
+        "count": 2,
+    }

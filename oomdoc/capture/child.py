@@ -40,6 +40,7 @@ from oomdoc.capture import (
     quick_exit,
     quick_init,
     relaunch,
+    replay_writes,
     shared_memory,
     spawned,
 )
@@ -141,7 +142,8 @@ def resolve_device(requested: str) -> str:
 
 def tracker_for(config: ChildConfig, backend: Backend) -> Tracker:
     """The tracker a run's configuration asks for (the script's process and
-    each rank it spawns alike)."""
+    each rank it spawns alike); a replay's files written are watched from here."""
+    replay_writes.watch([os.path.dirname(config.result_path), config.artifact_dir])
     return Tracker(
         backend,
         max_steps=config.max_steps,
@@ -720,16 +722,14 @@ def write_capture(
         # Steps closed but not kept (oomdoc.capture.step_records).
         "steps_omitted": max(0, tracker.step_index - len(steps)),
         "top_allocations": top,
-        # Bytes per module and category where the breakdown was taken
-        # (oomdoc.capture.modules; docs/snapshot.md).
+        # Bytes per module and category where the breakdown was taken (oomdoc.capture.modules).
         "modules": modules,
         "allocator": allocator,
         "optimizers": sorted(tracker.optimizer_classes),
         "models": tracker.models,
         "artifacts": extra,
         "capture_stats": tracker.capture_stats(),
-        # Heavy installed packages the script imported: the replays' warm
-        # children import them ahead (oomdoc.capture.imports).
+        # Heavy packages the script imported: warm children import them (oomdoc.capture.imports).
         "imported_packages": tracker.imported_packages,
         # DataLoaders whose batch size the smaller-batch fix could change; their workers.
         "dataloader_batch_sizes": tracker.dataloader_batch_sizes,
@@ -749,9 +749,9 @@ def write_capture(
     if whole_run is not None:
         # How a replay ordered and cut its DataLoaders (oomdoc.capture.whole_run).
         capture["data_loaders"] = whole_run.fields()
-    if config.fix:
-        # What the replayed fix actually changed (see Fix.apply in oomdoc.fixes).
+    if config.fix:  # what the replayed fix changed (Fix.apply)
         capture["fix_applied"] = getattr(tracker, "fix_applied", None)
+    capture["files_written"] = replay_writes.fields()
     write_atomic(config.result_path, dumps(capture), overwrite=True)
 
 

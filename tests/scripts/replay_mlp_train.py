@@ -79,6 +79,7 @@ def main():
     )
     parser.add_argument("--checkpointing", action="store_true", help="checkpoint each MLP block")
     parser.add_argument("--save", default=None, help="save the model here (skipped in replays)")
+    parser.add_argument("--log", default=None, help="append each step's loss here (replays too)")
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -101,6 +102,9 @@ def main():
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         print(f"step {step}: loss {loss.item():.4f}", flush=True)
+        if args.log:
+            with open(args.log, "a") as log:
+                log.write(f"step {step}: loss {loss.item():.4f}\n")
 
     if args.save and not os.environ.get("OOMDOC_REPLAY"):
         torch.save(model.state_dict(), args.save)

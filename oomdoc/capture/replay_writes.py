@@ -1,0 +1,97 @@
+"""The files a replay of the user's script writes.
+
+A replay runs the script again (oomdoc.replay), so whatever the script writes
+as it trains, a replay writes too, where the user's own run, stopped by its
+OOM, may not have got to: pytorch/examples' DCGAN saves `netG_epoch_0.pth`
+and its sample images into `--outf` at each epoch's end, and each replay of
+its batch of 1000 out of 1000 fake images reaches one. The report names
+them (the README says to guard such writes with `OOMDOC_REPLAY`).
+
+Seen through Python's audit hook for `open` (builtins.open, io.open,
+os.open: torch.save, PIL, numpy and pathlib all open through them), in
+write, append, create or update mode; not files written by native code
+that opens them itself (safetensors). Nothing the script does changes: the
+hook only records, and it never raises. oomdoc's own files, the bytecode
+cache, the temporary folder outside the script's working directory and
+the caches under the home folder are left out.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from typing import Any
+
+# At most this many paths are kept (the count goes on).
+KEPT = 50
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
+
+
+class WrittenFiles:
+    """The paths a replay opened to write, in the order first opened."""
+
+    def __init__(self, left_out: list[str]) -> None:
+        self.paths: list[str] = []
+        self.count = 0
+        self.active = True
+        self._seen: set[str] = set()
+        self._cwd = os.getcwd()
+        self._left_out = tuple(os.path.join(os.path.abspath(p), "") for p in left_out if p)
+
+    def fields(self) -> dict[str, Any]:
+        return {"paths": list(self.paths), "count": self.count}
+
+    def hook(self, event: str, args: tuple) -> None:
+        if event != "open" or not self.active:
+            return
+        try:
+            self._opened(*args[:3])
+        except Exception:  # an audit hook must never change what the script sees
+            pass
+
+    def _opened(self, path: Any, mode: Any, flags: Any) -> None:
+        if isinstance(mode, str):
+            writes = any(letter in mode for letter in "wax+")
+        else:
+            writes = isinstance(flags, int) and bool(flags & _WRITE_FLAGS)
+        if not writes or isinstance(path, int):
+            return
+        path = os.fsdecode(path)
+        full = os.path.abspath(os.path.join(self._cwd, path))
+        if full in self._seen or not self.kept(full):
+            return
+        self._seen.add(full)
+        self.count += 1
+        if len(self.paths) < KEPT:
+            self.paths.append(full)
+
+    def kept(self, full: str) -> bool:
+        """Whether a path is the user's, not oomdoc's or a scratch or cache file."""
+        if "__pycache__" in full.split(os.sep) or full.startswith(self._left_out):
+            return False
+        if full.startswith(os.path.join(self._cwd, "")):
+            return True
+        scratch = [tempfile.gettempdir(), "/dev", "/proc", "/sys"]
+        home = os.path.expanduser("~")
+        scratch += [os.path.join(home, name) for name in (".cache", ".triton", ".nv", ".config")]
+        return not full.startswith(tuple(os.path.join(place, "") for place in scratch))
+
+
+_WATCHING: list[WrittenFiles] = []  # this process's, once watched
+
+
+def watch(left_out: list[str | None]) -> None:
+    """In a replay (OOMDOC_REPLAY=1), record the files it writes from now
+    on, except under `left_out` (oomdoc's own folders). Once per process:
+    an audit hook cannot be removed."""
+    if os.environ.get("OOMDOC_REPLAY") != "1" or _WATCHING:
+        return
+    written = WrittenFiles([place for place in left_out if place])
+    _WATCHING.append(written)
+    sys.addaudithook(written.hook)
+
+
+def fields() -> dict[str, Any] | None:
+    """The capture's `files_written`: None where nothing was watched."""
+    return _WATCHING[0].fields() if _WATCHING else None
