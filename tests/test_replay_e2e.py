@@ -306,11 +306,11 @@ def test_the_files_the_replays_write_are_named(tmp_path):
     assert "The replays wrote this file" in result.stderr
 
 
-def test_a_replay_s_files_written_leave_out_oomdoc_s_and_scratch_files(tmp_path):
+def test_a_replay_s_files_written_leave_out_oomdoc_s_and_scratch_files(tmp_path, monkeypatch):
     from oomdoc.capture.replay_writes import WrittenFiles
 
+    monkeypatch.chdir(tmp_path)
     written = WrittenFiles([str(tmp_path / "run.files")])
-    written._cwd = str(tmp_path)
     for path, mode, flags in [
         ("ckpt.pt", "wb", 0),
         ("data.txt", "r", 0),  # read: not written

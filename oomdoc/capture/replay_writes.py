@@ -34,7 +34,6 @@ class WrittenFiles:
     def __init__(self, left_out: list[str]) -> None:
         self.paths: list[str] = []
         self.count = 0
-        self.active = True
         self._seen: set[str] = set()
         self._cwd = os.getcwd()
         self._left_out = tuple(os.path.join(os.path.abspath(p), "") for p in left_out if p)
@@ -43,7 +42,7 @@ class WrittenFiles:
         return {"paths": list(self.paths), "count": self.count}
 
     def hook(self, event: str, args: tuple) -> None:
-        if event != "open" or not self.active:
+        if event != "open":
             return
         try:
             self._opened(*args[:3])
@@ -57,8 +56,7 @@ class WrittenFiles:
             writes = isinstance(flags, int) and bool(flags & _WRITE_FLAGS)
         if not writes or isinstance(path, int):
             return
-        path = os.fsdecode(path)
-        full = os.path.abspath(os.path.join(self._cwd, path))
+        full = os.path.abspath(os.fsdecode(path))  # from where the script is now
         if full in self._seen or not self.kept(full):
             return
         self._seen.add(full)
@@ -67,7 +65,8 @@ class WrittenFiles:
             self.paths.append(full)
 
     def kept(self, full: str) -> bool:
-        """Whether a path is the user's, not oomdoc's or a scratch or cache file."""
+        """Whether a path is the user's, not oomdoc's or a scratch or cache
+        file (the script's working directory: where it started)."""
         if "__pycache__" in full.split(os.sep) or full.startswith(self._left_out):
             return False
         if full.startswith(os.path.join(self._cwd, "")):

@@ -626,8 +626,8 @@ def files_written_note(snapshot: Snapshot, replayer: Replayer) -> Optional[str]:
         named += " and more"
     return (
         f"The replays wrote {'these files' if len(shown) > 1 else 'this file'}, as the script "
-        f"does when it runs: {named}. Each replay runs the script again with OOMDOC_REPLAY=1 "
-        "set: skip such writes when it is, or keep what they would overwrite."
+        f"does when it runs: {named}. Each replay runs the script again, with OOMDOC_REPLAY=1 "
+        "set: skip such writes when it is set, or keep a copy of what they overwrite."
     )
 
 
