@@ -10,9 +10,11 @@ written into the script by hand (its --autocast and --checkpointing flags).
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
-from conftest import SCRIPTS, load_json, run_oomdoc
+from conftest import SCRIPTS, load_json, oomdoc_env, run_oomdoc
 
 MLP = SCRIPTS / "replay_mlp_train.py"
 CAPACITY = "40MiB"
@@ -328,3 +330,29 @@ def test_a_replay_s_files_written_leave_out_oomdoc_s_and_scratch_files(tmp_path,
         "paths": [str(tmp_path / "ckpt.pt"), str(tmp_path / "raw.bin")],
         "count": 2,
     }
+
+
+def test_watching_a_replay_s_writes_never_waits_on_what_opened_the_file(tmp_path):
+    """The first tempfile.gettempdir() opens a file to test the folder while
+    it holds a lock: a hook that asked for the folder there waited on that
+    lock for good, and every replay whose script made a DataLoader hung."""
+    script = (
+        "import os, tempfile\n"
+        "from oomdoc.capture import replay_writes\n"
+        "tempfile.tempdir = None\n"  # as in a fresh process: not yet worked out
+        "replay_writes.watch([])\n"
+        "tempfile.tempdir = None\n"
+        "print(tempfile.gettempdir())\n"
+        "open('written.txt', 'w').close()\n"
+        "print(replay_writes.fields()['paths'])\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=tmp_path,
+        env=oomdoc_env({"OOMDOC_REPLAY": "1"}),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert str(tmp_path / "written.txt") in result.stdout

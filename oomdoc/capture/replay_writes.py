@@ -11,7 +11,7 @@ Seen through Python's audit hook for `open` (builtins.open, io.open,
 os.open: torch.save, PIL, numpy and pathlib all open through them), in
 write, append, create or update mode; not files written by native code
 that opens them itself (safetensors). Nothing the script does changes: the
-hook only records, and it never raises. oomdoc's own files, the bytecode
+hook only records, never raises, and calls nothing that takes a lock. oomdoc's own files, the bytecode
 cache, the temporary folder outside the script's working directory and
 the caches under the home folder are left out.
 """
@@ -35,19 +35,30 @@ class WrittenFiles:
         self.paths: list[str] = []
         self.count = 0
         self._seen: set[str] = set()
-        self._cwd = os.getcwd()
+        self._cwd = os.path.join(os.getcwd(), "")
         self._left_out = tuple(os.path.join(os.path.abspath(p), "") for p in left_out if p)
+        # Worked out now, never inside the hook: the first tempfile.gettempdir()
+        # opens a file to test the folder while it holds a lock, and the hook
+        # asking for it there waited on that lock for good (a replay hung).
+        home = os.path.expanduser("~")
+        scratch = [tempfile.gettempdir(), "/dev", "/proc", "/sys"]
+        scratch += [os.path.join(home, name) for name in (".cache", ".triton", ".nv", ".config")]
+        self._scratch = tuple(os.path.join(place, "") for place in scratch)
+        self._inside = False
 
     def fields(self) -> dict[str, Any]:
         return {"paths": list(self.paths), "count": self.count}
 
     def hook(self, event: str, args: tuple) -> None:
-        if event != "open":
+        if event != "open" or self._inside:
             return
+        self._inside = True  # what it calls may open files: not seen again
         try:
             self._opened(*args[:3])
         except Exception:  # an audit hook must never change what the script sees
             pass
+        finally:
+            self._inside = False
 
     def _opened(self, path: Any, mode: Any, flags: Any) -> None:
         if isinstance(mode, str):
@@ -69,12 +80,7 @@ class WrittenFiles:
         file (the script's working directory: where it started)."""
         if "__pycache__" in full.split(os.sep) or full.startswith(self._left_out):
             return False
-        if full.startswith(os.path.join(self._cwd, "")):
-            return True
-        scratch = [tempfile.gettempdir(), "/dev", "/proc", "/sys"]
-        home = os.path.expanduser("~")
-        scratch += [os.path.join(home, name) for name in (".cache", ".triton", ".nv", ".config")]
-        return not full.startswith(tuple(os.path.join(place, "") for place in scratch))
+        return full.startswith(self._cwd) or not full.startswith(self._scratch)
 
 
 _WATCHING: list[WrittenFiles] = []  # this process's, once watched
