@@ -22,10 +22,9 @@ from oomdoc.replay.replayer import Replay
 from oomdoc.sizes import format_bytes
 
 
-def updates_by_hand(replay: Replay) -> bool:
-    """Whether the replay's steps were backwards: no optimizer stepped, so
+def updates_by_hand(capture: Optional[Snapshot]) -> bool:
+    """Whether a replay's steps were backwards: no optimizer stepped, so
     oomdoc's accumulation held nothing back."""
-    capture = replay.capture
     return capture is not None and capture.step_unit == "backward"
 
 
@@ -34,10 +33,11 @@ def held_gradients_peak(replay: Replay) -> Optional[int]:
     peak at the micro-batch replayed: the replay's peak with the gradients
     kept alive on top (counted twice where they already were); None for
     any other script."""
-    if not updates_by_hand(replay) or replay.peak_allocated_bytes is None:
+    capture = replay.capture
+    if not updates_by_hand(capture) or replay.peak_allocated_bytes is None:
         return None
-    assert replay.capture is not None
-    peaks = replay.capture.category_peaks
+    assert capture is not None
+    peaks = capture.category_peaks
     if peaks is None:
         return None
     return replay.peak_allocated_bytes + peaks.gradients
@@ -54,7 +54,7 @@ def measured_as_prescribed(
     64 x 2 came out at 3700 samples/s where its steps ran 1850)."""
     assert replay.peak_allocated_bytes is not None
     steps = max(1, prescription.accumulation_steps)
-    per_step = 1 if updates_by_hand(replay) else steps
+    per_step = 1 if updates_by_hand(replay.capture) else steps
     return Candidate(
         list(bound.fixes),
         int(prescription.batch_size or bound.batch_size),
@@ -97,7 +97,7 @@ def claimed_peak(bound: Candidate, prescription: Prescription, replay: Replay) -
 def uncovered_note(capture: Optional[Snapshot]) -> str:
     """Why a replay with accumulation did not show the later micro-batches'
     peak, for the prescription's detail."""
-    if capture is not None and capture.step_unit == "backward":
+    if updates_by_hand(capture):
         return (
             "the script updates by hand, so its replay updated after each micro-batch: "
             "the peak claimed adds the gradients, which the accumulation keeps alive"

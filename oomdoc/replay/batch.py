@@ -166,8 +166,8 @@ class BatchModel:
     lines: dict
     start: Line | None
     points: dict  # key -> number of measured points behind its line
-    # The lines for a batch far from the runs' (fit_model(far=True)).
-    far: BatchModel | None = None
+    # The runs the lines were fitted to (need_far fits them again its way).
+    runs: list = field(default_factory=list, repr=False)
 
     def need(self, batch_size: float) -> float | None:
         if not self.lines:
@@ -182,7 +182,7 @@ class BatchModel:
         pytorch/examples' DCGAN 500 fit at 7.63 GiB and 501 ran out of memory
         needing 6.56 GiB in a later step, and those lines put batch 1000 at
         264.8 GiB."""
-        return (self.far or self).need(batch_size)
+        return fit_model(self.runs, far=True).need(batch_size) if self.runs else None
 
     def binding(self, batch_size: float):
         """The (step kind, phase) whose peak is the largest at this batch size."""
@@ -210,8 +210,7 @@ def fit_model(runs: list[BatchRun], far: bool = False) -> BatchModel:
     """Fit the per-phase lines to every run seen so far, through the two
     batches nearest the limit, and raised through an OOM's need above them;
     with `far`, through the widest span of batches measured, with an OOM's
-    need raising only a line nothing measured (BatchModel.need_far). By
-    default the model carries both."""
+    need raising only a line nothing measured (BatchModel.need_far)."""
     starts = {}
     points: dict = {}
     bounds: dict = {}
@@ -296,7 +295,7 @@ def fit_model(runs: list[BatchRun], far: bool = False) -> BatchModel:
         lines=lines,
         start=start,
         points={key: len(v) for key, v in points.items()},
-        far=None if far else fit_model(runs, far=True),
+        runs=list(runs),
     )
 
 
