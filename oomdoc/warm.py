@@ -497,4 +497,17 @@ class WarmPool:
             spare.discard()
         if self._server is not None:
             self._server.close()
-        shutil.rmtree(self.log_dir, ignore_errors=True)
+        remove_folder(self.log_dir)
+
+
+def remove_folder(path: str, attempts: int = 10, pause_s: float = 0.05) -> None:
+    """Remove `path` and what is in it, again while it is still there: a
+    replay ended just before may still write and then remove a file of its
+    own in it (its dataset sizes' temporary file, its log), and the removal
+    that met that file left the folder behind (the test suite left an empty
+    oomdoc-replays-* folder in the temporary folder every few runs)."""
+    for _ in range(attempts):
+        shutil.rmtree(path, ignore_errors=True)
+        if not os.path.exists(path):
+            return
+        time.sleep(pause_s)

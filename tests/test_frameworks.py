@@ -953,3 +953,39 @@ def test_a_configurator_script_s_defaults_are_read_from_its_file(tmp_path):
         "dataset": "openwebtext",
     }
     assert module_constants(str(tmp_path / "missing.py")) == {}
+
+
+def test_a_configuration_file_on_the_command_line_sets_the_defaults(tmp_path, monkeypatch):
+    """nanoGPT's `python train.py config/train_shakespeare_char.py
+    --batch_size=64`: the configuration file, exec'd over the globals, sets
+    `gradient_accumulation_steps = 1` where train.py says `5 * 8`. An option
+    the command line leaves alone defaults to the file's value (the own
+    flags of 2 accumulation steps were `--gradient_accumulation_steps=80`);
+    one it sets to something that is not a constant has no default."""
+    from oomdoc.capture.frameworks import FrameworkDetector
+
+    script = tmp_path / "train.py"
+    script.write_text(
+        "gradient_accumulation_steps = 5 * 8\nbatch_size = 12\nmax_iters = 600000\n"
+        "dataset = 'openwebtext'\n"
+    )
+    (tmp_path / "config").mkdir()
+    (tmp_path / "config" / "small.py").write_text(
+        "import os\ngradient_accumulation_steps = 1\ndataset = 'shakespeare_char'\n"
+        "max_iters = 5000\nmax_iters = int(os.environ.get('ITERS', 10))\nbatch_size = 64\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    detector = FrameworkDetector()
+    namespace = {
+        "__file__": str(script),
+        "gradient_accumulation_steps": 1,
+        "batch_size": 64,
+        "max_iters": 10,
+        "dataset": "shakespeare_char",
+    }
+    detector.learn_configurator(namespace, ["config/small.py", "--batch_size=32"])
+    defaults = detector.capture()["script_option_defaults"]
+    assert defaults["--gradient_accumulation_steps"] == "1"
+    assert defaults["--dataset"] == "shakespeare_char"
+    assert defaults["--batch_size"] == "64"
+    assert "--max_iters" not in defaults

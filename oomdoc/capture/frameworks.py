@@ -186,10 +186,7 @@ class FrameworkDetector:
             if _is_setting(namespace, name) and option not in self.options:
                 self.options.append(option)
                 self.option_values[option] = []
-        # The defaults as the file writes them: by now the script may have
-        # changed its globals itself (nanoGPT divides the accumulation steps
-        # by the world size).
-        for name, value in module_constants(namespace.get("__file__")).items():
+        for name, value in configurator_defaults(namespace.get("__file__"), argv).items():
             if f"--{name}" in self.options:
                 self.option_defaults.setdefault(f"--{name}", value)
 
@@ -306,28 +303,59 @@ def _plain(value: object) -> bool:
     return type(value) in (int, float, str) and len(str(value)) < 200
 
 
+def configurator_defaults(script: object, argv: list[str]) -> dict[str, str]:
+    """What each global of a configurator script holds when the command line
+    does not set it: the file's own constants, as overridden by each
+    configuration file the command line names (a positional `.py`, exec'd
+    over the globals in order; a global it sets to anything but a constant
+    has no default known). Read from the files, because by now the script
+    may have changed its globals itself (nanoGPT divides the accumulation
+    steps by the world size). nanoGPT's train.py says
+    `gradient_accumulation_steps = 5 * 8` and its
+    config/train_shakespeare_char.py says 1: taken from train.py alone, the
+    own flags of an accumulation of 2 were `--gradient_accumulation_steps=80`."""
+    defaults = module_constants(script)
+    for arg in argv:
+        if arg.startswith("-") or "=" in arg:
+            continue
+        for name, value in _module_assignments(arg):
+            if value is None:
+                defaults.pop(name, None)
+            else:
+                defaults[name] = value
+    return defaults
+
+
 def module_constants(path: object) -> dict[str, str]:
     """A script's module-level `NAME = <constant expression>` assignments
     (numbers, strings, + - * // / of them), each the first one, as text."""
+    found: dict[str, str] = {}
+    for name, value in _module_assignments(path):
+        if value is not None:
+            found.setdefault(name, value)
+    return found
+
+
+def _module_assignments(path: object) -> list[tuple[str, str | None]]:
+    """A Python file's module-level `NAME = ...` assignments in order, each
+    with its value as text where it is a constant expression, else None."""
     if not isinstance(path, str) or not path.endswith(".py"):
-        return {}
+        return []
     try:
         with open(path, encoding="utf-8") as handle:
             tree = ast.parse(handle.read())
     except (OSError, SyntaxError, ValueError):
-        return {}
-    found: dict[str, str] = {}
+        return []
+    assignments: list[tuple[str, str | None]] = []
     for node in tree.body:
         if (
             isinstance(node, ast.Assign)
             and len(node.targets) == 1
             and isinstance(node.targets[0], ast.Name)
-            and node.targets[0].id not in found
         ):
             value = _constant(node.value)
-            if value is not None:
-                found[node.targets[0].id] = str(value)
-    return found
+            assignments.append((node.targets[0].id, None if value is None else str(value)))
+    return assignments
 
 
 _OPERATORS = {
