@@ -43,6 +43,29 @@ ARGPARSE = "argparse"
 CONFIGURATOR = "configurator"
 
 
+# Sections of a nested configuration whose batch is not the training batch.
+NOT_TRAINING_SECTIONS = frozenset(
+    {"eval", "evaluation", "val", "valid", "validation", "test", "predict", "inference"}
+)
+BATCH_KEYS = ("batch_size", "train_batch_size", "micro_batch_size")
+
+
+def nested_batch_flag(option: str) -> bool:
+    """`--trainer.batch_size`: a long flag of a nested configuration (minGPT's
+    CfgNode `--trainer.batch_size=64`, jsonargparse and LightningCLI
+    `--data.batch_size`) whose last key is a batch size, outside an
+    evaluation's section. Scripts name their sections freely, so BATCH_FLAGS
+    cannot list them; such a flag counts as it is on the command line."""
+    if not option.startswith("--") or "." not in option:
+        return False
+    *sections, key = option[2:].replace("-", "_").split(".")
+    return (
+        key in BATCH_KEYS
+        and all(sections)
+        and not any(section.lower() in NOT_TRAINING_SECTIONS for section in sections)
+    )
+
+
 def listed(flags: tuple[str, ...] = BATCH_FLAGS) -> str:
     """`--a, --b or -c`: the flags as a phrase."""
     return ", ".join(flags[:-1]) + f" or {flags[-1]}" if len(flags) > 1 else "".join(flags)
@@ -81,5 +104,9 @@ def equals_only(syntax: str | None) -> bool:
 
 
 def spelled(option: str, value: object, syntax: str | None = None) -> str:
-    """`--batch_size=4` for a configurator script, else `--batch-size 4`."""
-    return f"{option}={value}" if equals_only(syntax) else f"{option} {value}"
+    """`--batch_size=4` for a configurator script or a nested key
+    (`--trainer.batch_size=4`: minGPT's CfgNode takes only that form), else
+    `--batch-size 4`."""
+    if equals_only(syntax) or (option.startswith("--") and "." in option):
+        return f"{option}={value}"
+    return f"{option} {value}"

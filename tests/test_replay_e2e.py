@@ -338,12 +338,15 @@ def test_watching_a_replay_s_writes_never_waits_on_what_opened_the_file(tmp_path
     lock for good, and every replay whose script made a DataLoader hung."""
     script = (
         "import os, tempfile\n"
+        "import torch\n"  # as in the child: imported before the watch starts
         "from oomdoc.capture import replay_writes\n"
         "tempfile.tempdir = None\n"  # as in a fresh process: not yet worked out
         "replay_writes.watch([])\n"
         "tempfile.tempdir = None\n"
         "print(tempfile.gettempdir())\n"
         "open('written.txt', 'w').close()\n"
+        "torch.save({'w': torch.zeros(2)}, 'ckpt.pt')\n"  # opened in native code
+        "assert torch.load('ckpt.pt')['w'].shape == (2,)\n"
         "print(replay_writes.fields()['paths'])\n"
     )
     result = subprocess.run(
@@ -356,3 +359,4 @@ def test_watching_a_replay_s_writes_never_waits_on_what_opened_the_file(tmp_path
     )
     assert result.returncode == 0, result.stderr
     assert str(tmp_path / "written.txt") in result.stdout
+    assert str(tmp_path / "ckpt.pt") in result.stdout

@@ -22,9 +22,9 @@ from adapters import (
 from oomdoc.capture.tracker import checkpoint_targets
 from oomdoc.errors import UsageError
 from oomdoc.replay import orchestrate, search
+from oomdoc.replay.batch_args import find_batch_arg, with_batch_size
 from oomdoc.replay.plan import check_replay_options
 from oomdoc.replay.progress import Progress
-from oomdoc.replay.search import find_batch_arg, with_batch_size
 from oomdoc.script_flags import BATCH_FLAGS, LONG_BATCH_FLAGS, batch_flags
 from oomdoc.snapshot import SnapshotError, validate
 
@@ -69,6 +69,32 @@ def test_find_batch_arg(args, flag, expected):
 def test_every_long_batch_flag_of_the_one_list_is_found(flag):
     assert find_batch_arg(["--steps", "3", flag, "8"]) == (3, flag, 8)
     assert find_batch_arg([f"{flag}=8"]) == (0, flag, 8)
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        # minGPT's CfgNode: `--section.key=value` only
+        (["--trainer.max_iters=4", "--trainer.batch_size=64"], (1, "--trainer.batch_size", 64)),
+        (["--data.train-batch-size", "32"], (1, "--data.train-batch-size", 32)),
+        (["--model.micro_batch_size=4", "--lr=1"], (0, "--model.micro_batch_size", 4)),
+        # an evaluation's batch, a key that is not a batch, a value that is not a number
+        (["--val.batch_size=8", "--eval.data.batch_size=8"], None),
+        (["--trainer.batch_sizes=8", "--trainer.batch_size=auto", "--.batch_size=2"], None),
+        (["batch_size=64"], None),  # Hydra's overrides are not flags
+    ],
+)
+def test_a_nested_configuration_s_batch_flag_is_found(args, expected):
+    from oomdoc.model import Snapshot
+    from oomdoc.replay.batch_args import find_nested_batch_arg, find_search_batch
+    from oomdoc.script_flags import spelled
+
+    assert find_nested_batch_arg(args) == expected
+    if expected is not None:
+        # The search finds it when no known flag is there, and writes it as it was given.
+        snapshot = Snapshot.from_dict({"command": ["train.py", *args]})
+        assert find_search_batch(args, None, snapshot) == expected
+        assert spelled(expected[1], 3) == f"{expected[1]}=3"
 
 
 def test_one_list_of_batch_flags_for_the_search_the_units_and_the_help():

@@ -8,9 +8,11 @@ its batch of 1000 out of 1000 fake images reaches one. The report names
 them (the README says to guard such writes with `OOMDOC_REPLAY`).
 
 Seen through Python's audit hook for `open` (builtins.open, io.open,
-os.open: torch.save, PIL, numpy and pathlib all open through them), in
-write, append, create or update mode; not files written by native code
-that opens them itself (safetensors). Nothing the script does changes: the
+os.open: PIL, numpy and pathlib all open through them), in write, append,
+create or update mode, and at torch.save's zip writer, which opens an
+ASCII-named file in native code (`_open_zipfile_writer_file`; unseen by the
+hook, pytorch/examples' DCGAN's `netG_epoch_0.pth` and minGPT's `model.pt`
+went unnamed); not files other native code opens itself (safetensors). Nothing the script does changes: the
 hook only records, never raises, and calls nothing that takes a lock. oomdoc's own files, the bytecode
 cache, the temporary folder outside the script's working directory and
 the caches under the home folder are left out.
@@ -95,6 +97,23 @@ def watch(left_out: list[str | None]) -> None:
     written = WrittenFiles([place for place in left_out if place])
     _WATCHING.append(written)
     sys.addaudithook(written.hook)
+    _watch_torch_save(written)
+
+
+def _watch_torch_save(written: WrittenFiles) -> None:
+    """torch.save's file writer opens its file in native code: its path is
+    recorded as the hook records an open, and it goes on as it would."""
+    serialization = sys.modules.get("torch.serialization")
+    writer = getattr(serialization, "_open_zipfile_writer_file", None)
+    original = getattr(writer, "__init__", None)
+    if writer is None or original is None:
+        return
+
+    def __init__(self: Any, name: Any, *args: Any, **kwargs: Any) -> None:
+        written.hook("open", (name, "wb", 0))
+        original(self, name, *args, **kwargs)
+
+    writer.__init__ = __init__
 
 
 def fields() -> dict[str, Any] | None:

@@ -56,12 +56,12 @@ from oomdoc.fixes import Fix, fix_named
 from oomdoc.model import Snapshot
 from oomdoc.replay import batch as batch_model
 from oomdoc.replay import limit_estimate
+from oomdoc.replay.batch_args import find_search_batch
 from oomdoc.replay.lanes import Job
 from oomdoc.replay.plan import ReplayState
 from oomdoc.replay.replayer import Replay, Replayer, replay_key
 from oomdoc.replay.search import (
     by_flag,
-    find_search_batch,
     first_saver_trial,
     saver_search,
     saver_trial,
