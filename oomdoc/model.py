@@ -31,6 +31,7 @@ from oomdoc.model_data import (  # noqa: F401
     FilesWritten,
     FirstBatch,
     FlagsCheck,
+    Framework,
 )
 from oomdoc.model_oom import UncalledModel, WeightCopy  # noqa: F401
 from oomdoc.records import parse, to_dict, when_set  # noqa: F401  (oomdoc.model's API)
@@ -434,22 +435,6 @@ class ModuleUsage:
     class_name: str = field(default="?", metadata={"key": "class"})
     blocks: int = 1
     bytes: Breakdown = field(default_factory=Breakdown)
-    extra: Dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class Framework:
-    """The training framework the run used: `transformers`, `lightning`,
-    `accelerate` or `plain` (a loop of the user's own)."""
-
-    name: str = "plain"
-    version: Optional[str] = None
-    entry: Optional[str] = None  # Trainer, Fabric, Accelerator...
-    # The import name the evidence came from (`transformers`, `lightning`,
-    # `pytorch_lightning`, `lightning_fabric`, `accelerate`), and when it
-    # was first seen (`forward`, `backward`, `optimizer_step`, `oom`).
-    module: Optional[str] = when_set()
-    seen_at: Optional[str] = when_set()
     extra: Dict[str, Any] = field(default_factory=dict)
 
 

@@ -6,7 +6,8 @@ script's own evaluation (oomdoc.capture.whole_run); what it did is a
 `DataLoaderRecord` each. The prescription's `Certificate` says what its
 measurement covers: the longest input, the evaluation batch, the optimizer
 steps, the ranks, and the margin measured from the allocator's drift; the
-prescription's own-flags replay is a `FlagsCheck`. Part of oomdoc.model
+prescription's own-flags replay is a `FlagsCheck`; the `Framework` the run
+went through, with the autocast its training forward ran under. Part of oomdoc.model
 (which imports them): parsed the same way, by field.
 """
 
@@ -168,4 +169,23 @@ class FilesWritten:
 
     paths: List[str] = field(default_factory=list)  # absolute, the first ones
     count: int = 0  # all of them
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Framework:
+    """The training framework the run used: `transformers`, `lightning`,
+    `accelerate` or `plain` (a loop of the user's own)."""
+
+    name: str = "plain"
+    version: Optional[str] = None
+    entry: Optional[str] = None  # Trainer, Fabric, Accelerator...
+    # The import name the evidence came from (`transformers`, `lightning`,
+    # `pytorch_lightning`, `lightning_fabric`, `accelerate`), and when it
+    # was first seen (`forward`, `backward`, `optimizer_step`, `oom`).
+    module: Optional[str] = when_set()
+    seen_at: Optional[str] = when_set()
+    # Device type -> dtype of the autocast the first training model call ran
+    # under ({} none; None not known: an older snapshot, no training call).
+    autocast: Optional[Dict[str, str]] = when_set()
     extra: Dict[str, Any] = field(default_factory=dict)

@@ -299,6 +299,7 @@ def test_the_files_the_replays_write_are_named(tmp_path):
     )
     assert result.returncode == 1, result.stderr[-3000:]
     document = load_json(snapshot)
+    assert document["framework"]["autocast"] == {}  # its forward ran without autocast
     assert document["files_written"] is None  # the failing run is the user's own run
     (note,) = [note for note in document["notes"] if note.startswith("The replays wrote")]
     assert note.startswith(
@@ -306,6 +307,32 @@ def test_the_files_the_replays_write_are_named(tmp_path):
     )
     assert "OOMDOC_REPLAY=1" in note
     assert "The replays wrote this file" in result.stderr
+
+
+def test_a_script_that_autocasts_already_gets_no_autocast_replay(tmp_path):
+    """nanoGPT runs its forward under bf16 autocast by default: oomdoc's
+    autocast fix changes nothing there, and its replays (5 of 15 on the
+    H200) were spent finding that out. The failing run says so; the
+    diagnosis no longer offers autocast."""
+    snapshot = tmp_path / "autocast.json"
+    result = run_oomdoc(
+        ["run", "--device", "cpu", "--device-memory", "22MiB", "--fixes", "autocast,checkpointing"]
+        + ["-o", snapshot, MLP, "--batch-size", "2048", "--autocast"],
+        cwd=tmp_path,
+    )
+    assert result.returncode == 1, result.stderr[-3000:]
+    document = load_json(snapshot)
+    assert document["framework"]["autocast"] == {"cpu": "bfloat16"}
+    labels = [run["label"] for run in document["replay"]["runs"]]
+    assert not any(label.startswith("autocast") for label in labels), labels
+    assert "checkpointing" in labels
+    assert (
+        "not tried: autocast: the script already runs its forward pass under bfloat16 autocast"
+        in result.stderr
+    )
+    (activations,) = [line for line in result.stderr.splitlines() if "1. activations:" in line]
+    assert activations.endswith("(the forward already runs under autocast)"), activations
+    assert "     fixes: checkpointing, smaller_batch\n" in result.stderr
 
 
 def test_a_replay_s_files_written_leave_out_oomdoc_s_and_scratch_files(tmp_path, monkeypatch):

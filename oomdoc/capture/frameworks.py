@@ -78,6 +78,8 @@ class FrameworkDetector:
         self.syntax: str | None = None  # `argparse` or `configurator`
         self.dataclasses: dict[str, list[str]] = {}
         self._seen: set[str] = set()
+        # The autocast the first training model call ran under (autocast_in_effect).
+        self.autocast: dict[str, str] | None = None
         self._parsers: set[int] = set()
         self._restore: list = []
         self._tracker = None
@@ -192,6 +194,8 @@ class FrameworkDetector:
 
     # ------------------------------------------------------------ evidence
     def _on_forward(self, module) -> None:
+        if self.autocast is None and getattr(module, "training", False):
+            self.autocast = autocast_in_effect()
         if self.done or "forward" in self._seen:
             return
         self._seen.add("forward")
@@ -288,6 +292,8 @@ class FrameworkDetector:
         found = self.found or {"name": "plain", "entry": None, "module": None, "seen_at": None}
         framework = dict(found)
         framework["version"] = _version_of(found["name"], found.get("module"))
+        if self.autocast is not None:
+            framework["autocast"] = dict(self.autocast)
         return {
             "framework": framework,
             "script_options": list(self.options),
@@ -301,6 +307,26 @@ class FrameworkDetector:
 
 def _plain(value: object) -> bool:
     return type(value) in (int, float, str) and len(str(value)) < 200
+
+
+def autocast_in_effect() -> dict[str, str]:
+    """The device types autocast is on for right now, each to its dtype
+    (`{"cuda": "bfloat16"}`): read at the first training model call, where
+    oomdoc's autocast fix would enter it. nanoGPT runs its forward under
+    `torch.amp.autocast` by default, Lightning under `--precision
+    bf16-mixed`, the HF `Trainer` under `--bf16`: the fix changes nothing
+    there, and its replays were spent finding that out."""
+    import torch
+
+    found: dict[str, str] = {}
+    for device_type in ("cuda", "cpu"):
+        try:
+            if torch.is_autocast_enabled(device_type):
+                dtype = torch.get_autocast_dtype(device_type)
+                found[device_type] = str(dtype).replace("torch.", "")
+        except (AttributeError, RuntimeError, TypeError):
+            pass  # an older torch without the device-type forms
+    return found
 
 
 def configurator_defaults(script: object, argv: list[str]) -> dict[str, str]:

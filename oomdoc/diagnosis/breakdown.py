@@ -7,9 +7,16 @@ from oomdoc.categories import BY_NAME
 from oomdoc.diagnosis import model_load
 from oomdoc.diagnosis.base import TIER_BREAKDOWN, Diagnosis
 from oomdoc.fixes import FIXES
+from oomdoc.fixes.autocast import running_autocast
 from oomdoc.formatting import format_location, percent, tensor_description
 from oomdoc.model import CATEGORIES, Snapshot
 from oomdoc.sizes import format_bytes
+
+# Where the forward already runs under autocast, the fix left for activations.
+AUTOCAST_ACTIVATIONS_ADVICE = (
+    "activation checkpointing of the repeated blocks, or a smaller batch with gradient "
+    "accumulation (the forward already runs under autocast)"
+)
 
 # A category is diagnosed when it holds at least this share of the memory in
 # use (the largest category always is).
@@ -60,6 +67,8 @@ def rule(snapshot: Snapshot) -> list[Diagnosis]:
         name, advice = entry.title, entry.advice
         if category == "activations" and in_evaluation:
             advice = EVALUATION_ACTIVATIONS_ADVICE
+        elif category == "activations" and running_autocast(snapshot):
+            advice = AUTOCAST_ACTIVATIONS_ADVICE
         oom = snapshot.oom
         if category == "other" and oom is not None and (oom.uncalled_models or oom.weight_copies):
             named = LOADING_ADVICE if model_load.loading(snapshot) else UNCALLED_MODELS_ADVICE
@@ -74,6 +83,7 @@ def rule(snapshot: Snapshot) -> list[Diagnosis]:
             if category in fix.addresses
             and fix.applies_to(snapshot)
             and (fix.helps_in_evaluation or not in_evaluation)
+            and not (fix.name == "autocast" and running_autocast(snapshot))
         ]
         found.append(
             Diagnosis(

@@ -12,6 +12,14 @@ ACTIVATION_SAVING = 0.4  # matmul/conv outputs halve; norms, softmax, losses sta
 WEIGHT_COPY = 0.5  # autocast caches a 16-bit copy of each fp32 weight it uses
 
 
+def running_autocast(snapshot: Snapshot) -> Optional[str]:
+    """The dtype of the autocast the script's training forward already ran
+    under on the snapshot's device, or None (none, or not known)."""
+    framework = snapshot.framework
+    autocast = framework.autocast if framework is not None else None
+    return (autocast or {}).get("cuda" if snapshot.device.on_cuda else "cpu")
+
+
 class Autocast(Fix):
     name = "autocast"
     title = "Mixed precision with torch.autocast"
@@ -31,6 +39,9 @@ class Autocast(Fix):
     def skip_reason(self, snapshot: Snapshot, explicit: bool) -> Optional[str]:
         if not snapshot.models:
             return "no model ran a forward pass before the OOM"
+        running = running_autocast(snapshot)
+        if running is not None:
+            return f"the script already runs its forward pass under {running} autocast"
         return None
 
     def request(self, snapshot: Snapshot) -> FixRequest:
