@@ -194,7 +194,7 @@ class FrameworkDetector:
 
     # ------------------------------------------------------------ evidence
     def _on_forward(self, module) -> None:
-        if self.autocast is None and getattr(module, "training", False):
+        if self.autocast is None and getattr(module, "training", False) and _grad_enabled():
             self.autocast = autocast_in_effect()
         if self.done or "forward" in self._seen:
             return
@@ -314,8 +314,10 @@ def autocast_in_effect() -> dict[str, str]:
     (`{"cuda": "bfloat16"}`): read at the first training model call, where
     oomdoc's autocast fix would enter it. nanoGPT runs its forward under
     `torch.amp.autocast` by default, Lightning under `--precision
-    bf16-mixed`, the HF `Trainer` under `--bf16`: the fix changes nothing
-    there, and its replays were spent finding that out."""
+    bf16-mixed`: the fix changes nothing there, and its replays were spent
+    finding that out. (accelerate, and the HF `Trainer` through it, enters
+    autocast inside the model's own forward, after this call begins: not
+    seen here, so the fix is replayed there as before.)"""
     import torch
 
     found: dict[str, str] = {}
@@ -327,6 +329,13 @@ def autocast_in_effect() -> dict[str, str]:
         except (AttributeError, RuntimeError, TypeError):
             pass  # an older torch without the device-type forms
     return found
+
+
+def _grad_enabled() -> bool:
+    """Whether this model call can train (not a validation under no_grad)."""
+    import torch
+
+    return torch.is_grad_enabled()
 
 
 def configurator_defaults(script: object, argv: list[str]) -> dict[str, str]:
