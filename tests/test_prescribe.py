@@ -389,6 +389,20 @@ def test_a_configuration_over_the_margin_is_listed_at_the_plan_it_would_have():
     assert (over.batch_size, over.accumulation_steps) == (8, 8)
 
 
+def test_a_saver_that_never_fit_is_not_said_to_have_run_over_the_margin():
+    """karpathy/makemore at -b 1024: autocast ran only at 1024 and ran out of
+    memory; its candidate at no fix's micro-batch, taken to need no fix's
+    peak, was listed as "every batch it ran left the safety margin short"."""
+    plain = Candidate([], 516, 99 * MiB, 516 / 500.0, "b516")
+    autocast = Candidate(["autocast"], 512, 99 * MiB, None, "a", untimed=True)
+    chosen = Prescription(fixes=[], batch_size=256, accumulation_steps=4, fits=True)
+    chosen.samples_per_second = 515.0
+    entries = considered([(), ("autocast",)], [plain, autocast], chosen, {}, 1024, 95 * MiB, True)
+    over = next(entry for entry in entries if entry.fixes == ["autocast"])
+    assert over.verdict == "over_margin" and not over.measured
+    assert over.reason.startswith("not measured: no batch it ran fit"), over.reason
+
+
 def test_throughputs_within_the_timing_noise_prefer_fewer_changes():
     one = Candidate(["checkpointing"], 16, 60 * MiB, 16 / 40.0, "c", exact=True, step_noise=0.03)
     two = Candidate(["autocast", "checkpointing"], 16, 50 * MiB, 16 / 41.0, "ac", exact=True)

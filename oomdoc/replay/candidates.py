@@ -376,10 +376,15 @@ def considered(
                 entry.batch_size, entry.accumulation_steps = planned_micro(
                     lowest, original, accumulates
                 )
-                entry.measured = True
+                entry.measured = not all(candidate.untimed for candidate in own)
                 entry.reason = (
                     "every batch it ran left the safety margin short "
                     "(a smaller micro-batch with more accumulation steps was not measured)"
+                    if entry.measured
+                    # untimed_savers: it ran no batch that fit, and is taken to need
+                    # what no fix needed at the micro-batch no fix's largest batch gives
+                    else f"not measured: no batch it ran fit, and at batch {entry.batch_size}, "
+                    "taken to need no more than no fix did, it would leave the safety margin short"
                 )
             else:
                 entry.verdict = "not_measured" if fixes in not_searched else "does_not_fit"
