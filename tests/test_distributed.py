@@ -619,6 +619,25 @@ def test_a_sigterm_while_the_peer_s_death_is_raised_still_names_the_collective()
     assert stopped_elsewhere.waiting_at["collective"] is None  # where it was, no collective
 
 
+def test_a_collective_noted_without_the_script_s_line_is_filled_in():
+    """Once in the clean-clone CI the waiting rank's first look caught a
+    stack outside the script's frames: it named the all_reduce but no line,
+    and that first note stood. A later look that finds the script's line
+    fills it in, keeping the collective; one without a line changes nothing."""
+    from oomdoc.capture.parallel import ParallelCapture
+
+    capture = ParallelCapture(ChildConfig(target="train.py", result_path="capture.json"))
+    bare = {"file": None, "line": None, "function": None, "collective": "all_reduce"}
+    capture._note_waiting(bare)
+    capture._note_waiting({**bare, "collective": "broadcast"})
+    assert capture.waiting_at == bare
+    located = {"file": "/w/train.py", "line": 42, "function": "main", "collective": None}
+    capture._note_waiting(located)
+    assert capture.waiting_at == {**located, "collective": "all_reduce"}
+    capture._note_waiting({"file": "/w/other.py", "line": 1, "function": "f", "collective": "x"})
+    assert capture.waiting_at["file"] == "/w/train.py"  # the first with a line stands
+
+
 def test_ddp_gradient_buckets_are_communication_not_gradients_or_activations(tmp_path):
     """Issue 26, item 14 and issue 25, item 3: DDP's reducer builds flat
     gradient buckets when DDP is made and again at the first forward after

@@ -293,7 +293,7 @@ class FrameworkDetector:
         framework = dict(found)
         framework["version"] = _version_of(found["name"], found.get("module"))
         if self.autocast is not None:
-            framework["autocast"] = dict(self.autocast)
+            framework.update(autocast=dict(self.autocast))
         return {
             "framework": framework,
             "script_options": list(self.options),

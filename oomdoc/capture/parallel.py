@@ -242,10 +242,20 @@ class ParallelCapture:
 
     def _note_waiting(self, location: dict | None) -> None:
         """Where the main thread was stopped: the first place found wins, and
-        the watcher thread and the main thread may both look, concurrently."""
+        the watcher thread and the main thread may both look, concurrently;
+        except that a place in the script's own code fills in a first one
+        that had only the collective (a stack caught outside the script's
+        frames: once in the clean-clone CI, rank 1 was "waiting in
+        all_reduce" at no line)."""
         with self._waiting_lock:
-            if self.waiting_at is None and location is not None:
+            current = self.waiting_at
+            if location is None:
+                return
+            if current is None:
                 self.waiting_at = location
+            elif current.get("file") is None and location.get("file") is not None:
+                collective = location.get("collective") or current.get("collective")
+                self.waiting_at = {**location, "collective": collective}
 
     def note_failure(self, failure: BaseException) -> None:
         """Where the exception that ended the script stopped it: the
@@ -253,7 +263,7 @@ class ParallelCapture:
         (a SIGTERM from the launcher often lands while a peer's death is
         being raised, or as the script ends: that Terminated then has no
         frame of the script), else where a signal stopped it."""
-        if self.waiting_at is not None:
+        if self.waiting_at is not None and self.waiting_at.get("file") is not None:
             return
         stopped = not isinstance(failure, Exception)  # KeyboardInterrupt, SIGTERM
         first = None
@@ -262,14 +272,15 @@ class ParallelCapture:
         while exception is not None and id(exception) not in seen and len(seen) < 8:
             seen.add(id(exception))
             location = waiting_location(stack_of_exception(exception))
-            if location is not None:
-                if location.get("collective"):
-                    self._note_waiting(location)
+            if location is not None and location.get("collective"):
+                self._note_waiting(location)
+                if location.get("file") is not None:
                     return
+            elif location is not None:
                 first = first or location
             exception = exception.__cause__ or exception.__context__
-        if stopped and first is not None:
-            self._note_waiting(first)
+        if first is not None and (stopped or self.waiting_at is not None):
+            self._note_waiting(first)  # (fills in the file of a collective noted without one)
 
     def claim(self, owner: str) -> bool:
         """Only one thread writes the capture: the first to claim it."""
