@@ -335,6 +335,48 @@ def test_a_script_that_autocasts_already_gets_no_autocast_replay(tmp_path):
     assert "     fixes: checkpointing, smaller_batch\n" in result.stderr
 
 
+def test_an_oom_the_script_turns_into_an_exit_is_diagnosed_and_replayed(tmp_path):
+    """Hydra's `@hydra.main` catches every error of the job, prints it and
+    calls `sys.exit(1)`: the OOM reached oomdoc as a SystemExit, and the run
+    was reported as a script that failed, with no replay. The exit status
+    stays the script's own."""
+    snapshot = tmp_path / "exits.json"
+    result = run_oomdoc(
+        ["run", "--device", "cpu", "--device-memory", CAPACITY, "--fixes", "smaller_batch"]
+        + ["-o", snapshot, MLP, "--batch-size", "2048"],
+        cwd=tmp_path,
+        env={"MLP_EXITS_ON_ERROR": "1"},
+    )
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "Error executing job: OutOfMemoryError" in result.stderr
+    document = load_json(snapshot)
+    assert document["outcome"] == "oom" and document["exit_code"] == 1
+    assert document["oom"]["requested_bytes"] > 0
+    assert isinstance(document["max_batch_size"], int) and document["max_batch_size"] < 2048
+
+
+def test_an_oom_behind_another_error_is_still_the_oom():
+    import torch
+
+    from oomdoc.capture.backend_base import oom_behind
+
+    oom = torch.OutOfMemoryError("out of memory")
+    try:
+        try:
+            raise oom
+        except torch.OutOfMemoryError as caught:
+            raise RuntimeError("No executable batch size found, reached zero.") from caught
+    except RuntimeError as wrapped:
+        assert oom_behind(wrapped) is oom
+    try:
+        try:
+            raise ValueError("not memory")
+        except ValueError:
+            raise SystemExit(1)
+    except SystemExit as exit_:
+        assert oom_behind(exit_) is None
+
+
 def test_a_replay_s_files_written_leave_out_oomdoc_s_and_scratch_files(tmp_path, monkeypatch):
     from oomdoc.capture.replay_writes import WrittenFiles
 

@@ -83,6 +83,23 @@ class StorageTableMemo:
 OutOfMemoryError = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
 
 
+def oom_behind(failure: BaseException) -> BaseException | None:
+    """The device's OutOfMemoryError that `failure` was raised while
+    handling (or from), or None. Hydra's `@hydra.main` catches every error
+    of the job, prints it and calls `sys.exit(1)`: the OOM reached oomdoc
+    as a SystemExit, and the run was reported as a script that failed, with
+    no replays. accelerate's `find_executable_batch_size` raises a
+    RuntimeError once even batch 1 ran out of memory."""
+    seen: set[int] = set()
+    current: BaseException | None = failure
+    while current is not None and id(current) not in seen and len(seen) < 16:
+        seen.add(id(current))
+        if isinstance(current, OutOfMemoryError):
+            return current
+        current = current.__cause__ or current.__context__
+    return None
+
+
 class StorageRecord:
     """What the simulated device knows about one live storage.
 

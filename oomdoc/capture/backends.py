@@ -13,6 +13,7 @@ from oomdoc.capture.backend_base import (
     Backend,
     OutOfMemoryError,
     StorageRecord,
+    oom_behind,
     storage_key,
     storage_sites,
 )
@@ -25,6 +26,7 @@ __all__ = [
     "OutOfMemoryError",
     "SimulatedBackend",
     "StorageRecord",
+    "oom_behind",
     "storage_key",
     "storage_sites",
 ]

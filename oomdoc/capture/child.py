@@ -44,6 +44,7 @@ from oomdoc.capture import (
     shared_memory,
     spawned,
 )
+from oomdoc.capture.backend_base import oom_behind
 from oomdoc.capture.backends import Backend, CudaBackend, OutOfMemoryError, SimulatedBackend
 from oomdoc.capture.frameworks import capture_keys as framework_keys
 from oomdoc.capture.frameworks import install as detect_framework
@@ -311,15 +312,13 @@ def run(
     if config.whole_run:  # after the fix's DataLoader edits: it orders what they made
         whole_run, undo_whole_run = install_whole_run(tracker, config.dataset_sizes)
         undo_hooks.append(undo_whole_run)
-    # Processes the script starts: torch.multiprocessing.spawn's are
-    # captured as ranks (oomdoc.capture.spawned) ...
+    # Processes the script starts, captured as ranks: torch.multiprocessing.spawn's
+    # (oomdoc.capture.spawned), new Python processes a launcher starts (LOCAL_RANK
+    # set: Lightning's ddp, accelerate launch), multiprocessing.Process's that
+    # join the process group (oomdoc.capture.process_ranks); the others are named.
     relaunches = processes = None
     if config.distributed is None:
         tracker.spawned_ranks, tracker.uncaptured_processes = [], []
-        # ... and new Python processes a launcher starts as ranks (LOCAL_RANK
-        # set: Lightning's ddp, accelerate launch) are captured as ranks too,
-        # as are multiprocessing.Process's that join the process group
-        # (oomdoc.capture.process_ranks); the others are named.
         relaunches = relaunch.Relaunches(config, tracker.spawned_ranks)
         processes = process_ranks.ProcessRanks(
             config, tracker.spawned_ranks, tracker.uncaptured_processes, _RUN_PROCESS
@@ -361,9 +360,10 @@ def run(
     except StopRun:
         outcome, exit_code = "ok", 0
     except SystemExit as exc:
-        exit_code = _exit_code_of(exc)
-        outcome = "ok" if exit_code == 0 else "error"
-        system_exit = exc
+        exit_code, system_exit = _exit_code_of(exc), exc
+        behind = oom_behind(exc) if exit_code else None  # (Hydra exits 1 on any error)
+        outcome = "ok" if exit_code == 0 else ("oom" if behind is not None else "error")
+        error = {"type": type(behind).__name__, "message": str(behind)} if behind else None
     except (KeyboardInterrupt, Terminated) as exc:
         outcome = "interrupted"
         exit_code = 130 if isinstance(exc, KeyboardInterrupt) else 143
@@ -372,7 +372,7 @@ def run(
         outcome, exit_code, failure = "oom", 1, exc
         error = {"type": type(exc).__name__, "message": str(exc)}
     except BaseException as exc:
-        outcome, exit_code, failure = "error", 1, exc
+        outcome, exit_code, failure = "oom" if oom_behind(exc) else "error", 1, exc
         error = {"type": type(exc).__name__, "message": str(exc)[:2000]}
     # Again: a signal handled at the start of the `finally` above (a
     # SIGTERM raised as Terminated there) skipped the rest of it.
@@ -537,7 +537,7 @@ def _run_as_rank(call: Callable[[], Any], rank_of: Callable[[], RankCapture | No
         error = {"type": type(exc).__name__, "message": str(exc)}
         raise
     except BaseException as exc:
-        outcome, exit_code, failure = "error", 1, exc
+        outcome, exit_code, failure = "oom" if oom_behind(exc) else "error", 1, exc
         error = {"type": type(exc).__name__, "message": str(exc)[:2000]}
         raise
     finally:

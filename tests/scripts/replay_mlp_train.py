@@ -12,6 +12,7 @@ fixed pool, so the dataset costs the same memory whatever the batch size.
 
 import argparse
 import os
+import sys
 
 import torch
 import torch.nn as nn
@@ -110,5 +111,18 @@ def main():
         torch.save(model.state_dict(), args.save)
 
 
+def run_and_report():
+    """Hydra's `@hydra.main` idiom: any error of the job is printed and the
+    process exits 1 (`sys.exit` inside the handler, the error its context)."""
+    try:
+        main()
+    except Exception as error:
+        print(f"Error executing job: {type(error).__name__}: {error}", file=sys.stderr)
+        sys.exit(1)
+
+
 if __name__ == "__main__":
-    main()
+    if os.environ.get("MLP_EXITS_ON_ERROR"):
+        run_and_report()
+    else:
+        main()
