@@ -88,8 +88,9 @@ def oom_behind(failure: BaseException) -> BaseException | None:
     handling (or from), or None. Hydra's `@hydra.main` catches every error
     of the job, prints it and calls `sys.exit(1)`: the OOM reached oomdoc
     as a SystemExit, and the run was reported as a script that failed, with
-    no replays. accelerate's `find_executable_batch_size` raises a
-    RuntimeError once even batch 1 ran out of memory."""
+    no replays. (Only a chained error counts: accelerate's
+    `find_executable_batch_size` raises its "reached zero" RuntimeError
+    outside its handler, with no OOM behind it.)"""
     seen: set[int] = set()
     current: BaseException | None = failure
     while current is not None and id(current) not in seen and len(seen) < 16:
