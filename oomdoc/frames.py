@@ -12,6 +12,7 @@ import os
 import sys
 import sysconfig
 from functools import lru_cache
+from typing import Iterator
 
 import torch
 
@@ -36,6 +37,16 @@ _LIBRARY_DIRS: tuple[str, ...] = tuple(
 
 
 @lru_cache(maxsize=4096)
+def exception_chain(failure: BaseException | None, limit: int) -> Iterator[BaseException]:
+    """`failure`, then what it was raised from or while handling, and so on
+    (`__cause__`, else `__context__`), each once, at most `limit` of them."""
+    seen: set[int] = set()
+    while failure is not None and id(failure) not in seen and len(seen) < limit:
+        seen.add(id(failure))
+        yield failure
+        failure = failure.__cause__ or failure.__context__
+
+
 def is_user_file(filename: str) -> bool:
     """True when `filename` belongs to the user's code rather than a library."""
     if not filename or filename.startswith("<"):

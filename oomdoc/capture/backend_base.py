@@ -91,14 +91,8 @@ def oom_behind(failure: BaseException) -> BaseException | None:
     no replays. (Only a chained error counts: accelerate's
     `find_executable_batch_size` raises its "reached zero" RuntimeError
     outside its handler, with no OOM behind it.)"""
-    seen: set[int] = set()
-    current: BaseException | None = failure
-    while current is not None and id(current) not in seen and len(seen) < 16:
-        seen.add(id(current))
-        if isinstance(current, OutOfMemoryError):
-            return current
-        current = current.__cause__ or current.__context__
-    return None
+    chain = frames.exception_chain(failure, limit=16)
+    return next((error for error in chain if isinstance(error, OutOfMemoryError)), None)
 
 
 class StorageRecord:

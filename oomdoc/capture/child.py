@@ -363,7 +363,7 @@ def run(
         exit_code, system_exit = _exit_code_of(exc), exc
         behind = oom_behind(exc) if exit_code else None  # (Hydra exits 1 on any error)
         outcome = "ok" if exit_code == 0 else ("oom" if behind is not None else "error")
-        error = {"type": type(behind).__name__, "message": str(behind)} if behind else None
+        error = None if behind is None else {"type": type(behind).__name__, "message": str(behind)}
     except (KeyboardInterrupt, Terminated) as exc:
         outcome = "interrupted"
         exit_code = 130 if isinstance(exc, KeyboardInterrupt) else 143

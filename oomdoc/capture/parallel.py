@@ -267,10 +267,7 @@ class ParallelCapture:
             return
         stopped = not isinstance(failure, Exception)  # KeyboardInterrupt, SIGTERM
         first = None
-        seen: set[int] = set()
-        exception: BaseException | None = failure
-        while exception is not None and id(exception) not in seen and len(seen) < 8:
-            seen.add(id(exception))
+        for exception in frames.exception_chain(failure, limit=8):
             location = waiting_location(stack_of_exception(exception))
             if location is not None and location.get("collective"):
                 self._note_waiting(location)
@@ -278,7 +275,6 @@ class ParallelCapture:
                     return
             elif location is not None:
                 first = first or location
-            exception = exception.__cause__ or exception.__context__
         if first is not None and (stopped or self.waiting_at is not None):
             self._note_waiting(first)  # (fills in the file of a collective noted without one)
 

@@ -7,7 +7,7 @@ from oomdoc.categories import BY_NAME
 from oomdoc.diagnosis import model_load
 from oomdoc.diagnosis.base import TIER_BREAKDOWN, Diagnosis
 from oomdoc.fixes import FIXES
-from oomdoc.fixes.autocast import Autocast, running_autocast
+from oomdoc.fixes.autocast import running_autocast
 from oomdoc.formatting import format_location, percent, tensor_description
 from oomdoc.model import CATEGORIES, Snapshot
 from oomdoc.sizes import format_bytes
@@ -83,7 +83,7 @@ def rule(snapshot: Snapshot) -> list[Diagnosis]:
             if category in fix.addresses
             and fix.applies_to(snapshot)
             and (fix.helps_in_evaluation or not in_evaluation)
-            and not (fix.name == Autocast.name and running_autocast(snapshot))
+            and fix.in_effect(snapshot) is None
         ]
         found.append(
             Diagnosis(

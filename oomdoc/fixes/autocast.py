@@ -39,10 +39,13 @@ class Autocast(Fix):
     def skip_reason(self, snapshot: Snapshot, explicit: bool) -> Optional[str]:
         if not snapshot.models:
             return "no model ran a forward pass before the OOM"
+        return super().skip_reason(snapshot, explicit)
+
+    def in_effect(self, snapshot: Snapshot) -> Optional[str]:
         running = running_autocast(snapshot)
-        if running is not None:
-            return f"the script already runs its forward pass under {running} autocast"
-        return None
+        if running is None:
+            return None
+        return f"the script already runs its forward pass under {running} autocast"
 
     def request(self, snapshot: Snapshot) -> FixRequest:
         on_cuda = snapshot.device.on_cuda

@@ -122,6 +122,12 @@ class Fix:
         it). `explicit`: the user asked for it with --fixes."""
         if self.cuda_only and not snapshot.device.on_cuda:
             return "CUDA only: the simulated device has no caching allocator"
+        return self.in_effect(snapshot)
+
+    def in_effect(self, snapshot: Snapshot) -> Optional[str]:
+        """How the run already does what this fix does (None: it does not):
+        such a fix is neither replayed (skip_reason) nor offered by the
+        diagnosis, since it would change nothing."""
         return None
 
     def request(self, snapshot: Snapshot) -> FixRequest:

@@ -58,10 +58,17 @@ def find_search_batch(
         found = find_batch_arg(args, None, EVAL_BATCH_FLAGS)
         if found is not None:
             return found
-    found = find_batch_arg(args, batch_arg, script_batch_flags(snapshot))
-    if found is None and batch_arg is None:
-        found = find_nested_batch_arg(args)
-    return found
+    if batch_arg is not None:
+        return find_batch_arg(args, batch_arg)
+    return find_training_batch_arg(args, script_batch_flags(snapshot))
+
+
+def find_training_batch_arg(
+    args: list[str], flags: tuple[str, ...] = LONG_BATCH_FLAGS
+) -> tuple[int, str, int] | None:
+    """The training batch on the command line: one of `flags`, else a
+    nested configuration's batch flag (find_nested_batch_arg)."""
+    return find_batch_arg(args, None, flags) or find_nested_batch_arg(args)
 
 
 def find_nested_batch_arg(args: list[str]) -> tuple[int, str, int] | None:

@@ -26,7 +26,7 @@ from typing import Callable, Optional
 
 from oomdoc.frameworks.base import split_command
 from oomdoc.model import BatchSearch, Prescription, Snapshot
-from oomdoc.replay.batch_args import find_batch_arg, find_nested_batch_arg, with_batch_size
+from oomdoc.replay.batch_args import find_batch_arg, find_training_batch_arg, with_batch_size
 from oomdoc.replay.replayer import Replay, Replayer
 from oomdoc.script_flags import EVAL_BATCH_FLAGS, batch_flags, spelled
 
@@ -43,7 +43,7 @@ def training_batch_size(snapshot: Snapshot) -> Optional[int]:
     (the script's batch option as given, else its default): every
     configuration then trains on it, so it is their samples per step."""
     _head, args = split_command(snapshot.command or [])
-    found = find_batch_arg(args) or find_nested_batch_arg(args)
+    found = find_training_batch_arg(args)
     if found is not None:
         return found[2]
     defaults = snapshot.script_option_defaults or {}
