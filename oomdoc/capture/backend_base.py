@@ -91,8 +91,14 @@ def oom_behind(failure: BaseException) -> BaseException | None:
     no replays. (Only a chained error counts: accelerate's
     `find_executable_batch_size` raises its "reached zero" RuntimeError
     outside its handler, with no OOM behind it.)"""
-    chain = frames.exception_chain(failure, limit=16)
-    return next((error for error in chain if isinstance(error, OutOfMemoryError)), None)
+    seen: set[int] = set()
+    current: BaseException | None = failure
+    while current is not None and id(current) not in seen and len(seen) < 16:
+        seen.add(id(current))
+        if isinstance(current, OutOfMemoryError):
+            return current
+        current = current.__cause__ or current.__context__
+    return None
 
 
 class StorageRecord:
