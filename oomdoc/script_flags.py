@@ -53,17 +53,41 @@ BATCH_KEYS = ("batch_size", "train_batch_size", "micro_batch_size")
 def nested_batch_flag(option: str) -> bool:
     """`--trainer.batch_size`: a long flag of a nested configuration (minGPT's
     CfgNode `--trainer.batch_size=64`, jsonargparse and LightningCLI
-    `--data.batch_size`) whose last key is a batch size, outside an
-    evaluation's section. Scripts name their sections freely, so BATCH_FLAGS
-    cannot list them; such a flag counts as it is on the command line."""
-    if not option.startswith("--") or "." not in option:
+    `--data.batch_size`), or the key of a Hydra override (`data.batch_size`
+    of `data.batch_size=64`, `+`-prefixed too), whose last key is a batch
+    size, outside an evaluation's section. Scripts name their sections
+    freely, so BATCH_FLAGS cannot list them; such a flag counts as it is on
+    the command line."""
+    if option.startswith("--") and "." in option:
+        keys = option[2:]
+    elif is_override_key(option):
+        keys = option.lstrip("+")
+    else:
         return False
-    *sections, key = option[2:].replace("-", "_").split(".")
+    *sections, key = keys.replace("-", "_").split(".")
     return (
         key in BATCH_KEYS
         and all(sections)
         and not any(section.lower() in NOT_TRAINING_SECTIONS for section in sections)
     )
+
+
+def is_override_key(option: str) -> bool:
+    """`data.batch_size`, `+trainer.accumulate_grad_batches`: the key of a
+    `key=value` override (Hydra's, OmegaConf's `from_cli`), which has no
+    dashes and is written only as `key=value`."""
+    keys = option[2:] if option.startswith("++") else option.removeprefix("+")
+    return (
+        all(part[:1].isalpha() or part[:1] == "_" for part in keys.split("."))
+        and keys.replace(".", "").replace("_", "").replace("-", "").isalnum()
+    )
+
+
+def from_command_line(source: str) -> bool:
+    """Whether the batch search's `source` is an option on the script's
+    command line (a flag, or a nested or override batch key), not its
+    DataLoader."""
+    return source.startswith("-") or nested_batch_flag(source)
 
 
 def listed(flags: tuple[str, ...] = BATCH_FLAGS) -> str:
@@ -105,8 +129,12 @@ def equals_only(syntax: str | None) -> bool:
 
 def spelled(option: str, value: object, syntax: str | None = None) -> str:
     """`--batch_size=4` for a configurator script or a nested key
-    (`--trainer.batch_size=4`: minGPT's CfgNode takes only that form), else
-    `--batch-size 4`."""
-    if equals_only(syntax) or (option.startswith("--") and "." in option):
+    (`--trainer.batch_size=4`: minGPT's CfgNode takes only that form),
+    `data.batch_size=4` for an override, else `--batch-size 4`."""
+    if (
+        equals_only(syntax)
+        or (option.startswith("--") and "." in option)
+        or not option.startswith("-")
+    ):
         return f"{option}={value}"
     return f"{option} {value}"

@@ -159,9 +159,9 @@ def test_the_evaluation_batch_is_written_as_the_evaluation_s_knob_in_each_framew
         f"python {SCRIPT} --per_device_train_batch_size 8 --per_device_eval_batch_size 56" in text
     )
     lightning = Snapshot.from_dict({"framework": {"name": "lightning", "entry": "Trainer"}})
-    text = framework_of(lightning).evaluation_batch_snippet(12, {"how": "batch_size"})
+    text = framework_of(lightning).evaluation_batch_snippet(12, {"how": "DataLoader"})
     assert "def val_dataloader" in text and "batch_size=12" in text
-    text = framework_of(Snapshot()).evaluation_batch_snippet(12, {"how": "batch_size"})
+    text = framework_of(Snapshot()).evaluation_batch_snippet(12, {"how": "DataLoader"})
     assert "DataLoader(val_set, batch_size=12)" in text and "training batch stays" in text
 
 

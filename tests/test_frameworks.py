@@ -347,7 +347,7 @@ def test_lightning_flag_variants():
     ]
     # A LightningCLI's flags, whose values are free.
     cli = ["--trainer.precision", "--trainer.accumulate_grad_batches", "--data.batch_size"]
-    cli_context = {**MEASURED, "how": "batch_size", "script_option_values": dict.fromkeys(cli, [])}
+    cli_context = {**MEASURED, "how": "DataLoader", "script_option_values": dict.fromkeys(cli, [])}
     assert lightning.flag_variant("autocast", [], cli, cli_context) == [
         "--trainer.precision",
         "bf16-mixed",
@@ -782,6 +782,19 @@ def test_accelerate_loop_is_detected_and_its_accumulation_flag_fits(tmp_path):
         tmp_path, (ACCELERATE_SCRIPT, ACCELERATE_CASE[1], variant), options=["--max-steps", "2"]
     )
     assert fixed["outcome"] == "ok", result.stderr[-3000:]
+
+
+def test_autocast_that_accelerate_enters_inside_the_forward_is_seen(tmp_path):
+    """accelerate's `prepare` wraps `model.forward` in autocast, so the
+    first training call starts outside it: the autocast is read again inside
+    the call, and the fix is not replayed for nothing."""
+    pytest.importorskip("accelerate")
+    script, capacity, args = ACCELERATE_CASE
+    case = (script, capacity, [*args, "--mixed-precision", "bf16"])
+    result, document = run_case(tmp_path, case)
+    assert document["framework"]["autocast"] == {"cpu": "bfloat16"}, result.stderr[-3000:]
+    result, plain = run_case(tmp_path, ACCELERATE_CASE)
+    assert plain["framework"]["autocast"] == {}, result.stderr[-3000:]
 
 
 def test_hf_trainer_replays_find_the_exact_max_batch(tmp_path):

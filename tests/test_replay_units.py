@@ -81,7 +81,12 @@ def test_every_long_batch_flag_of_the_one_list_is_found(flag):
         # an evaluation's batch, a key that is not a batch, a value that is not a number
         (["--val.batch_size=8", "--eval.data.batch_size=8"], None),
         (["--trainer.batch_sizes=8", "--trainer.batch_size=auto", "--.batch_size=2"], None),
-        (["batch_size=64"], None),  # Hydra's overrides are not flags
+        # Hydra's overrides: `key=value` only, `+`-prefixed to add a key
+        (["experiment=tiny", "data.batch_size=64"], (1, "data.batch_size", 64)),
+        (["batch_size=64", "trainer.max_epochs=1"], (0, "batch_size", 64)),
+        (["++data.train_batch_size=16"], (0, "++data.train_batch_size", 16)),
+        (["data.batch_size", "64"], None),  # an override is never `key value`
+        (["val.batch_size=8", "data.batch_size=auto", "data..batch_size=8"], None),
     ],
 )
 def test_a_nested_configuration_s_batch_flag_is_found(args, expected):
@@ -593,3 +598,21 @@ def test_replay_imports_nothing_of_distributed():
                 f"{path.name}: {name}" for name in names if name.startswith("oomdoc.distributed")
             ]
     assert offending == []
+
+
+def test_a_batch_source_from_the_command_line_is_told_from_the_dataloader():
+    """Replays, snippets and the own flags write the batch the search found
+    on the command line, in its form: a flag, a nested flag or an override."""
+    from oomdoc.frameworks.base import with_option
+    from oomdoc.script_flags import from_command_line, spelled
+
+    for source in ("-b", "--batch-size", "--trainer.batch_size", "data.batch_size", "+batch_size"):
+        assert from_command_line(source), source
+    for source in ("DataLoader", "", "val.batch_size", "data.lr"):
+        assert not from_command_line(source), source
+    assert spelled("data.batch_size", 8) == "data.batch_size=8"
+    assert with_option(["data.batch_size=64"], "data.batch_size", "8") == ["data.batch_size=8"]
+    assert with_option(["x=1"], "+trainer.accumulate_grad_batches", "2") == [
+        "x=1",
+        "+trainer.accumulate_grad_batches=2",
+    ]

@@ -6,6 +6,7 @@ plainly at it (fits) and one more (runs out of memory)."""
 
 from __future__ import annotations
 
+import pytest
 from conftest import SCRIPTS, run_capped
 
 
@@ -40,6 +41,18 @@ def run_search(tmp_path, name, capacity, script, args):
     )
     assert document["outcome"] == "oom", completed.stderr[-3000:]
     return completed, document
+
+
+def searched_through(document, source, original, spelled_as):
+    """The batch search went through `source` from `original`, each replay
+    labelled with the batch as `spelled_as(batch)`: the largest batch."""
+    search = document["replay"]["batch_search"]
+    assert search["source"] == source and search["original_batch_size"] == original, search
+    maximum = document["max_batch_size"]
+    assert isinstance(maximum, int) and 1 < maximum < original, search
+    searched = [run["label"] for run in document["replay"]["runs"][: len(search["trials"])]]
+    assert searched == [f"smaller_batch ({spelled_as(batch)})" for batch, _ in search["trials"]]
+    return maximum
 
 
 def test_a_short_batch_flag_is_found_and_searched(tmp_path):
@@ -79,12 +92,7 @@ def test_a_configurator_scripts_options_are_written_key_equals_value(tmp_path):
     )
     assert document["script_option_syntax"] == "configurator"
     assert {"--batch_size", "--gradient_accumulation_steps"} <= set(document["script_options"])
-    search = document["replay"]["batch_search"]
-    assert search["source"] == "--batch_size" and search["original_batch_size"] == 16, search
-    maximum = document["max_batch_size"]
-    assert isinstance(maximum, int) and 1 < maximum < 16, search
-    searched = [run["label"] for run in document["replay"]["runs"][: len(search["trials"])]]
-    assert searched == [f"smaller_batch (--batch_size={batch})" for batch, _ in search["trials"]]
+    maximum = searched_through(document, "--batch_size", 16, lambda b: f"--batch_size={b}")
     smaller = next(fix for fix in document["fixes"] if fix["name"] == "smaller_batch")
     micro, steps = smaller["micro_batch_size"], smaller["accumulation_steps"]
     own = [str(config), f"--batch_size={micro}", f"--gradient_accumulation_steps={2 * steps}"]
@@ -125,6 +133,27 @@ def test_a_script_without_an_optimizer_gets_its_own_update_accumulated(tmp_path)
     assert "optimizer.step()" not in completed.stderr
     run = largest_batch_is_exact(
         tmp_path, "1.12MiB", script, lambda batch: ["--batch_size", str(batch)]
+    )
+    assert run(maximum) == (0, "ok")
+    assert run(maximum + 1) == (1, "oom")
+
+
+HYDRA = SCRIPTS / "opts_hydra" / "train.py"
+
+
+def test_a_hydra_override_is_the_batch_the_search_rewrites(tmp_path):
+    """Hydra's idiom (the lightning-hydra-template's): `data.batch_size=512`,
+    an override with no dashes, which Hydra takes only as `key=value`. The
+    replays rewrite it, the snippet says it, and the largest batch is exact
+    when the script is run plainly with the override (Hydra turns the OOM
+    into `sys.exit(1)`: still an OOM)."""
+    pytest.importorskip("hydra")
+    completed, document = run_search(tmp_path, "hydra", "4MiB", HYDRA, ["data.batch_size=512"])
+    maximum = searched_through(document, "data.batch_size", 512, lambda b: f"data.batch_size={b}")
+    smaller = next(fix for fix in document["fixes"] if fix["name"] == "smaller_batch")
+    assert f"# data.batch_size={smaller['micro_batch_size']}: " in smaller["snippet"]
+    run = largest_batch_is_exact(
+        tmp_path, "4MiB", HYDRA, lambda batch: [f"data.batch_size={batch}"]
     )
     assert run(maximum) == (0, "ok")
     assert run(maximum + 1) == (1, "oom")

@@ -28,6 +28,7 @@ import dataclasses
 import functools
 import os
 import sys
+from typing import Callable
 
 from oomdoc.frameworks.signs import SIGNS
 from oomdoc.script_flags import ARGPARSE, CONFIGURATOR
@@ -68,7 +69,7 @@ class FrameworkDetector:
     """Watches the first model call, backward, optimizer step and OOM for
     evidence of a framework, and records the parsers that read sys.argv."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.found: dict | None = None  # {"name", "entry", "module", "seen_at"}
         self.done = False
         self.options: list[str] = []
@@ -83,6 +84,7 @@ class FrameworkDetector:
         self._parsers: set[int] = set()
         self._restore: list = []
         self._tracker = None
+        self._stop_looking: Callable[[], None] = lambda: None  # (_look_inside)
 
     # ------------------------------------------------------------ install
     def install(self, tracker) -> None:
@@ -196,6 +198,8 @@ class FrameworkDetector:
     def _on_forward(self, module) -> None:
         if self.autocast is None and getattr(module, "training", False) and _grad_enabled():
             self.autocast = autocast_in_effect()
+            if not self.autocast:
+                self._look_inside(module)
         if self.done or "forward" in self._seen:
             return
         self._seen.add("forward")
@@ -208,7 +212,34 @@ class FrameworkDetector:
         self._observe_module(module)
         self._observe("forward", sys._getframe(1))
 
+    def _look_inside(self, outer) -> None:
+        """Read autocast again at each module call inside this first training
+        call: accelerate, and the HF `Trainer` through it, enters autocast in
+        the model's own forward (its `prepare` wraps `model.forward`, under
+        DDP the inner model's), after the call's start. One global pre-hook,
+        removed when it finds autocast, at the first backward, or when the
+        model is called again."""
+        from torch.nn.modules import module as module_hooks
+
+        from oomdoc.capture.compiled_models import traced_by_compile
+
+        def inside(module, _inputs):
+            if traced_by_compile():
+                return  # (the compiled code stays the script's own)
+            if module is outer or not _grad_enabled():
+                self._stop_looking()
+                return
+            found = autocast_in_effect()
+            if found:
+                self.autocast = found
+                self._stop_looking()
+
+        handle = module_hooks.register_module_forward_pre_hook(inside)
+        self._stop_looking = handle.remove
+        self._restore.append(handle.remove)
+
     def _on_backward(self) -> None:
+        self._stop_looking()
         if self.done or "backward" in self._seen:
             return
         self._seen.add("backward")
@@ -316,8 +347,8 @@ def autocast_in_effect() -> dict[str, str]:
     `torch.amp.autocast` by default, Lightning under `--precision
     bf16-mixed`: the fix changes nothing there, and its replays were spent
     finding that out. (accelerate, and the HF `Trainer` through it, enters
-    autocast inside the model's own forward, after this call begins: not
-    seen here, so the fix is replayed there as before.)"""
+    autocast inside the model's own forward, after this call begins: read
+    again at the first module call inside it, `_look_inside`.)"""
     import torch
 
     found: dict[str, str] = {}

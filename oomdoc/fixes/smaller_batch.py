@@ -33,7 +33,7 @@ class SmallerBatch(Fix):
         if context.get("micro_batch"):
             micro, steps = context["micro_batch"], context["accumulation_steps"]
             how = spelled(
-                context.get("how", "batch_size"), micro, context.get("script_option_syntax")
+                context.get("how") or "batch_size", micro, context.get("script_option_syntax")
             )
             head = (
                 f"# {how}: {steps} micro-batches of {micro} keep the effective batch at {micro * steps}\n"

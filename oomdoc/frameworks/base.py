@@ -17,7 +17,7 @@ import shlex
 from typing import Optional
 
 from oomdoc.fixes.base import SnippetContext
-from oomdoc.script_flags import batch_flags, equals_only, is_short
+from oomdoc.script_flags import batch_flags, equals_only, from_command_line, is_short
 
 
 class FrameworkContext(SnippetContext, total=False):
@@ -157,7 +157,7 @@ class Framework:
         the option set; empty when the search did not go through an option."""
         how = context.get("how") or ""
         command = context.get("command")
-        if not how.startswith("-"):
+        if not from_command_line(how):
             return ""
         if not command:
             return f"# your script's own evaluation batch size:\npython train.py ... {how} {batch}"
@@ -274,8 +274,8 @@ def with_option(
     rewritten = list(args)
     found = find_option(rewritten, option)
     if found is None:
-        if value is not None and equals_only(syntax):
-            return [*rewritten, f"{option}={value}"]
+        if value is not None and (equals_only(syntax) or not option.startswith("-")):
+            return [*rewritten, f"{option}={value}"]  # (an override: `key=value` only)
         return [*rewritten, option] + ([] if value is None else [value])
     index, old = found
     if rewritten[index].startswith(option + "="):
@@ -381,7 +381,7 @@ def generic_flag_variant(
         how = context.get("how") or ""
         batch_flag = (
             how
-            if how.startswith("-")
+            if from_command_line(how)
             else declared(
                 script_options,
                 *batch_flags(script_options, context.get("script_option_aliases")),

@@ -16,6 +16,7 @@ from oomdoc.frameworks.base import (
     with_option,
 )
 from oomdoc.frameworks.plain import DEFAULT_SNIPPETS
+from oomdoc.script_flags import from_command_line
 
 BATCH_FIELD = "per_device_train_batch_size"
 
@@ -167,7 +168,7 @@ class HuggingFace(Framework):
         if fix == "smaller_batch":
             micro, steps = context.get("micro_batch"), context.get("accumulation_steps")
             how = context.get("how") or ""
-            batch_flag = how if how.startswith("-") else declared(options, _flag(BATCH_FIELD))
+            batch_flag = how if from_command_line(how) else declared(options, _flag(BATCH_FIELD))
             accumulation = declared(options, "--gradient_accumulation_steps")
             if micro and steps and batch_flag and accumulation:
                 already = accumulation_in_effect(

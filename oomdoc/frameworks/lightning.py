@@ -16,6 +16,7 @@ from oomdoc.frameworks.plain import (
     checkpointing_snippet,
     lighter_optimizer_snippet,
 )
+from oomdoc.script_flags import from_command_line, spelled
 
 PRECISION = {"bfloat16": "bf16-mixed", "float16": "16-mixed"}
 
@@ -90,8 +91,9 @@ class Lightning(Framework):
         size = str(micro) if micro else "BATCH // 2"
         line = f"# batch_size={size} in your DataModule (its train_dataloader's DataLoader)"
         how = context.get("how") or ""
-        if how.startswith("-") and micro:
-            line += f"\n# or on the command line: {how} {micro}"
+        if from_command_line(how) and micro:
+            syntax = context.get("script_option_syntax")
+            line += f"\n# or on the command line: {spelled(how, micro, syntax)}"
         return line
 
     def evaluation_batch_snippet(self, batch: int, context: FrameworkContext) -> str:

@@ -73,11 +73,12 @@ def find_training_batch_arg(
 
 def find_nested_batch_arg(args: list[str]) -> tuple[int, str, int] | None:
     """find_batch_arg's triple for the last nested batch flag on the command
-    line (script_flags.nested_batch_flag: `--trainer.batch_size=64`)."""
+    line (script_flags.nested_batch_flag: `--trainer.batch_size=64`, or a
+    Hydra override `data.batch_size=64`, which has only that form)."""
     found = None
     for index, arg in enumerate(args):
         name = arg.split("=", 1)[0]
-        if not nested_batch_flag(name):
+        if not nested_batch_flag(name) or (not name.startswith("-") and "=" not in arg):
             continue
         attached = find_batch_arg(args[index : index + 2], name)
         if attached is not None:

@@ -73,9 +73,7 @@ from oomdoc.replay.timing import (
     step_timing,
 )
 from oomdoc.runner import ChildRequest, ChildSignals, WarmPool
-from oomdoc.script_flags import (
-    spelled,
-)
+from oomdoc.script_flags import from_command_line, spelled
 
 # The entry points callers import from here (oomdoc.cli, oomdoc.session,
 # oomdoc.distributed.session, the benchmarks).
@@ -372,7 +370,7 @@ def batch_search_result(
     how = info.get("source", "batch size")
     how_text = (
         spelled(how, maximum, snapshot.script_option_syntax)
-        if how.startswith("-")
+        if from_command_line(how)
         else f"DataLoader(batch_size={maximum})"
     )
     exactness = (
@@ -398,7 +396,7 @@ def batch_search_result(
             {
                 "micro_batch": micro,
                 "accumulation_steps": steps,
-                "how": how if how.startswith("-") else "batch_size",
+                "how": how if from_command_line(how) else "",
                 "update": parameter_update(snapshot, search),
             },
         )

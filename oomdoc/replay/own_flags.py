@@ -24,6 +24,7 @@ from oomdoc.replay import batch as batch_model
 from oomdoc.replay.lanes import SPECULATIVE
 from oomdoc.replay.plan import ReplayState, searches_evaluation_batch
 from oomdoc.replay.replayer import Replay, Replayer
+from oomdoc.script_flags import from_command_line
 
 
 def parameter_update(
@@ -91,11 +92,11 @@ def prescription_context(
     for name in prescription.fixes:
         context.update(state.contexts.get(name) or SnippetContext())
     if prescription.batch_size and prescription.accumulation_steps > 1:
-        how = state.batch_info.get("source") or "batch_size"
+        how = state.batch_info.get("source") or ""
         changes.append(batch_fix().name)
         context["micro_batch"] = prescription.batch_size
         context["accumulation_steps"] = prescription.accumulation_steps
-        context["how"] = how if how.startswith("-") else "batch_size"
+        context["how"] = how if from_command_line(how) else ""
     return changes, context
 
 
@@ -105,9 +106,9 @@ def prescription_snippet(snapshot: Snapshot, prescription: Prescription, state: 
     changes, context = prescription_context(snapshot, prescription, state)
     evaluation = searches_evaluation_batch(snapshot, state.batch_info)
     batch = prescription.batch_size if evaluation else None
-    how = state.batch_info.get("source") or "batch_size"
+    how = state.batch_info.get("source") or ""
     command = context.get("command")
-    if batch and how.startswith("-") and command:
+    if batch and from_command_line(how) and command:
         # The savers' command line runs at the prescribed evaluation batch too.
         context["command"] = command_with_option(
             command, how, str(batch), snapshot.script_option_syntax
@@ -173,7 +174,7 @@ def flags_replay(
             args, covered = variant, [*covered, change]
     source = state.batch_info.get("source") or ""
     evaluation = searches_evaluation_batch(snapshot, state.batch_info)
-    if evaluation and source.startswith("-") and prescription.batch_size:
+    if evaluation and from_command_line(source) and prescription.batch_size:
         # The evaluation's batch is not one of the changes (nothing is
         # accumulated), but the prescription runs at it.
         args = with_option(

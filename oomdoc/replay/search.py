@@ -21,6 +21,7 @@ from oomdoc.replay import limit_estimate
 from oomdoc.replay.batch_args import (
     find_batch_arg,
     find_search_batch,
+    find_training_batch_arg,
     script_batch_flags,
     with_batch_size,
 )
@@ -35,7 +36,7 @@ from oomdoc.replay.replayer import (
     Replay,
     Replayer,
 )
-from oomdoc.script_flags import EVAL_BATCH_FLAGS, listed, spelled
+from oomdoc.script_flags import EVAL_BATCH_FLAGS, from_command_line, listed, spelled
 
 
 def no_batch_size() -> str:
@@ -233,7 +234,7 @@ def training_instead(
     capture = replay.capture if replay is not None else None
     if first.fits or first.inconclusive or capture is None or capture.oom is None:
         return None
-    training = find_batch_arg(args, None, script_batch_flags(snapshot))
+    training = find_training_batch_arg(args, script_batch_flags(snapshot))
     if capture.oom.in_evaluation or training is None:
         return None
     position, flag, original = training
@@ -720,7 +721,7 @@ def batch_size_in(
     source = state.batch_info.get("source") or ""
     # The flag the batch search changed (the training's, when an OOM in
     # evaluation turned out to be the training's first: training_instead).
-    found = find_batch_arg(args, source) if source.startswith("-") else None
+    found = find_batch_arg(args, source) if from_command_line(source) else None
     if found is None:
         payload.update(
             batch_mode="dataloader", original_batch_size=state.batch_info.get("original_batch_size")
