@@ -25,6 +25,8 @@ def estimate_fixes(snapshot: Snapshot) -> list[FixResult]:
         return []
     effects: dict[str, tuple[Fix, Effect]] = {}
     for fix in FIXES:
+        if fix.in_effect(snapshot) is not None:
+            continue  # (the run already does it: it would change nothing)
         effect = fix.estimate(snapshot)
         if effect is not None:
             effects[fix.name] = (fix, effect)

@@ -188,4 +188,7 @@ class Framework:
     # Device type -> dtype of the autocast the first training model call ran
     # under ({} none; None not known: an older snapshot, no training call).
     autocast: Optional[Dict[str, str]] = when_set()
+    # Module class -> calls of it that began a torch.utils.checkpoint region
+    # in the first training model call ({} none; None not known).
+    checkpointed: Optional[Dict[str, int]] = when_set()
     extra: Dict[str, Any] = field(default_factory=dict)

@@ -589,3 +589,40 @@ def test_copies_of_the_weights_in_other_are_said_with_their_model():
         "3.00 GiB are 296 tensors shaped like GPT's parameters (copies of its weights" in line
         for line in other["evidence"]
     )
+
+
+# ------------------------------------------------------- fixes already in effect
+
+
+@pytest.mark.parametrize(
+    "framework, checkpointed",
+    [
+        ({"checkpointed": {"Block": 8}}, True),
+        ({"checkpointed": {"Block": 3}}, True),  # an OOM in the first forward cut the count
+        ({"checkpointed": {"CheckpointWrapperInner": 8}}, True),  # a wrapper's blocks
+        ({"checkpointed": {"Embedding": 1}}, False),  # not the blocks
+        ({"checkpointed": {}}, False),
+        ({}, False),  # an older snapshot: not known
+    ],
+)
+def test_blocks_the_script_checkpoints_already_are_not_offered_again(framework, checkpointed):
+    document = oom_document(
+        allocated=900 * MiB,
+        requested=200 * MiB,
+        framework={"name": "plain", **framework},
+        breakdown={"parameters": 50 * MiB, "activations": 800 * MiB, "other": 50 * MiB},
+    )
+    activations = find(document, "activations")
+    assert activations is not None
+    estimated = [fix["name"] for fix in estimate_fixes(document)]
+    if checkpointed:
+        assert "checkpointing" not in activations["fixes"]
+        assert "checkpointing" not in estimated
+        assert activations["summary"].endswith("(the blocks are already checkpointed)")
+        assert any(
+            line.endswith("`blocks`: already checkpointed") for line in activations["evidence"]
+        )
+    else:
+        assert "checkpointing" in activations["fixes"]
+        assert "checkpointing" in estimated
+        assert any(line.endswith("checkpointing candidates") for line in activations["evidence"])

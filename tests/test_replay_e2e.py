@@ -309,30 +309,60 @@ def test_the_files_the_replays_write_are_named(tmp_path):
     assert "The replays wrote this file" in result.stderr
 
 
-def test_a_script_that_autocasts_already_gets_no_autocast_replay(tmp_path):
-    """nanoGPT runs its forward under bf16 autocast by default: oomdoc's
-    autocast fix changes nothing there, and its replays (5 of 15 on the
-    H200) were spent finding that out. The failing run says so; the
-    diagnosis no longer offers autocast."""
-    snapshot = tmp_path / "autocast.json"
+# A fix the script already applies, by its own flag: (the flag, the capacity,
+# the fix left out, the other replayed, what the failing run records, the
+# reason it is not tried, the activations advice's end, the fixes offered).
+ALREADY_IN_EFFECT = {
+    # nanoGPT runs its forward under bf16 autocast by default: its autocast
+    # replays (5 of 15 on the H200) changed nothing.
+    "autocast": (
+        "--autocast",
+        "22MiB",
+        "checkpointing",
+        ("autocast", lambda recorded: recorded == {"cpu": "bfloat16"}),
+        "the script already runs its forward pass under bfloat16 autocast",
+        "(the forward already runs under autocast)",
+        "checkpointing, smaller_batch",
+    ),
+    # The HF `Trainer`'s `--gradient_checkpointing` checkpoints every block:
+    # oomdoc's would nest a checkpoint in each. (The OOM comes in the first
+    # forward, after some of the blocks: the count is theirs.)
+    "checkpointing": (
+        "--checkpointing",
+        "6MiB",
+        "autocast",
+        ("checkpointed", lambda recorded: list(recorded) == ["MLPBlock"]),
+        "the script already checkpoints its blocks ({count} x MLPBlock under "
+        "torch.utils.checkpoint)",
+        "(the blocks are already checkpointed)",
+        "autocast, smaller_batch",
+    ),
+}
+
+
+@pytest.mark.parametrize("fix", sorted(ALREADY_IN_EFFECT))
+def test_a_fix_the_script_applies_already_is_not_replayed(tmp_path, fix):
+    """The failing run records what its first training call already does;
+    that fix is "not tried", and the diagnosis no longer offers it."""
+    flag, capacity, other, (key, recorded_ok), reason, advice, offered = ALREADY_IN_EFFECT[fix]
+    snapshot = tmp_path / f"{fix}.json"
     result = run_oomdoc(
-        ["run", "--device", "cpu", "--device-memory", "22MiB", "--fixes", "autocast,checkpointing"]
-        + ["-o", snapshot, MLP, "--batch-size", "2048", "--autocast"],
+        ["run", "--device", "cpu", "--device-memory", capacity, "--fixes", f"{fix},{other}"]
+        + ["-o", snapshot, MLP, "--batch-size", "2048", flag],
         cwd=tmp_path,
     )
     assert result.returncode == 1, result.stderr[-3000:]
     document = load_json(snapshot)
-    assert document["framework"]["autocast"] == {"cpu": "bfloat16"}
+    recorded = document["framework"][key]
+    assert recorded_ok(recorded), document["framework"]
     labels = [run["label"] for run in document["replay"]["runs"]]
-    assert not any(label.startswith("autocast") for label in labels), labels
-    assert "checkpointing" in labels
-    assert (
-        "not tried: autocast: the script already runs its forward pass under bfloat16 autocast"
-        in result.stderr
-    )
+    assert not any(label.startswith(fix) for label in labels), labels
+    assert other in labels
+    count = sum(recorded.values()) if key == "checkpointed" else None
+    assert f"not tried: {fix}: {reason.format(count=count)}" in result.stderr
     (activations,) = [line for line in result.stderr.splitlines() if "1. activations:" in line]
-    assert activations.endswith("(the forward already runs under autocast)"), activations
-    assert "     fixes: checkpointing, smaller_batch\n" in result.stderr
+    assert activations.endswith(advice), activations
+    assert f"     fixes: {offered}\n" in result.stderr
 
 
 def test_an_oom_the_script_turns_into_an_exit_is_diagnosed_and_replayed(tmp_path):

@@ -28,8 +28,8 @@ import dataclasses
 import functools
 import os
 import sys
-from typing import Callable
 
+from oomdoc.capture.training_settings import FirstTrainingCall
 from oomdoc.frameworks.signs import SIGNS
 from oomdoc.script_flags import ARGPARSE, CONFIGURATOR
 
@@ -79,12 +79,11 @@ class FrameworkDetector:
         self.syntax: str | None = None  # `argparse` or `configurator`
         self.dataclasses: dict[str, list[str]] = {}
         self._seen: set[str] = set()
-        # The autocast the first training model call ran under (autocast_in_effect).
-        self.autocast: dict[str, str] | None = None
+        # The autocast and checkpointing the first training model call ran under.
+        self.first_training_call = FirstTrainingCall()
         self._parsers: set[int] = set()
         self._restore: list = []
         self._tracker = None
-        self._stop_looking: Callable[[], None] = lambda: None  # (_look_inside)
 
     # ------------------------------------------------------------ install
     def install(self, tracker) -> None:
@@ -109,6 +108,7 @@ class FrameworkDetector:
 
         tracker.on_oom = on_oom
         self._restore.append(lambda: tracker.__dict__.pop("on_oom", None))
+        self._restore.append(self.first_training_call.stop)
         self._patch_argparse()
 
     def uninstall(self) -> None:
@@ -196,10 +196,7 @@ class FrameworkDetector:
 
     # ------------------------------------------------------------ evidence
     def _on_forward(self, module) -> None:
-        if self.autocast is None and getattr(module, "training", False) and _grad_enabled():
-            self.autocast = autocast_in_effect()
-            if not self.autocast:
-                self._look_inside(module)
+        self.first_training_call.start(module)
         if self.done or "forward" in self._seen:
             return
         self._seen.add("forward")
@@ -212,34 +209,8 @@ class FrameworkDetector:
         self._observe_module(module)
         self._observe("forward", sys._getframe(1))
 
-    def _look_inside(self, outer) -> None:
-        """Read autocast again at each module call inside this first training
-        call: accelerate, and the HF `Trainer` through it, enters autocast in
-        the model's own forward (its `prepare` wraps `model.forward`, under
-        DDP the inner model's), after the call's start. One global pre-hook,
-        removed when it finds autocast, at the first backward, or when the
-        model is called again."""
-        from torch.nn.modules import module as module_hooks
-
-        from oomdoc.capture.compiled_models import traced_by_compile
-
-        def inside(module, _inputs):
-            if traced_by_compile():
-                return  # (the compiled code stays the script's own)
-            if module is outer or not _grad_enabled():
-                self._stop_looking()
-                return
-            found = autocast_in_effect()
-            if found:
-                self.autocast = found
-                self._stop_looking()
-
-        handle = module_hooks.register_module_forward_pre_hook(inside)
-        self._stop_looking = handle.remove
-        self._restore.append(handle.remove)
-
     def _on_backward(self) -> None:
-        self._stop_looking()
+        self.first_training_call.stop()
         if self.done or "backward" in self._seen:
             return
         self._seen.add("backward")
@@ -323,8 +294,11 @@ class FrameworkDetector:
         found = self.found or {"name": "plain", "entry": None, "module": None, "seen_at": None}
         framework = dict(found)
         framework["version"] = _version_of(found["name"], found.get("module"))
-        if self.autocast is not None:
-            framework.update(autocast=dict(self.autocast))
+        first = self.first_training_call
+        if first.autocast is not None:
+            framework.update(autocast=dict(first.autocast))
+        if first.checkpointed is not None:
+            framework.update(checkpointed=dict(first.checkpointed))
         return {
             "framework": framework,
             "script_options": list(self.options),
@@ -338,35 +312,6 @@ class FrameworkDetector:
 
 def _plain(value: object) -> bool:
     return type(value) in (int, float, str) and len(str(value)) < 200
-
-
-def autocast_in_effect() -> dict[str, str]:
-    """The device types autocast is on for right now, each to its dtype
-    (`{"cuda": "bfloat16"}`): read at the first training model call, where
-    oomdoc's autocast fix would enter it. nanoGPT runs its forward under
-    `torch.amp.autocast` by default, Lightning under `--precision
-    bf16-mixed`: the fix changes nothing there, and its replays were spent
-    finding that out. (accelerate, and the HF `Trainer` through it, enters
-    autocast inside the model's own forward, after this call begins: read
-    again at the first module call inside it, `_look_inside`.)"""
-    import torch
-
-    found: dict[str, str] = {}
-    for device_type in ("cuda", "cpu"):
-        try:
-            if torch.is_autocast_enabled(device_type):
-                dtype = torch.get_autocast_dtype(device_type)
-                found[device_type] = str(dtype).replace("torch.", "")
-        except (AttributeError, RuntimeError, TypeError):
-            pass  # an older torch without the device-type forms
-    return found
-
-
-def _grad_enabled() -> bool:
-    """Whether this model call can train (not a validation under no_grad)."""
-    import torch
-
-    return torch.is_grad_enabled()
 
 
 def configurator_defaults(script: object, argv: list[str]) -> dict[str, str]:

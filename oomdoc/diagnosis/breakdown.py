@@ -8,6 +8,7 @@ from oomdoc.diagnosis import model_load
 from oomdoc.diagnosis.base import TIER_BREAKDOWN, Diagnosis
 from oomdoc.fixes import FIXES
 from oomdoc.fixes.autocast import running_autocast
+from oomdoc.fixes.checkpointing import checkpointed_blocks
 from oomdoc.formatting import format_location, percent, tensor_description
 from oomdoc.model import CATEGORIES, Snapshot
 from oomdoc.sizes import format_bytes
@@ -16,6 +17,16 @@ from oomdoc.sizes import format_bytes
 AUTOCAST_ACTIVATIONS_ADVICE = (
     "activation checkpointing of the repeated blocks, or a smaller batch with gradient "
     "accumulation (the forward already runs under autocast)"
+)
+
+# ... where the blocks are already checkpointed, and where both are so.
+CHECKPOINTED_ACTIVATIONS_ADVICE = (
+    "autocast to bf16, or a smaller batch with gradient accumulation (the blocks are "
+    "already checkpointed)"
+)
+CHECKPOINTED_AUTOCAST_ACTIVATIONS_ADVICE = (
+    "a smaller batch with gradient accumulation (the forward already runs under autocast, "
+    "and its blocks are checkpointed)"
 )
 
 # A category is diagnosed when it holds at least this share of the memory in
@@ -67,6 +78,12 @@ def rule(snapshot: Snapshot) -> list[Diagnosis]:
         name, advice = entry.title, entry.advice
         if category == "activations" and in_evaluation:
             advice = EVALUATION_ACTIVATIONS_ADVICE
+        elif category == "activations" and checkpointed_blocks(snapshot):
+            advice = (
+                CHECKPOINTED_AUTOCAST_ACTIVATIONS_ADVICE
+                if running_autocast(snapshot)
+                else CHECKPOINTED_ACTIVATIONS_ADVICE
+            )
         elif category == "activations" and running_autocast(snapshot):
             advice = AUTOCAST_ACTIVATIONS_ADVICE
         oom = snapshot.oom
@@ -111,6 +128,7 @@ def _category_evidence(snapshot: Snapshot, category: str) -> list[str]:
             + (f" ({description})" if description else "")
         )
     if category == "activations":
+        checkpointed = checkpointed_blocks(snapshot)
         if snapshot.is_oom and snapshot.oom and snapshot.oom.phase:
             evidence.append(f"the OOM came during {snapshot.oom.phase}")
         for model in snapshot.models[:2]:
@@ -119,7 +137,8 @@ def _category_evidence(snapshot: Snapshot, category: str) -> list[str]:
                 block = blocks[0]
                 evidence.append(
                     f"{model.class_name} repeats {block.count} x {block.class_name} in "
-                    f"`{block.path}`: checkpointing candidates"
+                    f"`{block.path}`: "
+                    + ("already checkpointed" if checkpointed else "checkpointing candidates")
                 )
     elif category == "optimizer_state":
         from oomdoc.fixes.optimizer import STATE_TENSORS_PER_PARAMETER

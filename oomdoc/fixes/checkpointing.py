@@ -12,6 +12,24 @@ from oomdoc.sizes import format_bytes
 _CHECKPOINTED = "_oomdoc_checkpointed"
 
 
+def checkpointed_blocks(snapshot: Snapshot) -> Optional[str]:
+    """`2 x GPT2Block`: what the script's first training call already ran
+    under torch.utils.checkpoint, where that covers the repeated blocks
+    (checkpointing them again nests a checkpoint in each and saves nothing):
+    their class was checkpointed (an OOM in that call's forward cuts the
+    count short), or as many regions as the outermost run of them has
+    blocks (a wrapper module's blocks: `checkpoint_wrapper`); else None."""
+    framework = snapshot.framework
+    checkpointed = (framework.checkpointed if framework is not None else None) or {}
+    blocks = snapshot.repeated_blocks
+    if not checkpointed or not blocks:
+        return None
+    same_class = any(block.class_name in checkpointed for block in blocks)
+    if not same_class and sum(checkpointed.values()) < max(block.count for block in blocks):
+        return None
+    return ", ".join(f"{count} x {name}" for name, count in checkpointed.items())
+
+
 class Checkpointing(Fix):
     name = "checkpointing"
     title = "Activation checkpointing of the repeated blocks"
@@ -35,7 +53,13 @@ class Checkpointing(Fix):
             return "the OOM is in evaluation, where no autograd graph is kept: checkpointing saves nothing there"
         if not any(model.repeated_blocks for model in snapshot.models):
             return "the model has no repeated blocks (same-class children of an nn.ModuleList or nn.Sequential)"
-        return None
+        return super().skip_reason(snapshot, explicit)
+
+    def in_effect(self, snapshot: Snapshot) -> Optional[str]:
+        checkpointed = checkpointed_blocks(snapshot)
+        if checkpointed is None:
+            return None
+        return f"the script already checkpoints its blocks ({checkpointed} under torch.utils.checkpoint)"
 
     def not_applied(self, applied: dict) -> Optional[str]:
         if not self.record_in(applied).get("wrapped"):
