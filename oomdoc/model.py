@@ -33,7 +33,7 @@ from oomdoc.model_data import (  # noqa: F401
     FlagsCheck,
     Framework,
 )
-from oomdoc.model_oom import UncalledModel, WeightCopy  # noqa: F401
+from oomdoc.model_oom import OomsSeen, UncalledModel, WeightCopy  # noqa: F401
 from oomdoc.records import parse, to_dict, when_set  # noqa: F401  (oomdoc.model's API)
 
 OUTCOMES = ("oom", "ok", "error", "interrupted")
@@ -645,6 +645,7 @@ class Snapshot:
     timings: Optional[Dict[str, Any]] = None
     modules: List[ModuleUsage] = field(default_factory=list)
     framework: Optional[Framework] = None
+    ooms_seen: Optional[OomsSeen] = when_set()  # every OOM raised, where one was caught
     script_options: List[str] = field(default_factory=list)
     spawned_ranks: List[StartedProcesses] = field(default_factory=list)
     uncaptured_processes: List[StartedProcesses] = field(default_factory=list)
@@ -780,6 +781,12 @@ class Snapshot:
     def repeated_blocks(self) -> list[RepeatedBlock]:
         """Each model's outermost repeated blocks."""
         return [blocks[0] for model in self.models if (blocks := model.blocks_outermost_first())]
+
+    @property
+    def caught_ooms(self) -> int:
+        """Out-of-memory errors the script caught and went on from."""
+        seen = self.ooms_seen.count if self.ooms_seen is not None else 0
+        return max(0, seen - (1 if self.outcome == "oom" else 0))
 
     def fix_named(self, name: str) -> Optional[FixResult]:
         return next((fix for fix in self.fixes if fix.name == name), None)

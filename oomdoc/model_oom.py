@@ -1,13 +1,14 @@
 """Typed records of whose weights an OOM found outside every called model
 and optimizer (docs/snapshot.md: `oom.uncalled_models`, `oom.weight_copies`):
-the report names them instead of guessing a dataset. Part of oomdoc.model
+the report names them instead of guessing a dataset; and of the OOMs the run
+raised in all (`ooms_seen`), where the script caught some. Part of oomdoc.model
 (which imports them): parsed the same way, by field.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 
 @dataclass
@@ -38,4 +39,23 @@ class WeightCopy:
     # Where the script keeps them (`EMAModel.shadow_params`, `best_state (a
     # global of __main__)`), where the capture could name it.
     held_by: List[str] = field(default_factory=list)
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class OomsSeen:
+    """Every out-of-memory error the run raised, where the script caught
+    some and went on (its own batch-size retry: accelerate's
+    `find_executable_batch_size`, the HF `Trainer`'s `auto_find_batch_size`,
+    Lightning's `BatchSizeFinder`; or a step it skips): how many, and the
+    first one."""
+
+    count: int = 0
+    step: Optional[int] = None
+    phase: Optional[str] = None
+    requested_bytes: int = 0
+    allocated_bytes: int = 0  # in use when it was raised
+    file: Optional[str] = None
+    line: int = 0
+    function: Optional[str] = None
     extra: Dict[str, Any] = field(default_factory=dict)

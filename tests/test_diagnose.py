@@ -626,3 +626,35 @@ def test_blocks_the_script_checkpoints_already_are_not_offered_again(framework, 
         assert "checkpointing" in activations["fixes"]
         assert "checkpointing" in estimated
         assert any(line.endswith("checkpointing candidates") for line in activations["evidence"])
+
+
+# ------------------------------------------------------------- caught OOMs
+
+FIRST_OOM = {"step": 0, "phase": "forward", "requested_bytes": 64 * MiB}
+FIRST_OOM.update(file="/work/train.py", line=24, function="train")
+
+
+def test_an_oom_the_script_caught_comes_first_when_the_run_then_fit():
+    document = oomdoc_document(ooms_seen={"count": 2, **FIRST_OOM})
+    diagnosis = diagnose(document)[0]
+    assert diagnosis["kind"] == "caught_oom"
+    assert diagnosis["summary"].startswith(
+        "The script ran out of memory 2 times, caught the error itself and went on"
+    )
+    assert diagnosis["evidence"][0] == (
+        "the first in step 0 during forward, asking for 64.00 MiB, at train.py:24 in train"
+    )
+
+
+def test_retries_before_the_last_oom_are_said_after_what_filled_the_device():
+    document = oom_document(allocated=900 * MiB, requested=200 * MiB)
+    assert find(document, "caught_oom") is None  # no ooms_seen: an older snapshot
+    document["ooms_seen"] = {"count": 1, **FIRST_OOM}
+    assert find(document, "caught_oom") is None  # the one OOM ended the run
+    document["ooms_seen"] = {"count": 3, **FIRST_OOM}
+    diagnosis = find(document, "caught_oom")
+    assert diagnosis is not None and kinds(document)[-1] == "caught_oom"
+    assert (
+        "2 times, caught the error itself, then ran out of memory again and stopped"
+        in diagnosis["summary"]
+    )

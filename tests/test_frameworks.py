@@ -1003,3 +1003,21 @@ def test_a_configuration_file_on_the_command_line_sets_the_defaults(tmp_path, mo
     assert defaults["--dataset"] == "shakespeare_char"
     assert defaults["--batch_size"] == "64"
     assert "--max_iters" not in defaults
+
+
+def test_an_oom_the_script_catches_and_retries_is_said(tmp_path):
+    """accelerate's `find_executable_batch_size` catches the OOM (it matches
+    CUDA's words, which the simulated device's error uses) and tries again
+    smaller: the script goes on as it would on a GPU, the run fits, and the
+    diagnosis says that it ran out of memory first."""
+    pytest.importorskip("accelerate")
+    script = SCRIPTS / "fw_accelerate_finder.py"
+    result, document = run_case(tmp_path, (script, "9MiB", ["--batch-size", "512"]))
+    assert result.returncode == 0 and document["outcome"] == "ok", result.stderr[-3000:]
+    tried = [line for line in result.stdout.splitlines() if line.startswith("trying batch")]
+    assert tried[0] == "trying batch 512" and len(tried) >= 2, result.stdout
+    assert f"trained at batch {tried[-1].split()[-1]}" in result.stdout
+    seen = document["ooms_seen"]
+    assert seen["count"] == len(tried) - 1 and seen["file"].endswith("fw_accelerate_finder.py")
+    output = result.stdout + result.stderr
+    assert "1. caught_oom: The script ran out of memory once, caught the error itself" in output

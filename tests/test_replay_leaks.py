@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from test_prescribe import ScriptedReplayer, prescribe_with
 
-from oomdoc.model import Snapshot, to_dict
+from oomdoc.model import OomsSeen, Snapshot, to_dict
 from oomdoc.replay.batch import BatchRun, observe, search_max_batch
 from oomdoc.replay.leaks import MIN_DELTAS, leak_growth_per_step, still_grows, still_leaks
 from oomdoc.replay.prescription import Candidate
@@ -190,3 +190,18 @@ def test_a_prescription_whose_replay_still_leaks_is_not_prescribed():
     assert "batch 16 x 4 accumulation steps: still leaks, peak 60.00 MiB so far;" in (
         chosen.detail + ";"
     )
+
+
+def test_a_replay_whose_script_caught_an_oom_and_went_on_did_not_fit():
+    """A batch-size finder in the script (accelerate's
+    find_executable_batch_size) catches the replay's OOM and goes on at a
+    smaller batch: the replay ends `ok` but did not fit at its batch."""
+    capture = run_document([BASE] * 6)
+    capture.ooms_seen = OomsSeen(
+        count=1, step=0, phase="forward", requested_bytes=MiB, allocated_bytes=4 * MiB
+    )
+    replay = measure(child_result(capture), "autocast", "", FAILING, None)
+    assert replay.outcome == "oom" and not replay.fits and replay.ran
+    assert replay.peak_allocated_bytes == 5 * MiB
+    assert replay.message == "ran out of memory in step 0 during forward, caught"
+    assert not observe(capture, 32).fits

@@ -42,7 +42,9 @@ def test_oom_exit_status_and_original_traceback(mlp_oom):
     assert result.returncode == 1
     assert "Traceback (most recent call last):" in result.stderr
     assert 'run_mlp.py", line' in result.stderr
-    assert "torch.OutOfMemoryError: Simulated device out of memory" in result.stderr
+    # Phrased as CUDA phrases it: scripts that catch an OOM match its words.
+    assert "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate" in result.stderr
+    assert "Simulated device 0 (oomdoc) has a total capacity" in result.stderr
     # oomdoc's own hooks are not part of the user's traceback.
     assert "oomdoc/capture" not in result.stderr and "runpy" not in result.stderr
 

@@ -81,6 +81,7 @@ class FrameworkDetector:
         self._seen: set[str] = set()
         # The autocast and checkpointing the first training model call ran under.
         self.first_training_call = FirstTrainingCall()
+        self.ooms_seen: dict = {}  # (_oom_seen)
         self._parsers: set[int] = set()
         self._restore: list = []
         self._tracker = None
@@ -104,7 +105,10 @@ class FrameworkDetector:
 
         def on_oom(*args, **kwargs):
             self._observe("oom", sys._getframe(1))
-            return original_on_oom(*args, **kwargs)
+            try:
+                return original_on_oom(*args, **kwargs)
+            finally:
+                self._oom_seen(tracker.oom)
 
         tracker.on_oom = on_oom
         self._restore.append(lambda: tracker.__dict__.pop("on_oom", None))
@@ -209,6 +213,20 @@ class FrameworkDetector:
         self._observe_module(module)
         self._observe("forward", sys._getframe(1))
 
+    def _oom_seen(self, oom: dict | None) -> None:
+        """Count every OOM raised (a script that catches one goes on: the
+        last is then not the run's end), keeping the first."""
+        self.ooms_seen["count"] = self.ooms_seen.get("count", 0) + 1
+        if self.ooms_seen["count"] == 1 and oom is not None:
+            location = oom.get("location") or {}
+            self.ooms_seen.update(
+                {
+                    key: oom.get(key)
+                    for key in ("step", "phase", "requested_bytes", "allocated_bytes")
+                },
+                **{key: location.get(key) for key in ("file", "line", "function")},
+            )
+
     def _on_backward(self) -> None:
         self.first_training_call.stop()
         if self.done or "backward" in self._seen:
@@ -290,7 +308,7 @@ class FrameworkDetector:
     def capture(self) -> dict:
         """The capture keys: `framework`, `script_options`,
         `script_option_values`, `script_option_aliases`,
-        `script_option_syntax` and `script_dataclasses`."""
+        `script_option_syntax`, `script_dataclasses` and `ooms_seen`."""
         found = self.found or {"name": "plain", "entry": None, "module": None, "seen_at": None}
         framework = dict(found)
         framework["version"] = _version_of(found["name"], found.get("module"))
@@ -299,6 +317,7 @@ class FrameworkDetector:
             framework.update(autocast=dict(first.autocast))
         if first.checkpointed is not None:
             framework.update(checkpointed=dict(first.checkpointed))
+        seen = {"ooms_seen": dict(self.ooms_seen)} if self.ooms_seen else {}
         return {
             "framework": framework,
             "script_options": list(self.options),
@@ -307,6 +326,7 @@ class FrameworkDetector:
             "script_option_defaults": dict(self.option_defaults),
             "script_option_syntax": self.syntax,
             "script_dataclasses": dict(self.dataclasses),
+            **seen,
         }
 
 

@@ -579,8 +579,8 @@ class SimulatedBackend(Backend):
         live = self.allocated_bytes()
         free = max(0, self._capacity - live)
         message = (
-            f"Simulated device out of memory (oomdoc). Tried to allocate {format_bytes(requested)}. "
-            f"Simulated device 0 has a total capacity of {format_bytes(self._capacity)} of which "
+            f"CUDA out of memory. Tried to allocate {format_bytes(requested)}. "
+            f"Simulated device 0 (oomdoc) has a total capacity of {format_bytes(self._capacity)} of which "
             f"{format_bytes(free)} is free. Of the allocated memory {format_bytes(live)} is allocated "
             f"by PyTorch (every CPU tensor of this process counts), and 0 bytes is reserved by PyTorch "
             f"but unallocated."

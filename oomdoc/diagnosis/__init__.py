@@ -7,7 +7,8 @@ causes that decided the OOM on their own (fragmentation, other processes, a
 host that ran out of RAM), then what filled the device, largest first.
 
 Kinds: oversized_request (one request larger than the device), model_load
-(the OOM came while a model was built or moved to the device), leak, grad_in_eval, evaluation_oom, fragmentation, other_processes, host_memory,
+(the OOM came while a model was built or moved to the device), caught_oom
+(the script caught an OOM and went on), leak, grad_in_eval, evaluation_oom, fragmentation, other_processes, host_memory,
 activations, optimizer_state, parameters, gradients, communication,
 unattributed (the breakdown's `other`: tensors made outside the model and
 optimizer): one per category, named in oomdoc.categories.
@@ -19,6 +20,7 @@ from typing import Callable, Union
 
 from oomdoc.diagnosis import (
     breakdown,
+    caught_oom,
     distributed,
     evaluation,
     fragmentation,
@@ -63,6 +65,7 @@ RULES: tuple[Callable[[Snapshot], RuleResult], ...] = (
     host_memory.rule,
     breakdown.rule,
     distributed.rule,
+    caught_oom.rule,
 )
 
 

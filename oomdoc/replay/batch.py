@@ -98,7 +98,8 @@ def observe(capture: Snapshot, batch_size: int, still_leaks: StillLeaks | None =
     oom = capture.oom if outcome == "oom" else None
     run = BatchRun(
         batch_size=int(batch_size),
-        fits=outcome == "ok" and still_leaks is None,
+        # (a script that caught an OOM and went on, a finder, did not fit)
+        fits=outcome == "ok" and still_leaks is None and not capture.caught_ooms,
         inconclusive=outcome not in ("ok", "oom"),
         still_leaks=still_leaks,
     )

@@ -715,7 +715,13 @@ def measure(
         replay.message = f"the replay ended without a capture (exit status {result.exit_code})"
         return replay
     replay.applied = capture.fix_applied or {}
-    if capture.outcome == "ok":
+    caught = capture.ooms_seen
+    if capture.outcome == "ok" and caught is not None and capture.caught_ooms:
+        # The script caught it and went on (a batch-size finder): it did not fit.
+        replay.outcome = "oom"
+        replay.peak_allocated_bytes = caught.allocated_bytes + caught.requested_bytes
+        replay.message = f"ran out of memory in step {caught.step} during {caught.phase}, caught"
+    elif capture.outcome == "ok":
         peak = capture.peak
         replay.outcome = "fits"
         replay.peak_allocated_bytes = (peak.allocated_bytes if peak else None) or 0
