@@ -107,3 +107,21 @@ def test_autocast_entered_inside_the_forward_is_read():
     watch = first_call(Model(WAYS["the module, reentrant"], autocast=True), x)
     assert watch.autocast == {"cpu": "bfloat16"}
     assert watch.checkpointed == {"Block": 3}
+
+
+def test_a_compiled_model_is_not_watched_inside():
+    """Its compiled code would trace the watch's global hook, and removing
+    the hook would make it compile again (tests/gpu/test_compiled_gpu.py):
+    its checkpointing stays unknown."""
+    from oomdoc.capture.training_settings import compiled_inside
+
+    plain = Model(None)
+    compiled = torch.compile(Model(None))
+    assert compiled_inside(compiled) and not compiled_inside(plain)
+    in_place = Model(None)
+    in_place.blocks[0].compile()
+    assert compiled_inside(in_place)
+    watch = FirstTrainingCall()
+    watch.start(compiled)
+    assert watch.autocast == {} and watch.checkpointed is None
+    assert not torch.nn.modules.module._global_forward_pre_hooks

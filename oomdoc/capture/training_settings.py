@@ -7,7 +7,8 @@ snapshot records both (`framework.autocast`, `framework.checkpointed`) and
 such a fix is neither replayed nor offered.
 
 Read in the child, at the first training call (a module in training mode,
-gradients on) and at each module call inside it until its backward:
+gradients on) and, unless torch.compile compiles the model or a module in
+it, at each module call inside it until its backward:
 accelerate, and the HF `Trainer` through it, enters autocast inside the
 model's own forward, after the call begins; a checkpointed block is called
 from inside `torch.utils.checkpoint`.
@@ -46,6 +47,8 @@ class FirstTrainingCall:
         if not _grad_enabled():
             return
         self.autocast = autocast_in_effect()
+        if compiled_inside(module):
+            return  # (checkpointing not known: None)
         self.checkpointed = {}
         self._watch_inside(module)
 
@@ -76,6 +79,20 @@ class FirstTrainingCall:
                 self.autocast = autocast_in_effect()
 
         self._remove = module_hooks.register_module_forward_pre_hook(inside).remove
+
+
+def compiled_inside(module) -> bool:
+    """Whether torch.compile compiles `module` or a module in it: its
+    compiled code would trace the watch's global hook, and the hook's
+    removal would make it compile again (a recompile the script does not
+    have without oomdoc)."""
+    if "torch._dynamo" not in sys.modules:
+        return False
+    return any(
+        type(inner).__name__ == "OptimizedModule"
+        or getattr(inner, "_compiled_call_impl", None) is not None
+        for inner in module.modules()
+    )
 
 
 def checkpoint_region(frame, module) -> Any:

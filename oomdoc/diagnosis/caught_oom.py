@@ -35,11 +35,10 @@ def rule(snapshot: Snapshot) -> Optional[Diagnosis]:
     if seen.file:
         location = Location(file=seen.file, line=seen.line, function=seen.function or "?")
         first += f", at {format_location(location, snapshot.cwd)}"
-    ended = (
-        ", then ran out of memory again and stopped"
-        if snapshot.outcome == "oom"
-        else " and went on"
-    )
+    ended = {
+        "oom": ", then ran out of memory again and stopped",
+        "error": ", then failed",  # (accelerate's finder: "reached zero")
+    }.get(snapshot.outcome, " and went on")
     summary = (
         f"The script ran out of memory {times}, caught the error itself{ended}: "
         "a batch-size finder (accelerate's find_executable_batch_size, the HF Trainer's "

@@ -5,7 +5,7 @@ smaller (by half in older accelerate), until one fits.
 
     python fw_accelerate_finder.py --batch-size 512   # 512 OOMs under oomdoc on 9MiB
 
-The CPU only, one process, nothing saved.
+The CPU unless `--gpu`; one process, nothing saved.
 """
 
 import argparse
@@ -31,11 +31,13 @@ def main():
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--depth", type=int, default=6)
+    parser.add_argument("--samples", type=int, default=2048)
+    parser.add_argument("--gpu", action="store_true")
     args = parser.parse_args()
-    accelerator = Accelerator(cpu=True)
+    accelerator = Accelerator(cpu=not args.gpu)
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    data = TensorDataset(torch.randn(2048, 32), torch.randint(0, 10, (2048,)))
+    data = TensorDataset(torch.randn(args.samples, 32), torch.randint(0, 10, (args.samples,)))
 
     @find_executable_batch_size(starting_batch_size=args.batch_size)
     def train(batch_size):
