@@ -658,3 +658,6 @@ def test_retries_before_the_last_oom_are_said_after_what_filled_the_device():
         "2 times, caught the error itself, then ran out of memory again and stopped"
         in diagnosis["summary"]
     )
+    document.update(outcome="error", oom=None)  # accelerate's finder: "reached zero"
+    summary = find(document, "caught_oom")["summary"]
+    assert "ran out of memory 3 times, caught the error itself, then failed: " in summary
