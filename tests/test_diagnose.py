@@ -661,3 +661,16 @@ def test_retries_before_the_last_oom_are_said_after_what_filled_the_device():
     document.update(outcome="error", oom=None)  # accelerate's finder: "reached zero"
     summary = find(document, "caught_oom")["summary"]
     assert "ran out of memory 3 times, caught the error itself, then failed: " in summary
+
+
+def test_forwards_an_oom_the_script_caught_cut_short_are_no_evaluation():
+    """A batch-size finder's tries that ran out of memory in their forward
+    never reached a backward (the H200: accelerate's finder, 7 OOMs caught,
+    4 of them in the forward, was told to use torch.no_grad())."""
+    steps = [step(0, end=400 * MiB, with_grad=9, backward=5, optimizer_steps=2)]
+    steps += [step(i, end=400 * MiB) for i in range(1, 4)]
+    document = oomdoc_document(steps=steps)
+    assert find(document, "grad_in_eval") is not None  # without the OOMs: a bug
+    document["ooms_seen"] = {"count": 7, **FIRST_OOM}
+    assert find(document, "grad_in_eval") is None
+    assert kinds(document)[0] == "caught_oom"

@@ -68,8 +68,16 @@ def eval_steps(snapshot: Snapshot) -> tuple[list[Step], int]:
         default=0,
     )
     found, passes = [], 0
+    # An OOM the script caught (a batch-size finder) cut a training forward
+    # short of its backward: as many passes, from the step of the first, are
+    # no evaluation.
+    caught = snapshot.caught_ooms
+    first_caught = snapshot.ooms_seen.step if snapshot.ooms_seen is not None else None
     for step in steps:
         surplus = step.forward_calls_with_grad - step.backward_calls
+        if caught and (first_caught is None or step.index >= first_caught):
+            cut_short = min(max(surplus, 0), caught)
+            surplus, caught = surplus - cut_short, caught - cut_short
         if surplus <= 0:
             continue
         died_here = incomplete is not None and step.index == incomplete
