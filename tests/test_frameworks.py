@@ -1021,3 +1021,18 @@ def test_an_oom_the_script_catches_and_retries_is_said(tmp_path):
     assert seen["count"] == len(tried) - 1 and seen["file"].endswith("fw_accelerate_finder.py")
     output = result.stdout + result.stderr
     assert "1. caught_oom: The script ran out of memory once, caught the error itself" in output
+
+
+def test_lightnings_batch_size_finder_finds_its_batch_under_oomdoc(tmp_path):
+    """Lightning's `BatchSizeFinder` tells an OOM by `CUDA` and `out of
+    memory` in its message: its binary search runs on the simulated device
+    as on a GPU, and the OOMs it caught are said. (It settles on 151 here;
+    oomdoc's search of the same encoder finds 159, and 160 runs out of
+    memory by hand: the finder's trials carry its own state.)"""
+    script = SCRIPTS / "fw_lightning_finder.py"
+    result, document = run_case(tmp_path, (script, "48MiB", ["--batch-size", "8"]))
+    assert result.returncode == 0 and document["outcome"] == "ok", result.stderr[-3000:]
+    (found,) = [line for line in result.stdout.splitlines() if line.startswith("found batch")]
+    assert int(found.split()[2].rstrip(",")) > 64 and found.endswith("trained 3 steps"), found
+    assert document["ooms_seen"]["count"] >= 1
+    assert "1. caught_oom: The script ran out of memory" in result.stdout + result.stderr
