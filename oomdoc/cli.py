@@ -169,7 +169,10 @@ def run(
         None,
         "--batch-arg",
         metavar="FLAG",
-        help=f"The script's batch-size flag, if not one of {listed()}.",
+        help=(
+            f"The script's batch-size flag, if not one of {listed()} "
+            "(or a Hydra override's dotted key: data.bs)."
+        ),
     ),
     html: Optional[str] = typer.Option(
         None,

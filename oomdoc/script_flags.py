@@ -83,11 +83,15 @@ def is_override_key(option: str) -> bool:
     )
 
 
+# The batch search's `source` where it changes the script's DataLoaders.
+DATALOADER_SOURCE = "DataLoader"
+
+
 def from_command_line(source: str) -> bool:
     """Whether the batch search's `source` is an option on the script's
-    command line (a flag, or a nested or override batch key), not its
-    DataLoader."""
-    return source.startswith("-") or nested_batch_flag(source)
+    command line (a flag, or an override key: a nested batch key found on
+    it, or any named with --batch-arg), not its DataLoaders."""
+    return source != DATALOADER_SOURCE and (source.startswith("-") or is_override_key(source))
 
 
 def listed(flags: tuple[str, ...] = BATCH_FLAGS) -> str:

@@ -608,7 +608,7 @@ def test_a_batch_source_from_the_command_line_is_told_from_the_dataloader():
 
     for source in ("-b", "--batch-size", "--trainer.batch_size", "data.batch_size", "+batch_size"):
         assert from_command_line(source), source
-    for source in ("DataLoader", "", "val.batch_size", "data.lr"):
+    for source in ("DataLoader", ""):  # the DataLoaders; none
         assert not from_command_line(source), source
     assert spelled("data.batch_size", 8) == "data.batch_size=8"
     assert with_option(["data.batch_size=64"], "data.batch_size", "8") == ["data.batch_size=8"]
@@ -616,3 +616,23 @@ def test_a_batch_source_from_the_command_line_is_told_from_the_dataloader():
         "x=1",
         "+trainer.accumulate_grad_batches=2",
     ]
+
+
+def test_batch_arg_names_a_flag_or_a_dotted_override_key():
+    """`--batch-arg data.bs`: a Hydra override's key the known batch keys do
+    not cover; a bare word is taken for a flag missing its dashes."""
+    from oomdoc.errors import UsageError
+    from oomdoc.model import Snapshot
+    from oomdoc.replay.batch_args import find_search_batch
+    from oomdoc.replay.plan import check_replay_options
+    from oomdoc.script_flags import from_command_line
+
+    for name in ("--micro-batch", "-b", "data.bs", "+data.bs"):
+        check_replay_options(None, None, name, True)
+    for name in ("batch", "-", "--bs=4", "data..bs"):
+        with pytest.raises(UsageError, match="is not an option name"):
+            check_replay_options(None, None, name, True)
+    args = ["experiment=x", "data.bs=64"]
+    snapshot = Snapshot.from_dict({"command": ["train.py", *args]})
+    assert find_search_batch(args, "data.bs", snapshot) == (1, "data.bs", 64)
+    assert from_command_line("data.bs") and not from_command_line("DataLoader")

@@ -28,6 +28,7 @@ from oomdoc.replay.replayer import (
     Replay,
     Replayer,
 )
+from oomdoc.script_flags import is_override_key
 from oomdoc.sizes import format_bytes
 
 # A fix that saves less than this share of the failing run's need is a no-op:
@@ -104,11 +105,14 @@ def check_replay_options(
         raise UsageError(
             f"--replay-timeout must be a positive number of seconds, not {replay_timeout_s:g}"
         )
-    if batch_arg is not None and (
-        not batch_arg.startswith("-") or len(batch_arg) < 2 or "=" in batch_arg
+    if batch_arg is not None and not (
+        (batch_arg.startswith("-") and len(batch_arg) >= 2 and "=" not in batch_arg)
+        # (a bare word, `batch`, is more likely a flag missing its dashes)
+        or (is_override_key(batch_arg) and "." in batch_arg)
     ):
         raise UsageError(
-            f"--batch-arg: {batch_arg!r} is not an option name (e.g. --micro-batch or -b)"
+            f"--batch-arg: {batch_arg!r} is not an option name "
+            "(e.g. --micro-batch, -b, or a Hydra override's dotted key: data.bs)"
         )
     return parse_fix_names(names)
 

@@ -36,7 +36,13 @@ from oomdoc.replay.replayer import (
     Replay,
     Replayer,
 )
-from oomdoc.script_flags import EVAL_BATCH_FLAGS, from_command_line, listed, spelled
+from oomdoc.script_flags import (
+    DATALOADER_SOURCE,
+    EVAL_BATCH_FLAGS,
+    from_command_line,
+    listed,
+    spelled,
+)
 
 
 def no_batch_size() -> str:
@@ -180,7 +186,7 @@ def search_batch(
         if not record.get("original_batch_size") or not record.get("batch_size"):
             return None, info, f"the first smaller-batch replay failed: {probe_replay.message}"
         original = int(record["original_batch_size"])
-        info.update(source="DataLoader", original_batch_size=original)
+        info.update(source=DATALOADER_SOURCE, original_batch_size=original)
 
         def in_dataloader(batch_size: int) -> tuple[dict, str, Optional[list[str]]]:
             payload = {
