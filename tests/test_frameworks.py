@@ -692,6 +692,7 @@ def test_hf_trainer_is_detected_with_its_options(tmp_path):
         "seen_at": "forward",
         "version": version_of("transformers"),
         "autocast": {},  # the case runs without --bf16
+        "checkpointed": {},  # nor --gradient_checkpointing
     }
     options = document["script_options"]
     for option in (

@@ -108,7 +108,7 @@ class FrameworkDetector:
             try:
                 return original_on_oom(*args, **kwargs)
             finally:
-                self._oom_seen(tracker.oom)
+                self._oom_seen(getattr(tracker, "oom", None))
 
         tracker.on_oom = on_oom
         self._restore.append(lambda: tracker.__dict__.pop("on_oom", None))
