@@ -112,7 +112,8 @@ def checkpoint_region(frame, module) -> Any:
                 return False
             checkpointed = frame.f_locals
             function = checkpointed.get("function", checkpointed.get("run_function"))
-            return _module_of(function) or module
+            owner = _module_of(function)  # (an empty Sequential is falsy)
+            return module if owner is None else owner
         if code.co_name == "_call_impl" and code.co_filename.endswith(_MODULE_FILE):
             calls += 1
         frame = frame.f_back
