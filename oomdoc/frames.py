@@ -36,7 +36,6 @@ _LIBRARY_DIRS: tuple[str, ...] = tuple(
 )
 
 
-@lru_cache(maxsize=4096)
 def exception_chain(failure: BaseException | None, limit: int) -> Iterator[BaseException]:
     """`failure`, then what it was raised from or while handling, and so on
     (`__cause__`, else `__context__`), each once, at most `limit` of them."""
@@ -47,6 +46,7 @@ def exception_chain(failure: BaseException | None, limit: int) -> Iterator[BaseE
         failure = failure.__cause__ or failure.__context__
 
 
+@lru_cache(maxsize=4096)
 def is_user_file(filename: str) -> bool:
     """True when `filename` belongs to the user's code rather than a library."""
     if not filename or filename.startswith("<"):

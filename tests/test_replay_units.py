@@ -636,3 +636,24 @@ def test_batch_arg_names_a_flag_or_a_dotted_override_key():
     snapshot = Snapshot.from_dict({"command": ["train.py", *args]})
     assert find_search_batch(args, "data.bs", snapshot) == (1, "data.bs", 64)
     assert from_command_line("data.bs") and not from_command_line("DataLoader")
+
+
+def test_an_exception_chain_is_walked_afresh_and_holds_nothing():
+    """frames.exception_chain once sat under is_user_file's lru_cache: a
+    second walk of the same exception found it exhausted, the cache kept the
+    script's exceptions (and their frames) alive, and is_user_file, on the
+    allocator's hot path, lost its cache."""
+    from oomdoc import frames
+
+    try:
+        try:
+            raise KeyError("inner")
+        except KeyError as inner:
+            raise ValueError("outer") from inner
+    except ValueError as outer:
+        failure = outer
+    first = [type(e).__name__ for e in frames.exception_chain(failure, limit=8)]
+    assert first == ["ValueError", "KeyError"]
+    assert [type(e).__name__ for e in frames.exception_chain(failure, limit=8)] == first
+    assert not hasattr(frames.exception_chain, "cache_info")
+    assert hasattr(frames.is_user_file, "cache_info")

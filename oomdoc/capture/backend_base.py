@@ -91,14 +91,14 @@ def oom_behind(failure: BaseException) -> BaseException | None:
     no replays. (Only a chained error counts: accelerate's
     `find_executable_batch_size` raises its "reached zero" RuntimeError
     outside its handler, with no OOM behind it.)"""
-    seen: set[int] = set()
-    current: BaseException | None = failure
-    while current is not None and id(current) not in seen and len(seen) < 16:
-        seen.add(id(current))
-        if isinstance(current, OutOfMemoryError):
-            return current
-        current = current.__cause__ or current.__context__
-    return None
+    return next(
+        (
+            cause
+            for cause in frames.exception_chain(failure, limit=16)
+            if isinstance(cause, OutOfMemoryError)
+        ),
+        None,
+    )
 
 
 class StorageRecord:
