@@ -133,8 +133,12 @@ def check_the_configurations_weighed(document):
         if entry["measured"] and entry["verdict"] == "slower" and entry["samples_per_second"]:
             # A tie is a throughput within TIE_NOISE_CAP below the fastest's,
             # so the fastest is at most 1 / (1 - cap) of the prescription's
-            # (rounded to 3 decimals on both sides).
-            bound = prescription["samples_per_second"] / (1 - TIE_NOISE_CAP)
+            # (rounded to 3 decimals on both sides). The verdict weighed the
+            # prescription's replay; its own-flags run, which the reported
+            # speed becomes, may run slower on a busy machine.
+            checked = prescription.get("verified_by_flags") or {}
+            weighed = checked.get("replay_samples_per_second") or prescription["samples_per_second"]
+            bound = weighed / (1 - TIE_NOISE_CAP)
             assert entry["samples_per_second"] <= bound + 0.002
 
 
