@@ -93,6 +93,10 @@ class ChildConfig:
     # diagnosis share their datasets' sample sizes, read once
     # (oomdoc.capture.shared_sizes); None: each replay reads its own.
     dataset_sizes: str | None = None
+    # A replay: the folder where the replays of one diagnosis note each of
+    # the user's files before changing it, for the parent to put back
+    # (oomdoc.kept_files); None: not noted (they are still named).
+    kept_files: str | None = None
     # A replay: the fix to apply before the script starts (oomdoc.fixes'
     # payload: its `name`, the fixes applied `also`, and the fix's settings).
     fix: dict[str, Any] | None = None

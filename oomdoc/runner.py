@@ -63,6 +63,8 @@ class ChildRequest:
     whole_run: bool = False
     # Where replays share their datasets' sample sizes (ChildConfig.dataset_sizes).
     dataset_sizes: str | None = None
+    # Where replays note the user's files before changing them (ChildConfig.kept_files).
+    kept_files: str | None = None
     fix: dict | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
     # Replays send the script's output to a log instead of the terminal.
@@ -271,6 +273,7 @@ def child_config(request: ChildRequest, result_path: str, artifact_dir: str) -> 
         stop_after_evaluation=request.stop_after_evaluation,
         whole_run=request.whole_run,
         dataset_sizes=request.dataset_sizes,
+        kept_files=request.kept_files,
         fix=request.fix,
         artifact_dir=artifact_dir,
         quick_exit=request.quick_exit,

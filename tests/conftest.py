@@ -137,3 +137,32 @@ def run_case(tmp_path, case, *, extra_args=(), replay=False, options=()):
 @pytest.fixture
 def oomdoc_cli():
     return run_oomdoc
+
+
+def tree(root):
+    """Every path under `root`, with a file's bytes or a link's target."""
+    found = {}
+    for folder, folders, files in os.walk(root):
+        for name in folders + files:
+            path = os.path.join(folder, name)
+            relative = os.path.relpath(path, root)
+            if os.path.islink(path):
+                found[relative] = ("link", os.readlink(path))
+            elif os.path.isdir(path):
+                found[relative] = ("folder",)
+            else:
+                with open(path, "rb") as file:
+                    found[relative] = ("file", file.read())
+    return found
+
+
+def run_as_replay(script, cwd):
+    """`python -c script` in `cwd`, as a replay's process (OOMDOC_REPLAY=1)."""
+    return subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=cwd,
+        env=oomdoc_env({"OOMDOC_REPLAY": "1"}),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )

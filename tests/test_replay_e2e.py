@@ -10,11 +10,9 @@ written into the script by hand (its --autocast and --checkpointing flags).
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
-from conftest import SCRIPTS, load_json, oomdoc_env, run_oomdoc
+from conftest import SCRIPTS, load_json, run_as_replay, run_oomdoc, tree
 
 MLP = SCRIPTS / "replay_mlp_train.py"
 CAPACITY = "40MiB"
@@ -309,6 +307,35 @@ def test_the_files_the_replays_write_are_named(tmp_path):
     assert "The replays wrote this file" in result.stderr
 
 
+def test_the_replays_leave_the_user_s_files_as_the_run_left_them(tmp_path):
+    """A trainer that writes as most do (a new versioned run folder, a log
+    appended to, the latest weights saved atomically, checkpoints rotated, a
+    metrics file rewritten): every replay that fits writes them all, and
+    after the diagnosis the folder holds what it held before plus what the
+    user's own run made (its empty run folder: it ran out of memory before
+    its first save)."""
+    out = tmp_path / "out"
+    (out / "runs" / "version_0").mkdir(parents=True)
+    (out / "runs" / "version_0" / "step-9.pt").write_bytes(b"an earlier run's checkpoint")
+    (out / "last.pt").write_bytes(b"the weights the user resumes from")
+    (out / "train.log").write_text("an earlier run\n")
+    (out / "metrics.json").write_text('{"loss": 1.0}')
+    before = tree(out)
+    snapshot = tmp_path / "writes.json"
+    result = run_oomdoc(
+        ["run", "--device", "cpu", "--device-memory", "8MiB", "--fixes", "smaller_batch"]
+        + ["-o", snapshot, SCRIPTS / "writes_as_it_trains.py", "--batch-size", "4096"],
+        cwd=tmp_path,
+    )
+    assert result.returncode == 1, result.stderr[-3000:]
+    document = load_json(snapshot)
+    assert document["replay"]["batch_search"]["max_batch_size"]  # replays fit, and wrote
+    assert tree(out) == {**before, "runs/version_1": ("folder",)}
+    (note,) = [note for note in document["notes"] if note.startswith("The replays wrote")]
+    assert "out/last.pt" in note
+    assert "oomdoc put them back as your run left them: 3 paths restored" in note
+
+
 # A fix the script already applies, by its own flag: (the flag, the capacity,
 # the fix left out, the other replayed, what the failing run records, the
 # reason it is not tried, the activations advice's end, the fixes offered).
@@ -448,14 +475,7 @@ def test_watching_a_replay_s_writes_never_waits_on_what_opened_the_file(tmp_path
         "assert torch.load('ckpt.pt')['w'].shape == (2,)\n"
         "print(replay_writes.fields()['paths'])\n"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", script],
-        cwd=tmp_path,
-        env=oomdoc_env({"OOMDOC_REPLAY": "1"}),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    result = run_as_replay(script, tmp_path)
     assert result.returncode == 0, result.stderr
     assert str(tmp_path / "written.txt") in result.stdout
     assert str(tmp_path / "ckpt.pt") in result.stdout

@@ -144,7 +144,7 @@ def resolve_device(requested: str) -> str:
 def tracker_for(config: ChildConfig, backend: Backend) -> Tracker:
     """The tracker a run's configuration asks for (the script's process and
     each rank it spawns alike); a replay's files written are watched from here."""
-    replay_writes.watch([os.path.dirname(config.result_path), config.artifact_dir])
+    replay_writes.watch_run(config)
     return Tracker(
         backend,
         max_steps=config.max_steps,

@@ -16,6 +16,13 @@ went unnamed); not files other native code opens itself (safetensors). Nothing t
 hook only records, never raises, and calls nothing that takes a lock. oomdoc's own files, the bytecode
 cache, the temporary folder outside the script's working directory and
 the caches under the home folder are left out.
+
+With a keeper (oomdoc.kept_files, the replays' `kept_files` folder), each of
+the user's paths is noted before the replay first changes it, so that the
+parent puts it back once the replays end: opened to write, truncated,
+renamed (both names), removed, a folder made or removed, a link made. That
+is the one thing the hook may refuse: when no copy of a file can be made,
+the replay's change fails rather than lose the user's file.
 """
 
 from __future__ import annotations
@@ -23,17 +30,37 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
-from typing import Any
+import threading
+from typing import Any, Callable
+
+from oomdoc.child_config import ChildConfig
+from oomdoc.kept_files import FileKeeper
 
 # At most this many paths are kept (the count goes on).
 KEPT = 50
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
+# Audit events that change a path besides `open`: for each, where its
+# paths are among the arguments, each with where its `dir_fd` is (a path
+# relative to a folder's descriptor is not one from here: shutil.rmtree
+# removes what it holds that way, and is kept whole at its own event).
+# os.replace raises os.rename; shutil.move renames, or copies and removes.
+_CHANGES: dict[str, tuple[tuple[int, int | None], ...]] = {
+    "os.remove": ((0, 1),),
+    "os.rmdir": ((0, 1),),
+    "os.mkdir": ((0, 2),),
+    "os.rename": ((0, 2), (1, 3)),
+    "os.truncate": ((0, None),),
+    "os.symlink": ((1, 2),),
+    "os.link": ((1, 3),),
+    "shutil.rmtree": ((0, 1),),
+}
 
 
 class WrittenFiles:
     """The paths a replay opened to write, in the order first opened."""
 
-    def __init__(self, left_out: list[str]) -> None:
+    def __init__(self, left_out: list[str], keeper: FileKeeper | None = None) -> None:
+        self.keeper = keeper
         self.paths: list[str] = []
         self.count = 0
         self._seen: set[str] = set()
@@ -46,31 +73,54 @@ class WrittenFiles:
         scratch = [tempfile.gettempdir(), "/dev", "/proc", "/sys"]
         scratch += [os.path.join(home, name) for name in (".cache", ".triton", ".nv", ".config")]
         self._scratch = tuple(os.path.join(place, "") for place in scratch)
-        self._inside = False
+        # Per thread: what the hook itself opens is not seen again, while
+        # another thread's open still is.
+        self._local = threading.local()
 
     def fields(self) -> dict[str, Any]:
         return {"paths": list(self.paths), "count": self.count}
 
     def hook(self, event: str, args: tuple) -> None:
-        if event != "open" or self._inside:
+        if (event != "open" and event not in _CHANGES) or getattr(self._local, "inside", False):
             return
-        self._inside = True  # what it calls may open files: not seen again
+        self._local.inside = True  # what it calls may open files: not seen again
         try:
-            self._opened(*args[:3])
+            if event == "open":
+                self._opened(*args[:3])
+            else:
+                for path in _paths_changed(event, args):
+                    self._changed(path, event == "shutil.rmtree")
+        except OSError:
+            raise  # no copy of the user's file could be made: the change must not happen
         except Exception:  # an audit hook must never change what the script sees
             pass
         finally:
-            self._inside = False
+            self._local.inside = False
 
     def _opened(self, path: Any, mode: Any, flags: Any) -> None:
         if isinstance(mode, str):
             writes = any(letter in mode for letter in "wax+")
         else:
             writes = isinstance(flags, int) and bool(flags & _WRITE_FLAGS)
-        if not writes or isinstance(path, int):
-            return
+        if writes:
+            self._changed(path)
+
+    def _changed(self, path: Any, tree: bool = False) -> None:
+        if not isinstance(path, (str, bytes, os.PathLike)):
+            return  # a file descriptor
         full = os.path.abspath(os.fsdecode(path))  # from where the script is now
-        if full in self._seen or not self.kept(full):
+        if not self.kept(full):
+            return
+        if self.keeper is not None:
+            keep: Callable[[str], None] = self.keeper.keep_tree if tree else self.keeper.keep
+            try:
+                keep(full)
+            except OSError as exc:
+                raise PermissionError(
+                    f"oomdoc: no copy of {full} could be kept before this replay changed it "
+                    f"({exc.strerror or exc}), so the replay may not change it"
+                ) from None
+        if full in self._seen:
             return
         self._seen.add(full)
         self.count += 1
@@ -85,19 +135,40 @@ class WrittenFiles:
         return full.startswith(self._cwd) or not full.startswith(self._scratch)
 
 
+def _paths_changed(event: str, args: tuple) -> list[Any]:
+    """The paths an audit event in _CHANGES changes, from here."""
+    paths = []
+    for index, folder in _CHANGES[event]:
+        descriptor = args[folder] if folder is not None and folder < len(args) else None
+        if index >= len(args) or (isinstance(descriptor, int) and descriptor >= 0):
+            continue  # relative to a folder's descriptor (-1: none given)
+        if event == "os.mkdir" and os.path.isdir(args[index]):
+            continue  # os.makedirs(exist_ok=True): nothing changes
+        paths.append(args[index])
+    return paths
+
+
 _WATCHING: list[WrittenFiles] = []  # this process's, once watched
 
 
-def watch(left_out: list[str | None]) -> None:
+def watch(left_out: list[str | None], kept_files: str | None = None) -> None:
     """In a replay (OOMDOC_REPLAY=1), record the files it writes from now
-    on, except under `left_out` (oomdoc's own folders). Once per process:
-    an audit hook cannot be removed."""
+    on, except under `left_out` (oomdoc's own folders), and with `kept_files`
+    note each before it changes (oomdoc.kept_files). Once per process: an
+    audit hook cannot be removed."""
     if os.environ.get("OOMDOC_REPLAY") != "1" or _WATCHING:
         return
-    written = WrittenFiles([place for place in left_out if place])
+    keeper = FileKeeper(kept_files) if kept_files else None
+    written = WrittenFiles([place for place in [*left_out, kept_files] if place], keeper)
     _WATCHING.append(written)
     sys.addaudithook(written.hook)
     _watch_torch_save(written)
+
+
+def watch_run(config: ChildConfig) -> None:
+    """`watch` for a child's run: oomdoc's own folders are its capture's and
+    its artifacts'."""
+    watch([os.path.dirname(config.result_path), config.artifact_dir], config.kept_files)
 
 
 def _watch_torch_save(written: WrittenFiles) -> None:

@@ -15,7 +15,6 @@ to describe what the replay did.
 from __future__ import annotations
 
 import copy
-import os
 import sys
 from typing import Any, Optional, TextIO
 
@@ -72,6 +71,7 @@ from oomdoc.replay.timing import (
     shape_warmup,
     step_timing,
 )
+from oomdoc.replay.written import put_back_written
 from oomdoc.runner import ChildRequest, ChildSignals, WarmPool
 from oomdoc.script_flags import from_command_line, spelled
 
@@ -236,6 +236,10 @@ def replay_fixes(
             replayer.close()
             if plain is not None:
                 plain.abandon()
+            # Every replay has ended: the user's files as the run left them.
+            written = put_back_written(snapshot, replayer, request.artifact_dir)
+            if written:
+                snapshot.notes.append(written)
             if own_pool:
                 pool.close()
 
@@ -497,9 +501,6 @@ def finish(
     warmup = shape_warmup_note(snapshot, replayer)
     if warmup:
         snapshot.notes.append(warmup)
-    written = files_written_note(snapshot, replayer)
-    if written:
-        snapshot.notes.append(written)
     leaking = [(replay.label, replay.leaks) for replay in replayer.replays if replay.leaks]
     if leaking and not replayer.leak:
         # The failing run ended too early to show its leak; a replay did.
@@ -594,39 +595,6 @@ def shape_warmup_note(snapshot: Snapshot, replayer: Replayer) -> Optional[str]:
             "new sequence length: torch.backends.cuda.enable_cudnn_sdp(False) turns it off)"
         )
     return text + "."
-
-
-# The files a note names (the rest are counted).
-FILES_NAMED = 5
-
-
-def files_written_note(snapshot: Snapshot, replayer: Replayer) -> Optional[str]:
-    """Name the files the replays wrote (oomdoc.capture.replay_writes): each
-    runs the script again, and gets where the user's run, stopped by its OOM,
-    may not have (pytorch/examples' DCGAN saves its generator at each epoch's
-    end, which each replay of its one-batch epoch reaches)."""
-    paths: dict[str, None] = {}
-    more = False
-    for replay in replayer.replays:
-        written = replay.capture.files_written if replay.capture is not None else None
-        if written is not None:
-            paths.update(dict.fromkeys(written.paths))
-            more = more or written.count > len(written.paths)
-    if not paths:
-        return None
-    cwd = os.path.join(snapshot.cwd or os.getcwd(), "")
-    shown = [path[len(cwd) :] if path.startswith(cwd) else path for path in paths]
-    named = ", ".join(shown[:FILES_NAMED])
-    rest = len(shown) - FILES_NAMED
-    if rest > 0:
-        named += f" and {'at least ' if more else ''}{rest} more"
-    elif more:
-        named += " and more"
-    return (
-        f"The replays wrote {'these files' if len(shown) > 1 else 'this file'}, as the script "
-        f"does when it runs: {named}. Each replay runs the script again, with OOMDOC_REPLAY=1 "
-        "set: skip such writes when it is set, or keep a copy of what they overwrite."
-    )
 
 
 def batch_search_record(search: batch_model.SearchResult, source: Optional[str]) -> BatchSearch:

@@ -284,6 +284,9 @@ class Replayer:
         self.leak_per_step = leak_growth_per_step(snapshot) if leak else None
         self.timeout_s = options.replay_timeout_s or default_timeout(snapshot)
         self.replays: list[Replay] = []
+        # Where the replays note the user's files before they change them
+        # (oomdoc.kept_files), put back once they end (oomdoc.replay.written).
+        self.kept_files: str | None = os.path.join(pool.log_dir, "kept")
         self.jobs = max(1, jobs)
         self.signals = signals
         self.lanes = Lanes(self.jobs) if self.jobs > 1 else None
@@ -479,6 +482,7 @@ class Replayer:
             stop_after_evaluation=self.stop_after_evaluation,
             whole_run=bool(getattr(self.options, "whole_run", True)),
             dataset_sizes=self.pool.log_dir,
+            kept_files=self.kept_files,
             fix=payload,
             extra_env=env,
             output_path=log_path,
