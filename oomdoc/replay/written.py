@@ -74,12 +74,11 @@ def written_note(
             " Each replay runs the script again, with OOMDOC_REPLAY=1 set: skip such writes "
             "when it is set, or keep a copy of what they overwrite."
         )
-    if mended.restored or mended.removed:
-        text += (
-            " oomdoc put them back as your run left them: "
-            f"{_count(mended.restored, 'path')} restored, "
-            f"{_count(mended.removed, 'path')} the replays created removed."
-        )
+    done = [f"{_count(mended.restored, 'path')} restored"] if mended.restored else []
+    if mended.removed:
+        done.append(f"{_count(mended.removed, 'path')} the replays created removed")
+    if done:
+        text += f" oomdoc put them back as your run left them: {', '.join(done)}."
     if mended.failed:
         failed = "; ".join(f"{_relative(snapshot, path)}: {why}" for path, why in mended.failed)
         text += f" Not put back: {failed}."
