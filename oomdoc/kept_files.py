@@ -78,12 +78,19 @@ class FileKeeper:
                 os.replace(temporary, note_path)
         self._kept.add(path)
 
-    def keep_tree(self, path: str) -> None:
-        """Before a folder is removed with everything in it (shutil.rmtree)."""
+    def keep_tree(self, path: str, moved_to: str | None = None) -> None:
+        """Before a folder is removed with everything in it (shutil.rmtree),
+        or renamed to `moved_to` (what arrives there is noted as not there
+        before, so that it goes once the folder is back)."""
         self.keep(path)
+        if moved_to:
+            self.keep(moved_to)
         for root, folders, files in os.walk(path):
             for name in folders + files:
                 self.keep(os.path.join(root, name))
+                if moved_to:
+                    relative = os.path.relpath(os.path.join(root, name), path)
+                    self.keep(os.path.join(moved_to, relative))
 
 
 def _note_of(path: str, copy_path: str) -> dict:

@@ -30,7 +30,9 @@ def replay_writes_as_scripts_do(root):
     (root / "runs" / "version_1" / "step-0.pt").write_bytes(b"replay")
     (root / "last.pt.tmp").write_bytes(b"replay weights")  # saved atomically
     os.replace(root / "last.pt.tmp", root / "last.pt")
+    (root / "runs" / "version_0" / "step-10.pt").write_bytes(b"replay")
     os.remove(root / "runs" / "version_0" / "step-9.pt")  # rotated
+    os.rename(root / "runs" / "version_0", root / "runs" / "archived")  # a folder moved
     shutil.rmtree(root / "old")  # a folder removed whole
     os.remove(root / "best.pt")
     os.symlink("runs/version_1/step-0.pt", root / "best.pt")  # a link moved

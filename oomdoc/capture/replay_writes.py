@@ -31,7 +31,7 @@ import os
 import sys
 import tempfile
 import threading
-from typing import Any, Callable
+from typing import Any
 
 from oomdoc.child_config import ChildConfig
 from oomdoc.kept_files import FileKeeper
@@ -88,8 +88,8 @@ class WrittenFiles:
             if event == "open":
                 self._opened(*args[:3])
             else:
-                for path in _paths_changed(event, args):
-                    self._changed(path, event == "shutil.rmtree")
+                for path, whole, moved_to in _paths_changed(event, args):
+                    self._changed(path, whole, moved_to)
         except OSError:
             raise  # no copy of the user's file could be made: the change must not happen
         except Exception:  # an audit hook must never change what the script sees
@@ -105,16 +105,18 @@ class WrittenFiles:
         if writes:
             self._changed(path)
 
-    def _changed(self, path: Any, tree: bool = False) -> None:
+    def _changed(self, path: Any, whole: bool = False, moved_to: Any = None) -> None:
         if not isinstance(path, (str, bytes, os.PathLike)):
             return  # a file descriptor
         full = os.path.abspath(os.fsdecode(path))  # from where the script is now
         if not self.kept(full):
             return
         if self.keeper is not None:
-            keep: Callable[[str], None] = self.keeper.keep_tree if tree else self.keeper.keep
             try:
-                keep(full)
+                if whole:
+                    self.keeper.keep_tree(full, moved_to and os.path.abspath(os.fsdecode(moved_to)))
+                else:
+                    self.keeper.keep(full)
             except OSError as exc:
                 raise PermissionError(
                     f"oomdoc: no copy of {full} could be kept before this replay changed it "
@@ -135,16 +137,22 @@ class WrittenFiles:
         return full.startswith(self._cwd) or not full.startswith(self._scratch)
 
 
-def _paths_changed(event: str, args: tuple) -> list[Any]:
-    """The paths an audit event in _CHANGES changes, from here."""
+def _paths_changed(event: str, args: tuple) -> list[tuple[Any, bool, Any]]:
+    """The paths an audit event in _CHANGES changes, from here, each with
+    whether all it holds changes with it (a folder removed whole, or
+    renamed: each of its files is kept, one by one) and where it goes (a
+    folder renamed: what arrives there is removed)."""
     paths = []
     for index, folder in _CHANGES[event]:
         descriptor = args[folder] if folder is not None and folder < len(args) else None
         if index >= len(args) or (isinstance(descriptor, int) and descriptor >= 0):
             continue  # relative to a folder's descriptor (-1: none given)
-        if event == "os.mkdir" and os.path.isdir(args[index]):
+        path = args[index]
+        if event == "os.mkdir" and os.path.isdir(path):
             continue  # os.makedirs(exist_ok=True): nothing changes
-        paths.append(args[index])
+        moved = event == "os.rename" and index == 0 and os.path.isdir(path)
+        moved = moved and not os.path.islink(path)
+        paths.append((path, moved or event == "shutil.rmtree", args[1] if moved else None))
     return paths
 
 
