@@ -4,6 +4,7 @@ replay's audit hook that notes them: oomdoc.capture.replay_writes)."""
 import os
 import shutil
 import sys
+import tempfile
 
 import pytest
 from conftest import run_as_replay, tree
@@ -124,3 +125,21 @@ def test_a_path_relative_to_a_folder_s_descriptor_is_not_taken_from_here(tmp_pat
     written.hook(event, args)
     assert written.fields()["count"] == 0
     assert put_back(str(tmp_path / "kept")).changed == 0
+
+
+def test_a_scratch_place_named_on_the_command_line_is_the_user_s(tmp_path, monkeypatch):
+    """The temporary folder is libraries' scratch, unless the script's
+    arguments name a place in it (`--output_dir /tmp/test-clm`, as the
+    Hugging Face examples write it)."""
+    monkeypatch.chdir(tmp_path)
+    scratch = tempfile.gettempdir()
+    output = os.path.join(scratch, "oomdoc-test-clm")
+    written = WrittenFiles(
+        [], None, ["--output_dir", output, f"--resume={scratch}/ckpt.pt", "--cache", scratch]
+    )
+    assert written.kept(os.path.join(output, "checkpoint-1", "model.safetensors"))
+    assert written.kept(os.path.join(scratch, "ckpt.pt"))
+    assert not written.kept(
+        os.path.join(scratch, "torchinductor_root", "x.py")
+    )  # the root itself: not
+    assert not written.kept(os.path.join(scratch, "oomdoc-test-clm-other", "x"))

@@ -31,7 +31,7 @@ import os
 import sys
 import tempfile
 import threading
-from typing import Any
+from typing import Any, Sequence
 
 from oomdoc.child_config import ChildConfig
 from oomdoc.kept_files import FileKeeper
@@ -59,7 +59,9 @@ _CHANGES: dict[str, tuple[tuple[int, int | None], ...]] = {
 class WrittenFiles:
     """The paths a replay opened to write, in the order first opened."""
 
-    def __init__(self, left_out: list[str], keeper: FileKeeper | None = None) -> None:
+    def __init__(
+        self, left_out: list[str], keeper: FileKeeper | None = None, named: Sequence[str] = ()
+    ) -> None:
         self.keeper = keeper
         self.paths: list[str] = []
         self.count = 0
@@ -73,6 +75,13 @@ class WrittenFiles:
         scratch = [tempfile.gettempdir(), "/dev", "/proc", "/sys"]
         scratch += [os.path.join(home, name) for name in (".cache", ".triton", ".nv", ".config")]
         self._scratch = tuple(os.path.join(place, "") for place in scratch)
+        # Scratch places the user named on the script's command line (the
+        # Hugging Face examples' `--output_dir /tmp/test-clm`): theirs.
+        self._named = tuple(
+            os.path.join(path, "")
+            for path in (os.path.abspath(place) for place in named_paths(named))
+            if path.startswith(self._scratch) and os.path.join(path, "") not in self._scratch
+        )
         # Per thread: what the hook itself opens is not seen again, while
         # another thread's open still is.
         self._local = threading.local()
@@ -134,7 +143,9 @@ class WrittenFiles:
         file (the script's working directory: where it started)."""
         if "__pycache__" in full.split(os.sep) or full.startswith(self._left_out):
             return False
-        return full.startswith(self._cwd) or not full.startswith(self._scratch)
+        if full.startswith(self._cwd) or os.path.join(full, "").startswith(self._named):
+            return True
+        return not full.startswith(self._scratch)
 
 
 def _paths_changed(event: str, args: tuple) -> list[tuple[Any, bool, Any]]:
@@ -159,7 +170,13 @@ def _paths_changed(event: str, args: tuple) -> list[tuple[Any, bool, Any]]:
 _WATCHING: list[WrittenFiles] = []  # this process's, once watched
 
 
-def watch(left_out: list[str | None], kept_files: str | None = None) -> None:
+def named_paths(args: Sequence[str]) -> list[str]:
+    """The absolute paths among a script's arguments (`--key=value` too)."""
+    values = [arg.split("=", 1)[1] if "=" in arg else arg for arg in args]
+    return [value for value in values if os.path.isabs(value)]
+
+
+def watch(left_out: list[str | None], kept_files: str | None = None, named: Sequence[str] = ()) -> None:
     """In a replay (OOMDOC_REPLAY=1), record the files it writes from now
     on, except under `left_out` (oomdoc's own folders), and with `kept_files`
     note each before it changes (oomdoc.kept_files). Once per process: an
@@ -167,7 +184,7 @@ def watch(left_out: list[str | None], kept_files: str | None = None) -> None:
     if os.environ.get("OOMDOC_REPLAY") != "1" or _WATCHING:
         return
     keeper = FileKeeper(kept_files) if kept_files else None
-    written = WrittenFiles([place for place in [*left_out, kept_files] if place], keeper)
+    written = WrittenFiles([place for place in [*left_out, kept_files] if place], keeper, named)
     _WATCHING.append(written)
     sys.addaudithook(written.hook)
     _watch_torch_save(written)
@@ -175,8 +192,9 @@ def watch(left_out: list[str | None], kept_files: str | None = None) -> None:
 
 def watch_run(config: ChildConfig) -> None:
     """`watch` for a child's run: oomdoc's own folders are its capture's and
-    its artifacts'."""
-    watch([os.path.dirname(config.result_path), config.artifact_dir], config.kept_files)
+    its artifacts'; the script's arguments may name its own places."""
+    folders = [os.path.dirname(config.result_path), config.artifact_dir]
+    watch(folders, config.kept_files, config.args)
 
 
 def _watch_torch_save(written: WrittenFiles) -> None:
