@@ -142,10 +142,13 @@ def test_ctrl_c_stops_replays_side_by_side_and_keeps_what_was_measured(tmp_path)
     assert "interrupted" in text
 
 
-def test_the_failing_runs_packages_are_imported_ahead_by_the_replays(tmp_path):
+def test_the_failing_runs_packages_are_imported_ahead_by_the_replays(tmp_path, tmp_path_factory):
     """The script imports an installed package (12 modules, a second to
     import): the snapshot records it, and the replay's warm child imported it
-    while it waited, so the replay's script did not."""
+    while it waited, so the replay's script did not. (Its import times go to
+    a folder outside the working directory: what the replay writes there is
+    put back, oomdoc.kept_files.)"""
+    probes = tmp_path_factory.mktemp("import-times")
     installed = tmp_path / "lib" / "site-packages" / "slowpkg"
     installed.mkdir(parents=True)
     (installed / "__init__.py").write_text(
@@ -158,7 +161,8 @@ def test_the_failing_runs_packages_are_imported_ahead_by_the_replays(tmp_path):
         "import os, runpy, sys, time\n"
         "started = time.perf_counter()\n"
         "import slowpkg  # noqa\n"
-        "with open('import-' + os.environ.get('OOMDOC_REPLAY', '0') + '.txt', 'w') as f:\n"
+        "probe = 'import-' + os.environ.get('OOMDOC_REPLAY', '0') + '.txt'\n"
+        "with open(os.path.join(os.environ['PROBES'], probe), 'w') as f:\n"
         "    f.write(str(time.perf_counter() - started))\n"
         f"sys.argv[0] = {str(LANE)!r}\n"
         f"runpy.run_path({str(LANE)!r}, run_name='__main__')\n"
@@ -168,12 +172,15 @@ def test_the_failing_runs_packages_are_imported_ahead_by_the_replays(tmp_path):
         "imports",
         "24MiB",
         *["--fixes", "checkpointing", script],
-        env={"PYTHONPATH": os.pathsep.join((str(REPO_ROOT), str(installed.parent)))},
+        env={
+            "PYTHONPATH": os.pathsep.join((str(REPO_ROOT), str(installed.parent))),
+            "PROBES": str(probes),
+        },
     )
     assert document["imported_packages"] == ["slowpkg"]
     (run,) = document["replay"]["runs"]
     assert run["outcome"] == "fits"
     assert run["preimport_s"] >= 1.0  # while it waited for its work
     # The script's own `import slowpkg`: a second in the failing run, nothing in the replay.
-    assert float((tmp_path / "import-0.txt").read_text()) >= 1.0
-    assert float((tmp_path / "import-1.txt").read_text()) < 0.5
+    assert float((probes / "import-0.txt").read_text()) >= 1.0
+    assert float((probes / "import-1.txt").read_text()) < 0.5
