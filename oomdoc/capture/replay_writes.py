@@ -176,7 +176,9 @@ def named_paths(args: Sequence[str]) -> list[str]:
     return [value for value in values if os.path.isabs(value)]
 
 
-def watch(left_out: list[str | None], kept_files: str | None = None, named: Sequence[str] = ()) -> None:
+def watch(
+    left_out: list[str | None], kept_files: str | None = None, named: Sequence[str] = ()
+) -> None:
     """In a replay (OOMDOC_REPLAY=1), record the files it writes from now
     on, except under `left_out` (oomdoc's own folders), and with `kept_files`
     note each before it changes (oomdoc.kept_files). Once per process: an
