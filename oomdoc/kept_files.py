@@ -195,7 +195,9 @@ def _mend(note: dict, done: PutBack, rescue_dir: str | None) -> None:
         if copy and os.path.exists(copy) and rescue_dir:
             try:
                 os.makedirs(rescue_dir, exist_ok=True)
-                kept = os.path.join(rescue_dir, "kept-" + os.path.basename(path))
+                # Named by its path's key too: two files of one name never meet.
+                name = f"kept-{_key(path)[:8]}-{os.path.basename(path)}"
+                kept = os.path.join(rescue_dir, name)
                 shutil.move(copy, kept)
                 reason += f"; its copy is at {kept}"
             except OSError:

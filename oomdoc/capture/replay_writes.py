@@ -5,17 +5,18 @@ as it trains, a replay writes too, where the user's own run, stopped by its
 OOM, may not have got to: pytorch/examples' DCGAN saves `netG_epoch_0.pth`
 and its sample images into `--outf` at each epoch's end, and each replay of
 its batch of 1000 out of 1000 fake images reaches one. The report names
-them (the README says to guard such writes with `OOMDOC_REPLAY`).
+them, and puts them back (below).
 
 Seen through Python's audit hook for `open` (builtins.open, io.open,
 os.open: PIL, numpy and pathlib all open through them), in write, append,
 create or update mode, and at torch.save's zip writer, which opens an
 ASCII-named file in native code (`_open_zipfile_writer_file`; unseen by the
 hook, pytorch/examples' DCGAN's `netG_epoch_0.pth` and minGPT's `model.pt`
-went unnamed); not files other native code opens itself (safetensors). Nothing the script does changes: the
-hook only records, never raises, and calls nothing that takes a lock. oomdoc's own files, the bytecode
-cache, the temporary folder outside the script's working directory and
-the caches under the home folder are left out.
+went unnamed); not files other native code opens itself (safetensors). Nothing the script does
+changes: the hook calls nothing that takes a Python lock (the keeper's flock is the kernel's) and
+raises only as said below. oomdoc's own files, the bytecode cache, the temporary folder outside the
+script's working directory and the caches under the home folder are left out, unless the script's
+arguments name a place there.
 
 With a keeper (oomdoc.kept_files, the replays' `kept_files` folder), each of
 the user's paths is noted before the replay first changes it, so that the
@@ -54,6 +55,10 @@ _CHANGES: dict[str, tuple[tuple[int, int | None], ...]] = {
     "os.link": ((1, 3),),
     "shutil.rmtree": ((0, 1),),
 }
+
+
+class KeepRefused(PermissionError):
+    """A replay's change of a user's file, refused: no copy could be kept."""
 
 
 class WrittenFiles:
@@ -99,9 +104,9 @@ class WrittenFiles:
             else:
                 for path, whole, moved_to in _paths_changed(event, args):
                     self._changed(path, whole, moved_to)
-        except OSError:
+        except KeepRefused:
             raise  # no copy of the user's file could be made: the change must not happen
-        except Exception:  # an audit hook must never change what the script sees
+        except Exception:  # otherwise an audit hook must never change what the script sees
             pass
         finally:
             self._local.inside = False
@@ -127,7 +132,7 @@ class WrittenFiles:
                 else:
                     self.keeper.keep(full)
             except OSError as exc:
-                raise PermissionError(
+                raise KeepRefused(
                     f"oomdoc: no copy of {full} could be kept before this replay changed it "
                     f"({exc.strerror or exc}), so the replay may not change it"
                 ) from None
