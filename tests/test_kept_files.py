@@ -146,3 +146,23 @@ def test_a_scratch_place_named_on_the_command_line_is_the_user_s(tmp_path, monke
         os.path.join(scratch, "torchinductor_root", "x.py")
     )  # the root itself: not
     assert not written.kept(os.path.join(scratch, "oomdoc-test-clm-other", "x"))
+
+
+def test_the_note_names_a_few_paths_it_could_not_put_back_and_counts_the_rest():
+    from types import SimpleNamespace
+
+    from oomdoc.kept_files import PutBack
+    from oomdoc.replay.written import FILES_NAMED, written_note
+
+    written = SimpleNamespace(paths=["/work/last.pt"], count=1)
+    replayer = SimpleNamespace(
+        replays=[SimpleNamespace(capture=SimpleNamespace(files_written=written))]
+    )
+    failed = [(f"/work/f{n}", "a folder the replays made, still holding files") for n in range(7)]
+    note = written_note(
+        SimpleNamespace(cwd="/work"), replayer, PutBack(restored=["/work/last.pt"], failed=failed)
+    )
+    assert note.startswith("The replays wrote this file, as the script does when it runs: last.pt.")
+    assert "put them back as your run left them: 1 path restored." in note
+    assert f"f{FILES_NAMED - 1}: a folder" in note and f"f{FILES_NAMED}:" not in note
+    assert f"and {7 - FILES_NAMED} more." in note

@@ -49,6 +49,8 @@ def _count(paths: list[str], noun: str) -> str:
 def written_note(
     snapshot: Snapshot, replayer: Replayer, mended: Optional[PutBack]
 ) -> Optional[str]:
+    """The files the replays wrote (the first FILES_NAMED, the rest
+    counted), and what was put back (`mended`; None: nothing was kept)."""
     paths: dict[str, None] = {}
     more = False
     for replay in replayer.replays:
@@ -80,8 +82,13 @@ def written_note(
     if done:
         text += f" oomdoc put them back as your run left them: {', '.join(done)}."
     if mended.failed:
-        failed = "; ".join(f"{_relative(snapshot, path)}: {why}" for path, why in mended.failed)
-        text += f" Not put back: {failed}."
+        failed = "; ".join(
+            f"{_relative(snapshot, path)}: {why}" for path, why in mended.failed[:FILES_NAMED]
+        )
+        more_failed = len(mended.failed) - FILES_NAMED
+        text += f" Not put back: {failed}" + (
+            f"; and {more_failed} more." if more_failed > 0 else "."
+        )
     return text + (
         " What native code writes itself (safetensors) is not seen: skip writes when "
         "OOMDOC_REPLAY=1 is set, as in every replay."
