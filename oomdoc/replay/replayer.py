@@ -286,7 +286,7 @@ class Replayer:
         self.replays: list[Replay] = []
         # Where the replays note the user's files before they change them
         # (oomdoc.kept_files), put back once they end (oomdoc.replay.written).
-        self.kept_files: str | None = os.path.join(pool.log_dir, "kept")
+        self.kept_files = os.path.join(pool.log_dir, "kept")
         self.jobs = max(1, jobs)
         self.signals = signals
         self.lanes = Lanes(self.jobs) if self.jobs > 1 else None

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
+from oomdoc.formatting import relative_path
 from oomdoc.kept_files import PutBack, put_back
 from oomdoc.model import Snapshot
 from oomdoc.replay.replayer import Replayer
@@ -28,7 +29,7 @@ def put_back_written(
     """Put back what the replays changed (call once none runs); the note
     that says so, or None where they wrote nothing of the user's."""
     try:
-        mended = put_back(replayer.kept_files, rescue_dir) if replayer.kept_files else None
+        mended = put_back(replayer.kept_files, rescue_dir)
     except Exception as exc:  # the failing run's snapshot is written whatever happens here
         return (
             "oomdoc could not put back the files the replays changed "
@@ -37,20 +38,14 @@ def put_back_written(
     return written_note(snapshot, replayer, mended)
 
 
-def _relative(snapshot: Snapshot, path: str) -> str:
-    cwd = os.path.join(snapshot.cwd or os.getcwd(), "")
-    return path[len(cwd) :] if path.startswith(cwd) else path
-
-
 def _count(paths: list[str], noun: str) -> str:
     return f"{len(paths)} {noun}{'' if len(paths) == 1 else 's'}"
 
 
-def written_note(
-    snapshot: Snapshot, replayer: Replayer, mended: Optional[PutBack]
-) -> Optional[str]:
+def written_note(snapshot: Snapshot, replayer: Replayer, mended: PutBack) -> Optional[str]:
     """The files the replays wrote (the first FILES_NAMED, the rest
-    counted), and what was put back (`mended`; None: nothing was kept)."""
+    counted), and what was put back."""
+    cwd = snapshot.cwd or os.getcwd()
     paths: dict[str, None] = {}
     more = False
     for replay in replayer.replays:
@@ -58,9 +53,9 @@ def written_note(
         if written is not None:
             paths.update(dict.fromkeys(written.paths))
             more = more or written.count > len(written.paths)
-    if not paths and (mended is None or not mended.changed):
+    if not paths and not mended.changed:
         return None
-    shown = [_relative(snapshot, path) for path in paths]
+    shown = [relative_path(path, cwd) for path in paths]
     named = ", ".join(shown[:FILES_NAMED])
     rest = len(shown) - FILES_NAMED
     if rest > 0:
@@ -71,11 +66,6 @@ def written_note(
         f"The replays wrote {'these files' if len(shown) != 1 else 'this file'}, as the "
         f"script does when it runs: {named or 'none named'}."
     )
-    if mended is None:
-        return text + (
-            " Each replay runs the script again, with OOMDOC_REPLAY=1 set: skip such writes "
-            "when it is set, or keep a copy of what they overwrite."
-        )
     done = [f"{_count(mended.restored, 'path')} restored"] if mended.restored else []
     if mended.removed:
         done.append(f"{_count(mended.removed, 'path')} the replays created removed")
@@ -83,7 +73,7 @@ def written_note(
         text += f" oomdoc put them back as your run left them: {', '.join(done)}."
     if mended.failed:
         failed = "; ".join(
-            f"{_relative(snapshot, path)}: {why}" for path, why in mended.failed[:FILES_NAMED]
+            f"{relative_path(path, cwd)}: {why}" for path, why in mended.failed[:FILES_NAMED]
         )
         more_failed = len(mended.failed) - FILES_NAMED
         text += f" Not put back: {failed}" + (
